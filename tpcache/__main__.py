@@ -1,0 +1,5 @@
+import sys
+
+from tpcache.cli import main
+
+sys.exit(main())

@@ -1,0 +1,173 @@
+"""Page-granular KV slot allocator with a defined allocation order.
+
+Slot ``s`` lives in page ``s // page_size`` at offset ``s % page_size``. Every page has
+one owner tag: FREE, HELD (by a running request) or CACHED (by the radix tree), so a
+free of a page that the caller does not own is caught, not silently accepted.
+
+Order: free pages form a FIFO. At start it is ``0, 1, ..., n-1``; each free appends its
+pages sorted. ``alloc(k)`` takes the first ``k``. So the same op sequence hands out the
+same page ids in every process, and an allocation or a free costs O(k) vectorised
+work, not a Python step per page.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tpcache.cache.errors import AllocatorError, IntegrityError, OutOfCapacity
+
+FREE, HELD, CACHED = 0, 1, 2
+TAG_NAMES = ("free", "held", "cached")
+
+
+def _id_sum(pages: np.ndarray) -> int:
+    # With the counts, the id sum per owner is a cheap fingerprint of who owns what
+    # (one vectorised op per change; the tree's digest covers cached pages fully).
+    return int(pages.sum(dtype=np.int64))
+
+
+class PageAllocator:
+    """Owns the page ownership tags and the FIFO of free pages of one KV pool.
+
+    Fields are owned by this class alone; callers change them only through methods.
+    Every method validates its whole input before it changes anything.
+    """
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        if num_pages < 1 or page_size < 1:
+            raise AllocatorError(
+                f"need num_pages >= 1 and page_size >= 1, got {num_pages}, {page_size}"
+            )
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self._tags = np.zeros(num_pages, dtype=np.int8)
+        self._fifo = np.empty(num_pages, dtype=np.int32)  # ring buffer of free pages
+        self._counts = [0, 0, 0]
+        self._id_sums = [0, 0, 0]  # per owner tag: the sum of its page ids
+        self.reset()
+
+    # ---- queries --------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return self._counts[FREE]
+
+    def count(self, tag: int) -> int:
+        return self._counts[tag]
+
+    def tags_of(self, pages: np.ndarray) -> np.ndarray:
+        return self._tags[pages]
+
+    def fingerprint(self) -> tuple[int, ...]:
+        """Counts and id sums of the held and cached pages (not the FIFO order)."""
+        return (*self._counts, self._id_sums[HELD], self._id_sums[CACHED])
+
+    # ---- changes --------------------------------------------------------------------
+    def reset(self) -> None:
+        """Every page free, FIFO back to ``0..n-1``."""
+        self._tags[:] = FREE
+        self._fifo[:] = np.arange(self.num_pages, dtype=np.int32)
+        self._head = 0
+        self._counts = [self.num_pages, 0, 0]
+        self._id_sums = [_id_sum(np.arange(self.num_pages)), 0, 0]
+
+    def alloc(self, n: int, tag: int = HELD) -> np.ndarray:
+        """Take the first ``n`` free pages (int32), tagged ``tag``.
+
+        Raises ``OutOfCapacity`` if fewer than ``n`` are free; nothing is taken then.
+        """
+        if n < 0:
+            raise AllocatorError(f"cannot allocate {n} pages")
+        if n > self._counts[FREE]:
+            raise OutOfCapacity(f"asked for {n} pages, {self._counts[FREE]} free")
+        cap, h = self.num_pages, self._head
+        if h + n <= cap:
+            pages = self._fifo[h : h + n].copy()
+        else:
+            pages = np.concatenate((self._fifo[h:], self._fifo[: h + n - cap]))
+        self._head = (h + n) % cap
+        self._set(pages, FREE, tag)
+        return pages
+
+    def free(self, pages: np.ndarray, owner: int = HELD, *, checked: bool = True) -> None:
+        """Return ``pages`` (tagged ``owner``) to the end of the FIFO, sorted.
+
+        One call is one free group (e.g. everything one eviction released). Raises
+        ``AllocatorError`` for ids out of range, repeated ids, or pages not tagged
+        ``owner`` (a double free or a free of a page someone else owns). Internal callers
+        that validated the pages already pass ``checked=False``.
+        """
+        if pages.size == 0:
+            return
+        pages = np.sort(pages.astype(np.int32, copy=False))
+        if checked:
+            self.check_owned(pages, owner, is_sorted=True)
+        cap = self.num_pages
+        tail = (self._head + self._counts[FREE]) % cap
+        n = pages.size
+        if tail + n <= cap:
+            self._fifo[tail : tail + n] = pages
+        else:
+            k = cap - tail
+            self._fifo[tail:] = pages[:k]
+            self._fifo[: n - k] = pages[k:]
+        self._set(pages, owner, FREE)
+
+    def retag(self, pages: np.ndarray, old: int, new: int, *, checked: bool = True) -> None:
+        """Move ``pages`` from owner ``old`` to owner ``new`` (e.g. request -> tree)."""
+        if pages.size == 0:
+            return
+        if new == FREE or old == FREE:
+            raise AllocatorError("use alloc/free to move pages in or out of the free list")
+        if checked:
+            self.check_owned(pages, old)
+        self._set(pages, old, new)
+
+    # ---- internals ------------------------------------------------------------------
+    def check_owned(self, pages: np.ndarray, owner: int, *, is_sorted: bool = False) -> None:
+        """Raise ``AllocatorError`` unless ``pages`` are distinct, in range and all ``owner``'s."""
+        if pages.size == 0:
+            return
+        sorted_pages = pages if is_sorted else np.sort(pages)
+        lo, hi = int(sorted_pages[0]), int(sorted_pages[-1])
+        if lo < 0 or hi >= self.num_pages:
+            raise AllocatorError(f"page ids must be in [0, {self.num_pages}), got [{lo}, {hi}]")
+        if sorted_pages.size > 1 and (sorted_pages[1:] == sorted_pages[:-1]).any():
+            dup = np.flatnonzero(sorted_pages[1:] == sorted_pages[:-1])
+            raise AllocatorError(f"page {int(sorted_pages[dup[0]])} given twice")
+        tags = self._tags[sorted_pages]
+        if (tags != owner).any():
+            bad = np.flatnonzero(tags != owner)
+            p = int(sorted_pages[bad[0]])
+            raise AllocatorError(
+                f"page {p} is {TAG_NAMES[int(tags[bad[0]])]}, expected {TAG_NAMES[owner]}"
+                f" ({bad.size} of {sorted_pages.size} pages wrong)"
+            )
+
+    def _set(self, pages: np.ndarray, old: int, new: int) -> None:
+        self._tags[pages] = new
+        self._counts[old] -= pages.size
+        self._counts[new] += pages.size
+        s = _id_sum(pages)
+        self._id_sums[old] -= s
+        self._id_sums[new] += s
+
+    def check_integrity(self) -> None:
+        """Recount everything from scratch; raise ``IntegrityError`` with the numbers."""
+        counts = np.bincount(self._tags, minlength=3).tolist()
+        if counts != self._counts:
+            raise IntegrityError(f"allocator tag counts {counts} != counters {self._counts}")
+        n = self._counts[FREE]
+        idx = (self._head + np.arange(n)) % self.num_pages
+        queued = self._fifo[idx]
+        if np.unique(queued).size != n:
+            raise IntegrityError(
+                f"free FIFO holds {n} entries but only {np.unique(queued).size} distinct"
+            )
+        not_free = np.flatnonzero(self._tags[queued] != FREE)
+        if not_free.size:
+            raise IntegrityError(
+                f"page {int(queued[not_free[0]])} is in the free FIFO but not free"
+            )
+        sums = [_id_sum(np.flatnonzero(self._tags == t)) for t in range(3)]
+        if sums != self._id_sums:
+            raise IntegrityError(f"allocator page-id sums {self._id_sums} != recomputed {sums}")

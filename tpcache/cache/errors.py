@@ -1,0 +1,44 @@
+"""Typed errors of the cache state machine.
+
+Every error is raised before any state changes, so a caller that catches one can go on.
+"""
+
+
+class CacheError(Exception):
+    """Base of every error the cache state machine raises on bad input or misuse."""
+
+
+class InvalidTokens(CacheError, ValueError):
+    """Token ids that are empty, negative, non-integer, too large or badly shaped."""
+
+
+class InvalidSlots(CacheError, ValueError):
+    """Slot ids whose length or page layout does not fit the tokens they go with."""
+
+
+class AllocatorError(CacheError):
+    """Misuse of the allocator: double free, freeing an unowned page, ids out of range."""
+
+
+class OutOfCapacity(CacheError):
+    """Not enough free slots even after eviction; nothing was allocated."""
+
+
+class UnknownHandle(CacheError, KeyError):
+    """A handle that this cache did not give out, or whose node is gone."""
+
+
+class LockError(CacheError):
+    """Unlocking what is not locked."""
+
+
+class UnknownRequest(CacheError, KeyError):
+    """A request id the cache does not hold."""
+
+
+class DuplicateRequest(CacheError, ValueError):
+    """A request id that is already running."""
+
+
+class IntegrityError(CacheError, AssertionError):
+    """``check_integrity()`` found a broken invariant; the message has the numbers."""

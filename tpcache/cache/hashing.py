@@ -1,0 +1,102 @@
+"""Chained 64-bit block hashes, the same in every process.
+
+A block's hash covers its whole prefix: ``state[i] = state[i-1] * M + c[i]`` (mod 2**64),
+where ``c[i]`` is a mixed hash of page i's tokens, and the announced hash is
+``fmix64(state[i])``. The chain is linear so a whole node is hashed with a few
+vectorised passes (a cumulative sum with powers of ``M``), not a Python step per page;
+the final mix makes the announced hashes well spread. Python's salted ``hash()`` is
+never used.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+MASK64 = (1 << 64) - 1
+ROOT_STATE = 0x9E3779B97F4A7C15
+_M = 0xD6E8FEB86659FD93  # odd, so invertible mod 2**64
+_M_INV = pow(_M, -1, 1 << 64)
+_C1 = np.uint64(0xFF51AFD7ED558CCD)
+_C2 = np.uint64(0xC4CEB9FE1A85EC53)
+_S33 = np.uint64(33)
+
+
+def fmix64(x: np.ndarray) -> np.ndarray:
+    """MurmurHash3's 64-bit finaliser, vectorised; returns a new uint64 array."""
+    x = x.astype(np.uint64, copy=True)
+    x ^= x >> _S33
+    x *= _C1
+    x ^= x >> _S33
+    x *= _C2
+    x ^= x >> _S33
+    return x
+
+
+def fmix64_int(x: int) -> int:
+    x &= MASK64
+    x ^= x >> 33
+    x = (x * 0xFF51AFD7ED558CCD) & MASK64
+    x ^= x >> 33
+    x = (x * 0xC4CEB9FE1A85EC53) & MASK64
+    x ^= x >> 33
+    return x
+
+
+def _powers(base: int, n: int) -> np.ndarray:
+    out = np.empty(n, dtype=np.uint64)
+    v = 1
+    for i in range(n):
+        out[i] = v
+        v = (v * base) & MASK64
+    return out
+
+
+class PageHasher:
+    """Hashes whole pages of int32 tokens into chain states.
+
+    Owns growing tables of powers of ``M`` and of its inverse; they only grow, so a
+    hasher can be shared by every node of one cache.
+    """
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        # Per-position multipliers make a page's hash depend on token order.
+        rng = np.random.Generator(np.random.PCG64(0x7C0DE))
+        width = (page_size + 1) // 2 if page_size % 2 == 0 else page_size
+        self._mult = rng.integers(1, 2**62, size=width, dtype=np.int64) * 2 + 1
+        self._pow = _powers(_M, 1)
+        self._inv = _powers(_M_INV, 1)
+
+    def _grow(self, n: int) -> None:
+        if n + 1 > self._pow.size:
+            size = max(n + 1, 2 * self._pow.size)
+            self._pow = _powers(_M, size)
+            self._inv = _powers(_M_INV, size)
+
+    def page_words(self, key: np.ndarray) -> np.ndarray:
+        """One mixed uint64 per page of ``key`` (len a multiple of the page size)."""
+        ps = self.page_size
+        if ps % 2 == 0:
+            # Two int32 tokens per 64-bit word halves the work; int64 matmul wraps mod 2**64
+            # exactly like uint64 and is the fastest multiply-add numpy has.
+            words = np.ascontiguousarray(key).view(np.int64).reshape(-1, ps // 2)
+        else:
+            words = key.astype(np.int64).reshape(-1, ps)
+        c = (words @ self._mult).view(np.uint64)
+        # One xorshift-multiply round: the chain's final fmix64 does the full mixing.
+        c ^= c >> _S33
+        c *= _C1
+        return c
+
+    def chain(self, key: np.ndarray, parent_state: int) -> np.ndarray:
+        """Chain states of every page of ``key`` following ``parent_state``."""
+        c = self.page_words(key)
+        n = c.size
+        self._grow(n)
+        acc = np.cumsum(c * self._inv[:n], dtype=np.uint64)
+        return self._pow[:n] * acc + self._pow[1 : n + 1] * np.uint64(parent_state)
+
+
+def block_hashes(states: np.ndarray) -> np.ndarray:
+    """The announced block hashes (uint64) of chain states."""
+    return fmix64(states)

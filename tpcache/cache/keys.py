@@ -1,0 +1,93 @@
+"""Turning token ids from a caller into the cache's compact key arrays.
+
+Keys are 1-D ``int32`` numpy arrays: half the memory of int64, and every model
+vocabulary fits. Conversion is vectorised; nothing here loops over tokens in Python.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from tpcache.cache.errors import InvalidSlots, InvalidTokens
+
+MAX_TOKEN_ID = 2**31 - 1
+
+TokenLike = Any  # list[int] | np.ndarray | torch.Tensor
+
+
+def _to_numpy(values: TokenLike, what: str, error: type[Exception]) -> np.ndarray:
+    # torch is optional for cache/: recognise a tensor without importing torch.
+    if type(values).__module__.startswith("torch"):
+        values = values.detach().cpu().numpy()
+    if isinstance(values, np.ndarray):
+        arr = values
+    else:
+        try:
+            arr = np.asarray(values)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise error(f"{what} must be a sequence of integers: {exc}") from None
+    if arr.ndim != 1:
+        raise error(f"{what} must be 1-D, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise error(f"{what} must be integers, got dtype {arr.dtype}")
+    return arr
+
+
+def as_tokens(tokens: TokenLike, *, allow_empty: bool = False) -> np.ndarray:
+    """Validate token ids and return them as a contiguous int32 array (a copy only if needed).
+
+    Raises ``InvalidTokens`` for non-integers, wrong shape, negatives, ids above
+    ``MAX_TOKEN_ID``, or an empty key when ``allow_empty`` is false.
+    """
+    arr = _to_numpy(tokens, "tokens", InvalidTokens)
+    if arr.size == 0:
+        if not allow_empty:
+            raise InvalidTokens("tokens must not be empty")
+        return np.zeros(0, dtype=np.int32)
+    if arr.dtype != np.int32:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi > MAX_TOKEN_ID:
+            raise InvalidTokens(f"token ids must be in [0, {MAX_TOKEN_ID}], got [{lo}, {hi}]")
+        arr = arr.astype(np.int32)
+    elif int(arr.min()) < 0:
+        raise InvalidTokens(f"token ids must be >= 0, got {int(arr.min())}")
+    return np.ascontiguousarray(arr)
+
+
+def as_slots(slots: TokenLike, count: int) -> np.ndarray:
+    """Validate slot ids (``count`` of them, non-negative) and return them as int64."""
+    arr = _to_numpy(slots, "slots", InvalidSlots)
+    if arr.size != count:
+        raise InvalidSlots(f"got {arr.size} slot ids for {count} tokens")
+    if arr.size and int(arr.min()) < 0:
+        raise InvalidSlots(f"slot ids must be >= 0, got {int(arr.min())}")
+    return arr.astype(np.int64, copy=False)
+
+
+def slots_to_pages(slots: np.ndarray, page_size: int) -> np.ndarray:
+    """The page ids of a run of slots laid out page by page (slot = page * size + offset).
+
+    Raises ``InvalidSlots`` if the slots are not whole pages in that layout.
+    """
+    if slots.size % page_size:
+        raise InvalidSlots(f"{slots.size} slots are not whole pages of {page_size}")
+    if page_size == 1:
+        return slots.astype(np.int32)
+    grid = slots.reshape(-1, page_size)
+    pages = grid[:, 0] // page_size
+    expect = pages[:, None] * page_size + np.arange(page_size)
+    if not np.array_equal(grid, expect):
+        bad = int(np.flatnonzero((grid != expect).any(axis=1))[0])
+        raise InvalidSlots(
+            f"slots of page {bad} are not page * {page_size} + offset: {grid[bad].tolist()}"
+        )
+    return pages.astype(np.int32)
+
+
+def pages_to_slots(pages: np.ndarray, page_size: int, num_tokens: int | None = None) -> np.ndarray:
+    """Slot ids (int64) of the tokens held in ``pages``, cut to ``num_tokens`` if given."""
+    p = pages.astype(np.int64)
+    slots = p if page_size == 1 else (p[:, None] * page_size + np.arange(page_size)).ravel()
+    return slots if num_tokens is None else slots[:num_tokens]

@@ -1,0 +1,431 @@
+"""``RadixCache``: the cache state machine every TP rank and the coordinator run.
+
+It joins the page allocator, the radix tree and the request-to-slot table. The same op
+sequence gives the same tree, the same slot ids and the same digest in every process.
+Every public method validates its input before it changes anything and raises a
+``CacheError`` subclass otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tpcache.cache.allocator import CACHED, FREE, HELD, PageAllocator
+from tpcache.cache.errors import (
+    CacheError,
+    IntegrityError,
+    InvalidTokens,
+    OutOfCapacity,
+    UnknownHandle,
+)
+from tpcache.cache.events import AllBlocksCleared, KVEvent
+from tpcache.cache.hashing import fmix64_int
+from tpcache.cache.keys import TokenLike, as_slots, as_tokens, pages_to_slots, slots_to_pages
+from tpcache.cache.policies import POLICIES, policy_key
+from tpcache.cache.reqtable import Req, ReqTable, RequestId
+from tpcache.cache.tree import Node, RadixTree
+
+_MASK = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Shape of one cache. ``capacity_tokens`` is rounded down to whole pages."""
+
+    capacity_tokens: int
+    page_size: int = 1
+    policy: str = "lru"
+    record_events: bool = False
+    max_request_tokens: int | None = None  # None: the whole capacity
+    medium: str = "GPU"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.page_size, int) or self.page_size < 1:
+            raise CacheError(f"page_size must be an int >= 1, got {self.page_size!r}")
+        if not isinstance(self.capacity_tokens, int) or self.capacity_tokens < self.page_size:
+            raise CacheError(
+                f"capacity_tokens must be an int >= page_size ({self.page_size}), "
+                f"got {self.capacity_tokens!r}"
+            )
+        if self.policy not in POLICIES:
+            raise CacheError(f"unknown policy {self.policy!r}; known: {', '.join(POLICIES)}")
+        if self.max_request_tokens is not None and self.max_request_tokens < 1:
+            raise CacheError(f"max_request_tokens must be >= 1, got {self.max_request_tokens}")
+
+    @property
+    def num_pages(self) -> int:
+        return self.capacity_tokens // self.page_size
+
+    @property
+    def request_limit(self) -> int:
+        cap = self.num_pages * self.page_size
+        return cap if self.max_request_tokens is None else min(cap, self.max_request_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Handle:
+    """Opaque reference to a matched prefix; pass it back to ``lock``/``unlock``."""
+
+    node_id: int
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    """A cached prefix: its length (whole pages), its pages and a handle to lock it."""
+
+    prefix_len: int
+    pages: np.ndarray
+    handle: Handle
+    page_size: int
+
+    @property
+    def slots(self) -> np.ndarray:
+        return pages_to_slots(self.pages, self.page_size)
+
+
+@dataclass(frozen=True)
+class EvictResult:
+    num_tokens: int
+    num_nodes: int
+
+
+@dataclass(frozen=True)
+class AdmitResult:
+    """An admitted request: how much of it was cached, and the slots of the whole prompt."""
+
+    prefix_len: int
+    pages: np.ndarray
+    num_tokens: int
+    page_size: int
+
+    @property
+    def slots(self) -> np.ndarray:
+        return pages_to_slots(self.pages, self.page_size, self.num_tokens)
+
+
+@dataclass(frozen=True)
+class CacheSizes:
+    """Token counts. Conservation: free + evictable + protected + held == capacity."""
+
+    capacity: int
+    free: int
+    evictable: int
+    protected: int
+    held: int
+
+    @property
+    def cached(self) -> int:
+        return self.evictable + self.protected
+
+
+class RadixCache:
+    """A paged radix prefix cache with its allocator and running-request table."""
+
+    def __init__(self, config: CacheConfig) -> None:
+        self.config = config
+        self.page_size = config.page_size
+        self.alloc = PageAllocator(config.num_pages, config.page_size)
+        self.tree = RadixTree(
+            self.alloc,
+            policy_key(config.policy),
+            record_events=config.record_events,
+            medium=config.medium,
+        )
+        self.reqs = ReqTable()
+        self._loose_pages = 0  # HELD pages a caller took with alloc_slots and has not given back
+
+    # ---- tree-level operations ------------------------------------------------------------
+    def match_prefix(self, tokens: TokenLike) -> MatchResult:
+        """The longest cached prefix of ``tokens`` in whole pages.
+
+        May split a node and advances the access clock; never changes slot ownership.
+        """
+        key = as_tokens(tokens)
+        path, n = self.tree.match(key, key.size // self.page_size * self.page_size)
+        return self._match_result(path, n)
+
+    def _match_result(self, path: list[Node], n: int) -> MatchResult:
+        node = path[-1] if path else self.tree.root
+        pages = np.concatenate([p.pages for p in path]) if path else np.zeros(0, np.int32)
+        return MatchResult(n, pages, Handle(node.id), self.page_size)
+
+    def insert(self, tokens: TokenLike, slots: TokenLike, priority: int = 0) -> int:
+        """Cache the whole pages of ``tokens`` held at ``slots``; returns tokens already cached.
+
+        ``slots`` must be page-laid-out slots allocated by the caller (``alloc_slots``).
+        Slots of the already-cached part that differ from the tree's are freed; the
+        slots of a partial last page stay the caller's.
+        """
+        key = as_tokens(tokens)
+        slot_ids = as_slots(slots, key.size)
+        n = key.size // self.page_size * self.page_size
+        pages = slots_to_pages(slot_ids[:n], self.page_size)
+        held = self.alloc.count(HELD)
+        have, _, _ = self.tree.insert(key[:n], pages, _as_priority(priority))
+        self._loose_pages -= held - self.alloc.count(HELD)
+        return have
+
+    def alloc_slots(self, num_tokens: int) -> np.ndarray:
+        """Allocate whole pages for ``num_tokens`` tokens, owned by the caller (no eviction)."""
+        if num_tokens < 0:
+            raise CacheError(f"cannot allocate {num_tokens} tokens")
+        pages = self.alloc.alloc(-(-num_tokens // self.page_size), HELD)
+        self._loose_pages += pages.size
+        return pages_to_slots(pages, self.page_size, num_tokens)
+
+    def free_slots(self, slots: TokenLike) -> None:
+        """Free caller-owned whole pages given by their slots (all slots of each page)."""
+        slot_ids = as_slots(slots, len(slots))
+        pages = slots_to_pages(slot_ids, self.page_size)
+        self.alloc.free(pages, HELD)
+        self._loose_pages -= pages.size
+
+    def lock(self, handle: Handle) -> None:
+        """Protect the matched prefix of ``handle`` from eviction; locks nest."""
+        self.tree.lock(self._node(handle))
+
+    def unlock(self, handle: Handle) -> None:
+        """Undo one ``lock``. Raises ``LockError`` if it is not locked, ``UnknownHandle``."""
+        self.tree.unlock(self._node(handle))
+
+    def evict(self, num_tokens: int) -> EvictResult:
+        """Evict whole unlocked leaves in policy order until ``num_tokens`` are free'd.
+
+        Frees less if not enough is evictable. Events of the removals are queued.
+        """
+        if not isinstance(num_tokens, int) or num_tokens < 0:
+            raise CacheError(f"evict needs an int >= 0, got {num_tokens!r}")
+        pages, nodes = self.tree.evict(-(-num_tokens // self.page_size))
+        return EvictResult(pages * self.page_size, nodes)
+
+    def _node(self, handle: Handle) -> Node:
+        if not isinstance(handle, Handle):
+            raise UnknownHandle(f"not a handle of this cache: {handle!r}")
+        node = self.tree.nodes.get(handle.node_id)
+        if node is None:
+            raise UnknownHandle(
+                f"handle {handle.node_id} names no cached node (evicted or foreign)"
+            )
+        return node
+
+    # ---- request lifecycle ------------------------------------------------------------------
+    def admit(
+        self, rid: RequestId, tokens: TokenLike, priority: int = 0, *, evict: bool = True
+    ) -> AdmitResult:
+        """Start request ``rid``: match its prompt (reusing at most ``len - 1`` tokens),
+        lock the match, evict the shortfall (if ``evict``) and allocate the rest.
+
+        Raises before changing anything: ``DuplicateRequest``, ``InvalidTokens``
+        (empty, malformed, longer than the request limit), ``OutOfCapacity``.
+        """
+        self.reqs.check_new(rid)
+        key = as_tokens(tokens)
+        prio = _as_priority(priority)
+        if key.size > self.config.request_limit:
+            raise InvalidTokens(
+                f"prompt of {key.size} tokens exceeds the limit {self.config.request_limit}"
+            )
+        ps = self.page_size
+        n = (key.size - 1) // ps * ps
+        path, pos, partial, common = self.tree.descend(key, n)
+        need = -(-key.size // ps) - (pos + common) // ps
+        self._check_room(need, path, partial, common, evict)
+        path, pos = self.tree.take_match(path, pos, partial, common)
+        node = path[-1] if path else self.tree.root
+        self.tree.lock(node)
+        pages = self._take_pages(need, evict)
+        row = np.concatenate([*(p.pages for p in path), pages])
+        self.reqs.add(rid, key, row, key.size, pos // ps, node, prio)
+        return AdmitResult(pos, row, key.size, ps)
+
+    def extend(self, rid: RequestId, n: int, *, evict: bool = True) -> np.ndarray:
+        """``n`` more slots for ``rid`` (decode or a prefill chunk); returns their ids."""
+        req = self.reqs.get(rid)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise CacheError(f"extend needs an int >= 0, got {n!r}")
+        if req.num_tokens + n > self.config.request_limit:
+            raise InvalidTokens(
+                f"request {rid!r} would hold {req.num_tokens + n} tokens, limit {self.config.request_limit}"
+            )
+        ps = self.page_size
+        need = -(-(req.num_tokens + n) // ps) - req.pages.size
+        self._check_room(need, [], None, 0, evict)
+        if need:
+            req.pages = np.concatenate((req.pages, self._take_pages(need, evict)))
+        start = req.num_tokens
+        req.num_tokens += n
+        first = start // ps
+        return pages_to_slots(req.pages[first:], ps)[start - first * ps : start - first * ps + n]
+
+    def cache_unfinished(self, rid: RequestId, tokens: TokenLike) -> int:
+        """Cache the whole pages of a running request's tokens so far (chunked prefill).
+
+        ``tokens`` must extend what the cache was given for ``rid`` and have KV (at most
+        the slots it holds). Duplicates are freed, the request's row is rewritten to the
+        tree's pages and its lock moves to the new last node. Returns the cached length.
+        """
+        req = self.reqs.get(rid)
+        key = as_tokens(tokens)
+        self._check_extends(rid, req.tokens, key, req.num_tokens)
+        n = key.size // self.page_size * self.page_size
+        _, tree_pages, node = self.tree.insert(
+            key[:n], req.pages[: n // self.page_size], req.priority
+        )
+        req.pages[: tree_pages.size] = tree_pages
+        self.tree.lock(node)
+        self.tree.unlock(req.node)
+        req.node = node
+        req.cached_pages = tree_pages.size
+        req.tokens = key
+        return n
+
+    def finish(self, rid: RequestId, output_tokens: TokenLike = ()) -> int:
+        """End ``rid``: cache the whole pages of its tokens plus ``output_tokens`` that have
+        KV, free duplicates and the partial tail, unlock. Returns the cached length."""
+        req = self.reqs.get(rid)
+        out = as_tokens(output_tokens, allow_empty=True)
+        seq = np.concatenate((req.tokens, out)) if out.size else req.tokens
+        ps = self.page_size
+        n = min(seq.size, req.num_tokens) // ps * ps
+        self._insert_own(req, seq[:n])
+        self.alloc.free(req.pages[n // ps :], HELD, checked=False)
+        self.tree.unlock(req.node)
+        self.reqs.remove(rid)
+        return n
+
+    def _insert_own(self, req: Req, key: np.ndarray) -> tuple[int, np.ndarray, Node]:
+        # The row's prefix is the locked path to req.node, so the walk starts there.
+        return self.tree.insert(
+            key,
+            req.pages[: key.size // self.page_size],
+            req.priority,
+            start=req.node,
+            start_pos=req.cached_pages * self.page_size,
+            trusted=True,
+        )
+
+    def abort(self, rid: RequestId) -> None:
+        """End ``rid`` without caching anything: free its own pages and unlock."""
+        req = self.reqs.get(rid)
+        self.alloc.free(req.pages[req.cached_pages :], HELD, checked=False)
+        self.tree.unlock(req.node)
+        self.reqs.remove(rid)
+
+    def pages_short(self, num_pages: int) -> int:
+        """How many more pages than are free ``num_pages`` would need (0 if they fit)."""
+        return max(0, num_pages - self.alloc.num_free)
+
+    def _check_room(
+        self, need: int, path: list[Node], partial: Node | None, common: int, evict: bool
+    ) -> None:
+        free = self.alloc.num_free
+        if need <= free:
+            return
+        if not evict:
+            raise OutOfCapacity(f"need {need} pages, {free} free (eviction not allowed here)")
+        # Pages on the path about to be locked stop being evictable.
+        pinned = sum(p.pages.size for p in path if p.lock == 0)
+        if partial is not None and partial.lock == 0:
+            pinned += common // self.page_size
+        evictable = self.tree.cached_pages - self.tree.protected_pages - pinned
+        if need > free + evictable:
+            raise OutOfCapacity(
+                f"need {need} pages of {self.page_size}: {free} free + {evictable} evictable"
+            )
+
+    def _take_pages(self, need: int, evict: bool) -> np.ndarray:
+        short = self.pages_short(need)
+        if short and evict:
+            self.tree.evict(short)
+        return self.alloc.alloc(need, HELD)
+
+    @staticmethod
+    def _check_extends(rid: RequestId, known: np.ndarray, key: np.ndarray, limit: int) -> None:
+        if key.size < known.size or not np.array_equal(key[: known.size], known):
+            raise InvalidTokens(f"tokens for {rid!r} do not extend the {known.size} tokens it has")
+        if key.size > limit:
+            raise InvalidTokens(f"{key.size} tokens for {rid!r}, but it holds KV for only {limit}")
+
+    # ---- whole-cache --------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Drop every cached prefix and running request; announce ``AllBlocksCleared``."""
+        events = self.tree.events
+        self.alloc.reset()
+        self.tree._clear()
+        self.reqs = ReqTable()
+        self._loose_pages = 0
+        if self.config.record_events:
+            events.append(AllBlocksCleared())
+        self.tree.events = events
+
+    def take_events(self) -> list[KVEvent]:
+        """Events since the last call, in order (empty unless ``record_events``)."""
+        events, self.tree.events = self.tree.events, []
+        return events
+
+    def sizes(self) -> CacheSizes:
+        ps = self.page_size
+        t = self.tree
+        return CacheSizes(
+            capacity=self.alloc.num_pages * ps,
+            free=self.alloc.num_free * ps,
+            evictable=(t.cached_pages - t.protected_pages) * ps,
+            protected=t.protected_pages * ps,
+            held=self.alloc.count(HELD) * ps,
+        )
+
+    def digest(self) -> int:
+        """64-bit digest of the cached contents and their slots, page ownership, locks and
+        running requests. Equal caches share it; any difference changes it (whp)."""
+        t = self.tree
+        x = fmix64_int(t.digest_sum ^ 0x5A17)
+        for v in self.alloc.fingerprint():
+            x = fmix64_int(x ^ (v & _MASK))
+        x ^= fmix64_int((t.protected_pages << 32) ^ len(self.reqs) ^ 0x1F83D9AB)
+        return x & _MASK
+
+    def check_integrity(self) -> None:
+        """Verify the conservation law, the tree, the allocator and every request row.
+
+        Raises ``IntegrityError`` with the numbers. Costs a full walk: for tests and idle.
+        """
+        s = self.sizes()
+        total = s.free + s.evictable + s.protected + s.held
+        if total != s.capacity:
+            raise IntegrityError(
+                f"free {s.free} + evictable {s.evictable} + protected {s.protected} + held {s.held}"
+                f" = {total} != capacity {s.capacity}"
+            )
+        counts = (self.alloc.count(FREE), self.alloc.count(HELD), self.alloc.count(CACHED))
+        if sum(counts) != self.alloc.num_pages:
+            raise IntegrityError(
+                f"allocator counts {counts} do not add up to {self.alloc.num_pages}"
+            )
+        self.alloc.check_integrity()
+        self.tree.check_integrity()
+        self.reqs.check_integrity(self.tree, self.alloc)
+        rows = self.reqs.held_pages()
+        if rows + self._loose_pages != self.alloc.count(HELD):
+            raise IntegrityError(
+                f"request rows hold {rows} pages and callers {self._loose_pages}, but"
+                f" {self.alloc.count(HELD)} pages are tagged held"
+            )
+
+
+def _as_priority(priority: object) -> int:
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise CacheError(f"priority must be an int, got {priority!r}")
+    return priority
+
+
+__all__ = [
+    "AdmitResult",
+    "CacheConfig",
+    "CacheSizes",
+    "EvictResult",
+    "Handle",
+    "MatchResult",
+    "RadixCache",
+]

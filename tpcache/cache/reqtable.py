@@ -1,0 +1,120 @@
+"""The request-to-slot table: one row of pages per running request.
+
+A row's first ``cached_pages`` pages belong to the tree (the request's locked prefix);
+the rest are HELD by the request. Rows are kept in admission order (a dict), so any
+walk over them is the same in every process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from tpcache.cache.allocator import HELD, PageAllocator
+from tpcache.cache.errors import CacheError, DuplicateRequest, IntegrityError, UnknownRequest
+
+if TYPE_CHECKING:
+    from tpcache.cache.tree import Node, RadixTree
+
+RequestId = int | str
+MAX_ID_LEN = 256
+
+
+@dataclass(slots=True)
+class Req:
+    """A running request. Owned by ``RadixCache``; fields change only through its methods."""
+
+    rid: RequestId
+    tokens: np.ndarray  # int32: the tokens the cache was told about so far
+    pages: np.ndarray  # int32: every page of the row, in token order
+    num_tokens: int  # slots held (tokens with KV, or about to have it)
+    cached_pages: int  # leading pages that are the tree's
+    node: Node  # the locked end of the cached prefix
+    priority: int
+
+
+def check_request_id(rid: Any) -> RequestId:
+    """A request id is an int or a non-empty str of at most 256 chars."""
+    if isinstance(rid, bool) or not isinstance(rid, int | str):
+        raise CacheError(f"request id must be an int or str, got {type(rid).__name__}")
+    if isinstance(rid, str) and not 0 < len(rid) <= MAX_ID_LEN:
+        raise CacheError(f"request id must have 1..{MAX_ID_LEN} chars, got {len(rid)}")
+    return rid
+
+
+class ReqTable:
+    def __init__(self) -> None:
+        self._rows: dict[RequestId, Req] = {}
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __contains__(self, rid: object) -> bool:
+        return rid in self._rows
+
+    def ids(self) -> list[RequestId]:
+        return list(self._rows)
+
+    def check_new(self, rid: Any) -> None:
+        check_request_id(rid)
+        if rid in self._rows:
+            raise DuplicateRequest(f"request {rid!r} is already running")
+
+    def get(self, rid: Any) -> Req:
+        check_request_id(rid)
+        req = self._rows.get(rid)
+        if req is None:
+            raise UnknownRequest(f"no running request {rid!r}")
+        return req
+
+    def add(
+        self,
+        rid: RequestId,
+        tokens: np.ndarray,
+        pages: np.ndarray,
+        num_tokens: int,
+        cached_pages: int,
+        node: Node,
+        priority: int,
+    ) -> None:
+        self._rows[rid] = Req(rid, tokens, pages, num_tokens, cached_pages, node, priority)
+
+    def remove(self, rid: RequestId) -> None:
+        del self._rows[rid]
+
+    def held_pages(self) -> int:
+        return sum(r.pages.size - r.cached_pages for r in self._rows.values())
+
+    def check_integrity(self, tree: RadixTree, alloc: PageAllocator) -> None:
+        """Each row's prefix is its node's path; its own pages are HELD and nobody else's."""
+        ps = alloc.page_size
+        own: list[np.ndarray] = []
+        for req in self._rows.values():
+            node = req.node
+            if node is not tree.root and (not node.alive or node.lock <= 0):
+                raise IntegrityError(f"request {req.rid!r} holds an evicted or unlocked node")
+            path_pages = []
+            while node is not tree.root:
+                path_pages.append(node.pages)
+                node = node.parent  # type: ignore[assignment]
+            path = np.concatenate(path_pages[::-1]) if path_pages else np.zeros(0, np.int32)
+            if path.size != req.cached_pages or not np.array_equal(path, req.pages[: path.size]):
+                raise IntegrityError(
+                    f"request {req.rid!r}: row prefix of {req.cached_pages} pages differs from its"
+                    f" tree path of {path.size} pages"
+                )
+            if req.pages.size != -(-req.num_tokens // ps):
+                raise IntegrityError(
+                    f"request {req.rid!r} has {req.pages.size} pages for {req.num_tokens} tokens"
+                )
+            if req.tokens.size > req.num_tokens:
+                raise IntegrityError(f"request {req.rid!r} knows more tokens than it has slots for")
+            own.append(req.pages[req.cached_pages :])
+        if own:
+            flat = np.concatenate(own)
+            if np.unique(flat).size != flat.size:
+                raise IntegrityError("a page is held by two request rows")
+            if flat.size and (alloc.tags_of(flat) != HELD).any():
+                raise IntegrityError("a request's own page is not tagged held")

@@ -1,0 +1,478 @@
+"""The paged radix tree: cached prefixes, their pages, locks and the eviction queue.
+
+Each node holds a run of whole pages: its tokens (int32), its page ids (int32, one per
+page) and the chain state of each page's block hash (uint64). Children are keyed by
+the bytes of their first page, so a lookup costs one dict probe per node and a
+comparison is one vectorised compare per node, never a Python step per token.
+
+Eviction candidates (unlocked leaves) sit in a heap ordered by the policy key. Entries
+are not removed when a node changes; a popped entry is used only if it is still the
+node's current entry and the node is still an unlocked leaf. The heap is rebuilt only
+when stale entries outnumber live nodes, so each change costs O(log n) amortised.
+
+This module is internal: ``RadixCache`` is the public face and hands out opaque handles,
+never nodes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+
+import numpy as np
+
+from tpcache.cache.allocator import CACHED, HELD, PageAllocator
+from tpcache.cache.errors import IntegrityError, InvalidSlots, LockError
+from tpcache.cache.events import BlockRemoved, BlockStored, KVEvent
+from tpcache.cache.hashing import ROOT_STATE, PageHasher, block_hashes
+from tpcache.cache.policies import KeyFn
+
+_EMPTY_PAGES = np.zeros(0, dtype=np.int32)
+_EMPTY_STATES = np.zeros(0, dtype=np.uint64)
+_D1 = np.uint64(0xA24BAED4963EE407)
+_D2 = np.uint64(0x9FB21C651E98DF25)
+_MASK = (1 << 64) - 1
+
+
+def page_terms(states: np.ndarray, pages: np.ndarray) -> int:
+    """Digest terms of cached pages: each mixes a block's chain state with its page id."""
+    x = states + pages.astype(np.uint64) * _D1
+    x ^= x >> np.uint64(31)
+    return int((x * _D2).sum(dtype=np.uint64))
+
+
+class Node:
+    """One run of cached pages. Owned and mutated only by its ``RadixTree``."""
+
+    __slots__ = (
+        "alive",
+        "children",
+        "created",
+        "hits",
+        "id",
+        "key",
+        "last_access",
+        "lock",
+        "pages",
+        "parent",
+        "priority",
+        "queued",
+        "states",
+    )
+
+    def __init__(
+        self,
+        node_id: int,
+        parent: Node | None,
+        key: np.ndarray,
+        pages: np.ndarray,
+        states: np.ndarray,
+        tick: int,
+    ) -> None:
+        self.id = node_id
+        self.parent = parent
+        self.children: dict[bytes, Node] = {}
+        self.key = key
+        self.pages = pages
+        self.states = states
+        self.lock = 0  # requests whose locked path runs through this node
+        self.last_access = tick
+        self.created = tick
+        self.hits = 0
+        self.priority = 0
+        self.queued: tuple[int, ...] | None = None  # key of this node's live heap entry
+        self.alive = True
+
+
+class RadixTree:
+    """Radix tree over whole pages, with locks, a policy-ordered eviction heap and events.
+
+    The tree owns its nodes; the allocator owns page tags. Pages enter the tree from
+    HELD (a request's) and leave it to FREE (eviction). ``tick`` is the logical clock.
+    """
+
+    def __init__(
+        self,
+        alloc: PageAllocator,
+        key_fn: KeyFn,
+        *,
+        record_events: bool = False,
+        medium: str = "GPU",
+    ) -> None:
+        self.alloc = alloc
+        self.ps = alloc.page_size
+        self.key_fn = key_fn
+        self.hasher = PageHasher(self.ps)
+        self.record_events = record_events
+        self.medium = medium
+        self.events: list[KVEvent] = []
+        # Statistics only (wall time never decides anything): per-evict-call seconds, kept
+        # for the last 10,000 calls, and pages evicted since creation.
+        self.evict_seconds: list[float] = []
+        self.evicted_pages = 0
+        self._clear()
+
+    def _clear(self) -> None:
+        self.root = Node(0, None, np.zeros(0, np.int32), _EMPTY_PAGES, _EMPTY_STATES, 0)
+        self.root.lock = 1  # the root is never evicted
+        self.nodes: dict[int, Node] = {0: self.root}
+        self._next_id = 1
+        self.tick = 0
+        self.cached_pages = 0
+        self.protected_pages = 0
+        self.digest_sum = 0
+        self._heap: list[tuple[tuple[int, ...], Node]] = []
+
+    # ---- lookup -------------------------------------------------------------------------
+    def descend(
+        self, key: np.ndarray, n: int, node: Node | None = None, pos: int = 0
+    ) -> tuple[list[Node], int, Node | None, int]:
+        """Walk ``key[:n]`` (page-aligned) without changing anything.
+
+        Starts at the root, or at ``node`` that is known to end at ``key[:pos]``.
+        Returns the fully matched nodes after the start, the tokens matched up to the
+        last of them, and the node where the match stops part-way with its matched
+        token count (``None, 0`` if none).
+        """
+        ps = self.ps
+        if node is None:
+            node = self.root
+        path: list[Node] = []
+        while pos < n:
+            child = node.children.get(key[pos : pos + ps].tobytes())
+            if child is None:
+                break
+            ck = child.key
+            m = ck.size
+            if pos + m <= n:
+                eq = key[pos : pos + m] == ck
+                if eq.all():
+                    path.append(child)
+                    pos += m
+                    node = child
+                    continue
+            else:
+                eq = key[pos:n] == ck[: n - pos]
+                if eq.all():
+                    return path, pos, child, n - pos
+            return path, pos, child, int(eq.argmin()) // ps * ps
+        return path, pos, None, 0
+
+    def split(self, child: Node, at: int) -> Node:
+        """Cut ``child`` after ``at`` tokens (whole pages); returns the new upper node.
+
+        Both halves get copies, so a short node never pins a long freed array. The
+        lower half keeps the id, so a handle to it still ends at the same point.
+        """
+        ps = self.ps
+        cut = at // ps
+        parent = child.parent
+        assert parent is not None and 0 < at < child.key.size and at % ps == 0
+        upper = Node(
+            self._new_id(),
+            parent,
+            child.key[:at].copy(),
+            child.pages[:cut].copy(),
+            child.states[:cut].copy(),
+            child.created,
+        )
+        upper.last_access = child.last_access
+        upper.hits = child.hits
+        upper.priority = child.priority
+        upper.lock = child.lock
+        child.key = child.key[at:].copy()
+        child.pages = child.pages[cut:].copy()
+        child.states = child.states[cut:].copy()
+        parent.children[upper.key[:ps].tobytes()] = upper
+        upper.children[child.key[:ps].tobytes()] = child
+        child.parent = upper
+        self.nodes[upper.id] = upper
+        return upper
+
+    def match(self, key: np.ndarray, n: int) -> tuple[list[Node], int]:
+        """Longest cached prefix of ``key[:n]``; splits so the match ends on a node."""
+        return self.take_match(*self.descend(key, n))
+
+    def take_match(
+        self, path: list[Node], pos: int, partial: Node | None, common: int
+    ) -> tuple[list[Node], int]:
+        """Make a ``descend`` result the match: split the partial node, touch the path."""
+        if partial is not None:
+            path.append(self.split(partial, common))
+            pos += common
+        self.tick += 1
+        tick = self.tick
+        for node in path:
+            node.last_access = tick
+            node.hits += 1
+        if path:
+            self._queue(path[-1])
+        return path, pos
+
+    # ---- insert -------------------------------------------------------------------------
+    def insert(
+        self,
+        key: np.ndarray,
+        pages: np.ndarray,
+        priority: int = 0,
+        *,
+        start: Node | None = None,
+        start_pos: int = 0,
+        trusted: bool = False,
+    ) -> tuple[int, np.ndarray, Node]:
+        """Cache ``key`` (whole pages) backed by ``pages`` (tagged HELD by the caller).
+
+        Pages of the already-cached part that differ from the tree's are duplicates and
+        are freed; the rest become the tree's. Returns (tokens already cached, the
+        tree's pages for the whole key, the node ending at ``key``).
+
+        ``start``/``start_pos``: a node known to end at ``key[:start_pos]`` whose pages
+        are ``pages[:start_pos // ps]`` (a request's locked prefix), so the walk begins
+        there. Unless ``trusted`` (the caller's own request rows), every page is
+        validated first and ``InvalidSlots`` is raised before anything changes.
+        """
+        ps = self.ps
+        n = key.size
+        path, pos, partial, common = self.descend(key, n, start, start_pos)
+        have = pos + common
+        k0 = start_pos // ps
+        pieces = [pages[:k0]] if k0 else []
+        pieces.extend(p.pages for p in path)
+        if partial is not None:
+            pieces.append(partial.pages[: common // ps])
+        k = have // ps
+        tree_pages = (
+            np.concatenate(pieces) if len(pieces) > 1 else (pieces[0] if pieces else _EMPTY_PAGES)
+        )
+        given = pages[k0:k]
+        dups = given[given != tree_pages[k0:]]
+        fresh = pages[k:]
+        if not trusted:
+            mine = np.concatenate((dups, fresh)) if dups.size else fresh
+            try:
+                self.alloc.check_owned(mine, HELD)
+            except Exception as exc:
+                raise InvalidSlots(f"cannot insert: {exc}") from None
+
+        if partial is not None:
+            path.append(self.split(partial, common))
+        end = path[-1] if path else (start or self.root)
+        self.tick += 1
+        tick = self.tick
+        node = end
+        while node is not self.root:
+            # Touch the whole path: a request's locked prefix is being used too.
+            node.last_access = tick
+            if priority > node.priority:
+                node.priority = priority
+            node = node.parent  # type: ignore[assignment]
+        if dups.size:
+            self.alloc.free(dups, HELD, checked=False)
+        if have < n:
+            end = self._add_child(end, key[have:].copy(), fresh.copy(), priority)
+            tree_pages = np.concatenate((tree_pages, end.pages)) if k else end.pages
+        else:
+            self._queue(end)
+        return have, tree_pages, end
+
+    def _add_child(self, parent: Node, key: np.ndarray, pages: np.ndarray, priority: int) -> Node:
+        parent_state = int(parent.states[-1]) if parent.states.size else ROOT_STATE
+        states = self.hasher.chain(key, parent_state)
+        node = Node(self._new_id(), parent, key, pages, states, self.tick)
+        node.priority = priority
+        parent.children[key[: self.ps].tobytes()] = node
+        self.nodes[node.id] = node
+        self.alloc.retag(pages, HELD, CACHED, checked=False)
+        self.cached_pages += pages.size
+        self.digest_sum = (self.digest_sum + page_terms(states, pages)) & _MASK
+        if self.record_events:
+            parent_hash = int(block_hashes(parent.states[-1:])[0]) if parent.states.size else None
+            self.events.append(
+                BlockStored(
+                    block_hashes=block_hashes(states).tolist(),
+                    parent_block_hash=parent_hash,
+                    token_ids=key.tolist(),
+                    block_size=self.ps,
+                    medium=self.medium,
+                )
+            )
+        self._queue(node)
+        return node
+
+    # ---- locks --------------------------------------------------------------------------
+    def lock(self, node: Node) -> None:
+        """Protect ``node`` and its ancestors from eviction (counts nest)."""
+        root = self.root
+        while node is not root:
+            if node.lock == 0:
+                self.protected_pages += node.pages.size
+            node.lock += 1
+            node = node.parent  # type: ignore[assignment]
+
+    def unlock(self, node: Node) -> None:
+        """Undo one ``lock``; raises ``LockError`` (changing nothing) if not locked."""
+        if node is self.root:
+            return
+        if node.lock <= 0:
+            raise LockError(f"node {node.id} is not locked")
+        root = self.root
+        while node is not root:
+            node.lock -= 1
+            if node.lock == 0:
+                self.protected_pages -= node.pages.size
+                if not node.children:
+                    self._queue(node)
+            node = node.parent  # type: ignore[assignment]
+
+    # ---- eviction -----------------------------------------------------------------------
+    def _queue(self, node: Node) -> None:
+        if node.lock or node.children or not node.alive:
+            return
+        k = self.key_fn(node)
+        if node.queued == k:
+            return
+        node.queued = k
+        heapq.heappush(self._heap, (k, node))
+        if len(self._heap) > 2 * len(self.nodes) + 1024:
+            self._rebuild_heap()
+
+    def _rebuild_heap(self) -> None:
+        heap = []
+        for node in self.nodes.values():
+            node.queued = None
+            if node.lock == 0 and not node.children:
+                node.queued = self.key_fn(node)
+                heap.append((node.queued, node))
+        heapq.heapify(heap)
+        self._heap = heap
+
+    def evict(self, num_pages: int) -> tuple[int, int]:
+        """Evict unlocked leaves in policy order until ``num_pages`` are freed or none is left.
+
+        A parent that becomes an unlocked leaf joins the queue at once. Frees all the
+        pages in one free group. Returns (pages freed, nodes evicted).
+        """
+        started = time.perf_counter()
+        freed_pages: list[np.ndarray] = []
+        freed_states: list[np.ndarray] = []
+        count = 0
+        heap = self._heap
+        while count < num_pages and heap:
+            k, node = heapq.heappop(heap)
+            if node.queued != k:
+                continue
+            node.queued = None
+            if node.lock or node.children or not node.alive:
+                continue
+            parent = node.parent
+            assert parent is not None
+            del parent.children[node.key[: self.ps].tobytes()]
+            del self.nodes[node.id]
+            node.alive = False
+            count += node.pages.size
+            freed_pages.append(node.pages)
+            freed_states.append(node.states)
+            if self.record_events:
+                self.events.append(
+                    BlockRemoved(
+                        block_hashes=block_hashes(node.states).tolist(), medium=self.medium
+                    )
+                )
+            if not parent.children and parent is not self.root:
+                self._queue(parent)
+        if freed_pages:
+            pages = np.concatenate(freed_pages)
+            states = np.concatenate(freed_states)
+            self.cached_pages -= pages.size
+            self.digest_sum = (self.digest_sum - page_terms(states, pages)) & _MASK
+            self.alloc.free(pages, CACHED, checked=False)
+        self.evicted_pages += count
+        self.evict_seconds.append(time.perf_counter() - started)
+        if len(self.evict_seconds) > 20_000:
+            del self.evict_seconds[:10_000]
+        return count, len(freed_pages)
+
+    def _new_id(self) -> int:
+        i = self._next_id
+        self._next_id += 1
+        return i
+
+    # ---- whole-tree views -----------------------------------------------------------------
+    def walk(self) -> list[Node]:
+        """Every node but the root, parents before children, children in key order."""
+        out: list[Node] = []
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            if node is not self.root:
+                out.append(node)
+            stack.extend(node.children[k] for k in sorted(node.children, reverse=True))
+        return out
+
+    def check_integrity(self) -> None:
+        """Walk the whole tree and recount; raise ``IntegrityError`` naming what broke."""
+        ps = self.ps
+        nodes = self.walk()
+        if len(nodes) + 1 != len(self.nodes):
+            raise IntegrityError(
+                f"tree walk finds {len(nodes)} nodes, index has {len(self.nodes) - 1}"
+            )
+        pages_total = protected = 0
+        all_pages = []
+        digest = 0
+        live = {(n.queued, n.id) for _, n in self._heap if n.queued is not None}
+        for node in nodes:
+            parent = node.parent
+            if parent is None or not node.alive or self.nodes.get(node.id) is not node:
+                raise IntegrityError(f"node {node.id} is detached or not indexed")
+            if parent.children.get(node.key[:ps].tobytes()) is not node:
+                raise IntegrityError(
+                    f"node {node.id} is not under its first-page key in its parent"
+                )
+            if node.key.size == 0 or node.key.size != node.pages.size * ps:
+                raise IntegrityError(
+                    f"node {node.id}: {node.key.size} tokens for {node.pages.size} pages of {ps}"
+                )
+            if node.states.size != node.pages.size:
+                raise IntegrityError(
+                    f"node {node.id}: {node.states.size} hash states, {node.pages.size} pages"
+                )
+            if node.lock < 0:
+                raise IntegrityError(f"node {node.id} has lock {node.lock}")
+            child_locks = sum(c.lock for c in node.children.values())
+            if node.lock < child_locks:
+                raise IntegrityError(
+                    f"node {node.id} lock {node.lock} < its children's {child_locks}"
+                )
+            parent_state = int(parent.states[-1]) if parent.states.size else ROOT_STATE
+            if not np.array_equal(self.hasher.chain(node.key, parent_state), node.states):
+                raise IntegrityError(f"node {node.id}: block hash chain does not match its tokens")
+            if (
+                node.lock == 0
+                and not node.children
+                and (node.queued != self.key_fn(node) or (node.queued, node.id) not in live)
+            ):
+                raise IntegrityError(f"unlocked leaf {node.id} is not in the eviction queue")
+            pages_total += node.pages.size
+            protected += node.pages.size if node.lock else 0
+            all_pages.append(node.pages)
+            digest += page_terms(node.states, node.pages)
+        if pages_total != self.cached_pages or protected != self.protected_pages:
+            raise IntegrityError(
+                f"tree holds {pages_total} pages ({protected} protected), counters say "
+                f"{self.cached_pages} ({self.protected_pages} protected)"
+            )
+        if self.alloc.count(CACHED) != pages_total:
+            raise IntegrityError(
+                f"allocator has {self.alloc.count(CACHED)} cached pages, tree {pages_total}"
+            )
+        if all_pages:
+            flat = np.concatenate(all_pages)
+            if np.unique(flat).size != flat.size:
+                raise IntegrityError("a page is referenced by two tree nodes")
+            if (self.alloc.tags_of(flat) != CACHED).any():
+                raise IntegrityError("a tree page is not tagged cached in the allocator")
+        if digest & _MASK != self.digest_sum:
+            raise IntegrityError(
+                f"tree digest {self.digest_sum:#x} != recomputed {digest & _MASK:#x}"
+            )

@@ -1,0 +1,96 @@
+"""Trace replay through the cache state machine alone: the figures a policy or a tree
+change is judged by.
+
+One request at a time, in file order: admit (match at most ``input_length - 1`` prompt
+tokens in whole pages, lock, evict the shortfall, allocate the rest of the prompt),
+extend by the output, then finish (cache prompt + output in whole pages, free the
+partial tail, unlock). Tokens follow ``tpcache.trace``'s rule, so other tools can
+reproduce the numbers.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tpcache.cache.radix import CacheConfig, RadixCache
+from tpcache.trace import TraceRequest, output_tokens, prompt_tokens
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    capacity: int | None  # tokens; None: infinite (sized to the whole replay)
+    page_size: int = 16
+    policy: str = "lru"
+
+
+def infinite_capacity(requests: list[TraceRequest], page_size: int) -> int:
+    """Tokens that hold every request's prompt and output at once, in whole pages."""
+    pages = sum(-(-(r.input_length + r.output_length) // page_size) for r in requests)
+    return max(pages, 1) * page_size
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def replay(
+    requests: list[TraceRequest],
+    opts: ReplayOptions,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Replay ``requests`` and return the summary (see ``tpcache replay --json``)."""
+    capacity = opts.capacity or infinite_capacity(requests, opts.page_size)
+    cache = RadixCache(CacheConfig(capacity, opts.page_size, opts.policy))
+    match_s: list[float] = []
+    insert_s: list[float] = []
+    prompt_total = matched = 0
+    clock = time.perf_counter
+    for i, req in enumerate(requests):
+        prompt = prompt_tokens(req)
+        output = output_tokens(req)
+        t0 = clock()
+        got = cache.admit(req.index, prompt)
+        cache.extend(req.index, output.size)
+        t1 = clock()
+        cache.finish(req.index, output)
+        t2 = clock()
+        match_s.append(t1 - t0)
+        insert_s.append(t2 - t1)
+        prompt_total += req.input_length
+        matched += got.prefix_len
+        if progress is not None and (i + 1) % 500 == 0:
+            progress(i + 1, len(requests))
+    cache.check_integrity()
+    evicts = cache.tree.evict_seconds
+    return {
+        "requests": len(requests),
+        "page_size": opts.page_size,
+        "policy": opts.policy,
+        "capacity_tokens": capacity if opts.capacity else None,
+        "prompt_tokens": prompt_total,
+        "matched_tokens": matched,
+        "hit_rate": matched / prompt_total if prompt_total else 0.0,
+        "evicted_tokens": cache.tree.evicted_pages * opts.page_size,
+        "evict_calls": len(evicts),
+        "cache_ops_s": sum(match_s) + sum(insert_s),
+        "match_us_median": _median_us(match_s),
+        "insert_us_median": _median_us(insert_s),
+        "evict_us_median": _median_us(evicts),
+        "cached_tokens_end": cache.sizes().cached,
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+    }
+
+
+def _median_us(values: list[float]) -> float:
+    return round(statistics.median(values) * 1e6, 2) if values else 0.0
+
+
+def terminal_progress(done: int, total: int) -> None:
+    if sys.stderr.isatty():
+        print(f"\r  {done}/{total} requests", end="" if done < total else "\n", file=sys.stderr)
