@@ -1,0 +1,171 @@
+"""Mooncake-format traces and the token rule that turns them into prompts.
+
+A Mooncake trace line is ``{"timestamp": ms, "input_length": n, "output_length": m,
+"hash_ids": [...]}``; each hash id names one 512-token block of the prompt. The trace
+carries no tokens, so a replay synthesises them. The rule below is shared with other
+tools (simulators, other engines) that must reproduce tpcache's numbers, so it is kept
+exactly:
+
+- prompt of request ``r``: its ``k``-th hash id ``h`` gives the block of tokens
+  ``h * 512 + i + 1`` for ``i = 0..511``; the concatenated blocks are cut to ``n``;
+- output token ``j`` of request ``r``: ``1_000_000_000 + r * 65_536 + j``.
+
+``r`` is the request's 0-based position among the requests read (blank lines are not
+requests). Equal block chains give equal token prefixes and different hash ids give
+disjoint tokens, so a prefix cache sees exactly the sharing the trace describes.
+Every token fits in int32; a trace that would not is rejected.
+
+This module imports only numpy and the standard library (no other tpcache module), so
+scripts and other tools can use it alone.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+BLOCK_TOKENS = 512
+OUTPUT_TOKEN_BASE = 1_000_000_000
+OUTPUT_TOKENS_PER_REQUEST = 65_536
+INT32_MAX = 2**31 - 1
+
+_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
+
+
+class TraceError(ValueError):
+    """A trace line, or a request built by hand, breaks the trace format or the token rule."""
+
+
+def _is_int(value: object) -> bool:
+    # bool is an int subclass, but `true` in a trace is a mistake, not a length.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One request of a trace: what its prompt and output are made of, not its tokens.
+
+    Validated on construction (raises ``TraceError``): ``index``, ``timestamp_ms`` and the
+    lengths are ints >= 0 with ``input_length >= 1``; hash ids are ints >= 0; the prompt
+    is covered by the blocks (``input_length <= 512 * len(hash_ids)``); every prompt and
+    output token of the rule fits in int32, and ``output_length <= 65_536`` so that the
+    output tokens of two requests never coincide.
+    """
+
+    index: int
+    timestamp_ms: int
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        for name in ("index", "timestamp_ms", "input_length", "output_length"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 0:
+                raise TraceError(f"{name} must be an int >= 0, got {value!r}")
+        if self.input_length < 1:
+            raise TraceError("input_length must be >= 1 (an empty prompt is no request)")
+        if not isinstance(self.hash_ids, tuple):
+            raise TraceError(f"hash_ids must be a tuple, got {type(self.hash_ids).__name__}")
+        for h in self.hash_ids:
+            if not _is_int(h) or h < 0:
+                raise TraceError(f"hash ids must be ints >= 0, got {h!r}")
+        covered = BLOCK_TOKENS * len(self.hash_ids)
+        if self.input_length > covered:
+            raise TraceError(
+                f"input_length {self.input_length} exceeds the {len(self.hash_ids)} blocks "
+                f"of {BLOCK_TOKENS} tokens ({covered} tokens)"
+            )
+        blocks_used = self.hash_ids[: self.num_blocks]
+        if blocks_used and max(blocks_used) * BLOCK_TOKENS + BLOCK_TOKENS > INT32_MAX:
+            raise TraceError(
+                f"hash id {max(blocks_used)} makes prompt tokens up to "
+                f"{max(blocks_used) * BLOCK_TOKENS + BLOCK_TOKENS}, over int32 ({INT32_MAX})"
+            )
+        if self.output_length > OUTPUT_TOKENS_PER_REQUEST:
+            raise TraceError(
+                f"output_length {self.output_length} exceeds {OUTPUT_TOKENS_PER_REQUEST}, "
+                "so its output tokens would run into the next request's"
+            )
+        last_output = self._output_base + self.output_length - 1
+        if self.output_length and last_output > INT32_MAX:
+            raise TraceError(
+                f"request {self.index} with {self.output_length} output tokens reaches token "
+                f"{last_output}, over int32 ({INT32_MAX}); the rule allows about "
+                f"{(INT32_MAX - OUTPUT_TOKEN_BASE) // OUTPUT_TOKENS_PER_REQUEST} requests"
+            )
+
+    @property
+    def num_blocks(self) -> int:
+        """How many hash ids the prompt uses (the last block may be partial)."""
+        return -(-self.input_length // BLOCK_TOKENS)
+
+    @property
+    def _output_base(self) -> int:
+        return OUTPUT_TOKEN_BASE + self.index * OUTPUT_TOKENS_PER_REQUEST
+
+
+def prompt_tokens(req: TraceRequest) -> np.ndarray:
+    """The prompt of ``req`` by the token rule: int32, length ``input_length``. Pure."""
+    ids = np.asarray(req.hash_ids[: req.num_blocks], dtype=np.int64)
+    offsets = np.arange(1, BLOCK_TOKENS + 1, dtype=np.int64)
+    tokens = (ids[:, None] * BLOCK_TOKENS + offsets[None, :]).reshape(-1)
+    return tokens[: req.input_length].astype(np.int32)
+
+
+def output_tokens(req: TraceRequest) -> np.ndarray:
+    """The output of ``req`` by the token rule: int32, length ``output_length``. Pure."""
+    return (req._output_base + np.arange(req.output_length, dtype=np.int64)).astype(np.int32)
+
+
+def _parse_line(text: str, index: int) -> TraceRequest:
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"bad JSON: {exc.msg} at column {exc.colno}") from None
+    if not isinstance(record, dict):
+        raise TraceError(f"expected a JSON object, got {type(record).__name__}")
+    missing = [name for name in _FIELDS if name not in record]
+    if missing:
+        raise TraceError(f"missing field(s): {', '.join(missing)}")
+    hash_ids = record["hash_ids"]
+    if not isinstance(hash_ids, list):
+        raise TraceError(f"hash_ids must be a list, got {type(hash_ids).__name__}")
+    return TraceRequest(
+        index=index,
+        timestamp_ms=record["timestamp"],
+        input_length=record["input_length"],
+        output_length=record["output_length"],
+        hash_ids=tuple(hash_ids),
+    )
+
+
+def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
+    """Read the first ``limit`` requests (all when ``None``) of the JSONL trace at ``path``.
+
+    Blank lines are skipped and are not requests; request ``index`` counts the others
+    from 0. Raises ``TraceError`` naming the 1-based line number for a malformed line
+    (bad JSON, a missing field, a negative length, too few blocks for ``input_length``,
+    a non-int or negative hash id, tokens beyond int32); ``ValueError`` for a negative
+    ``limit``; ``OSError`` when the file cannot be read. Lines after the ``limit``-th
+    request are not read.
+    """
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be >= 0 or None, got {limit}")
+    requests: list[TraceRequest] = []
+    if limit == 0:
+        return requests
+    with open(path, encoding="utf-8") as lines:
+        for line_no, text in enumerate(lines, start=1):
+            if not text.strip():
+                continue
+            try:
+                requests.append(_parse_line(text, len(requests)))
+            except TraceError as exc:
+                raise TraceError(f"{path}: line {line_no}: {exc}") from None
+            if len(requests) == limit:
+                break
+    return requests
