@@ -1,0 +1,158 @@
+"""The frontend API as msgspec messages: what a serving frontend sends, what it gets back.
+
+Calls are a tagged union (tag field ``call``); unknown fields are rejected. Replies are
+another tagged union (tag field ``reply``). Errors come back as ``ErrorReply`` naming the
+error type, so a client raises the same typed error the coordinator raised.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from tpcache.cache import errors as cache_errors
+
+RequestId = int | str
+
+
+class _Call(msgspec.Struct, tag_field="call", frozen=True, forbid_unknown_fields=True):
+    pass
+
+
+class AdmitCall(_Call, tag="admit"):
+    request_id: RequestId
+    tokens: list[int]
+    priority: int = 0
+
+
+class ExtendCall(_Call, tag="extend"):
+    request_id: RequestId
+    n: int
+
+
+class CacheUnfinishedCall(_Call, tag="cache_unfinished"):
+    request_id: RequestId
+    tokens: list[int]
+
+
+class FinishCall(_Call, tag="finish"):
+    request_id: RequestId
+    output_tokens: list[int] = []
+
+
+class AbortCall(_Call, tag="abort"):
+    request_id: RequestId
+
+
+class StatsCall(_Call, tag="stats"):
+    pass
+
+
+Call = AdmitCall | ExtendCall | CacheUnfinishedCall | FinishCall | AbortCall | StatsCall
+
+
+class _Reply(msgspec.Struct, tag_field="reply", frozen=True):
+    pass
+
+
+class AdmitReply(_Reply, tag="admit"):
+    prefix_len: int
+    slots: list[int]
+
+
+class SlotsReply(_Reply, tag="slots"):
+    slots: list[int]
+
+
+class CachedReply(_Reply, tag="cached"):
+    cached_tokens: int
+
+
+class OkReply(_Reply, tag="ok"):
+    pass
+
+
+class StatsReply(_Reply, tag="stats"):
+    stats: dict[str, int | float | str | list[int] | None]
+
+
+class ErrorReply(_Reply, tag="error"):
+    error: str  # the exception type's name
+    message: str
+    retryable: bool = False
+
+
+Reply = AdmitReply | SlotsReply | CachedReply | OkReply | StatsReply | ErrorReply
+
+
+class BadRequest(cache_errors.CacheError, ValueError):
+    """A message that is not a valid call (malformed bytes, wrong types, unknown fields)."""
+
+
+class CoordinatorUnavailable(RuntimeError):
+    """The coordinator cannot take work now (ranks failed, recovering); retry later."""
+
+    retryable = True
+
+
+class RequestLost(RuntimeError):
+    """The request was running when the group failed or the coordinator restarted; its
+    KV is gone. Retry it as a new request."""
+
+    retryable = True
+
+
+_encoder = msgspec.msgpack.Encoder()
+_call_decoder = msgspec.msgpack.Decoder(Call)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_call(data: bytes) -> Call:
+    """Decode a call; raises ``BadRequest`` saying what was wrong."""
+    try:
+        return _call_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise BadRequest(f"malformed call: {exc}") from None
+
+
+def decode_reply(data: bytes) -> Reply:
+    return _reply_decoder.decode(data)
+
+
+def error_types() -> dict[str, type[BaseException]]:
+    """Every error a reply may name, by type name (for clients to re-raise them)."""
+    from tpcache.workers.lockstep import DivergenceError, LockstepError, RankFailure
+
+    found: dict[str, type[BaseException]] = {}
+    for obj in vars(cache_errors).values():
+        if isinstance(obj, type) and issubclass(obj, BaseException):
+            found[obj.__name__] = obj
+    for cls in (
+        BadRequest,
+        CoordinatorUnavailable,
+        RequestLost,
+        DivergenceError,
+        LockstepError,
+        RankFailure,
+    ):
+        found[cls.__name__] = cls
+    return found
+
+
+class RemoteError(RuntimeError):
+    """An error from the coordinator whose type this client does not know."""
+
+
+def raise_reply_error(reply: ErrorReply) -> None:
+    """Raise the typed error an ``ErrorReply`` names (``RemoteError`` if unknown here)."""
+    from tpcache.workers.lockstep import LockstepError
+
+    cls = error_types().get(reply.error)
+    if cls is None:
+        raise RemoteError(f"{reply.error}: {reply.message}")
+    if issubclass(cls, LockstepError):
+        raise cls(-1, reply.message)
+    raise cls(reply.message)

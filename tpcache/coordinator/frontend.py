@@ -1,0 +1,79 @@
+"""Serving the msgspec frontend API on a ``Coordinator``: decode, dispatch, reply.
+
+Nothing a caller sends can crash the coordinator: a malformed message or a rejected call
+becomes an ``ErrorReply`` naming the error type; the state is unchanged.
+"""
+
+from __future__ import annotations
+
+from tpcache.cache.errors import CacheError
+from tpcache.coordinator.api import (
+    AbortCall,
+    AdmitCall,
+    AdmitReply,
+    CachedReply,
+    CacheUnfinishedCall,
+    Call,
+    CoordinatorUnavailable,
+    ErrorReply,
+    ExtendCall,
+    FinishCall,
+    OkReply,
+    Reply,
+    RequestLost,
+    SlotsReply,
+    StatsCall,
+    StatsReply,
+    decode_call,
+    encode,
+)
+from tpcache.coordinator.core import Coordinator
+from tpcache.workers.lockstep import LockstepError
+
+_REJECTED = (CacheError, CoordinatorUnavailable, RequestLost, LockstepError)
+
+
+def dispatch(coord: Coordinator, call: Call) -> Reply:
+    """Run one call; typed errors become an ``ErrorReply``."""
+    try:
+        match call:
+            case AdmitCall(rid, tokens, priority):
+                got = coord.admit(rid, tokens, priority)
+                return AdmitReply(got.prefix_len, got.slots.tolist())
+            case ExtendCall(rid, n):
+                return SlotsReply(coord.extend(rid, n).tolist())
+            case CacheUnfinishedCall(rid, tokens):
+                return CachedReply(coord.cache_unfinished(rid, tokens))
+            case FinishCall(rid, output):
+                return CachedReply(coord.finish(rid, output))
+            case AbortCall(rid):
+                coord.abort(rid)
+                return OkReply()
+            case StatsCall():
+                return StatsReply(coord.stats())
+    except _REJECTED as exc:
+        return ErrorReply(type(exc).__name__, str(exc), bool(getattr(exc, "retryable", False)))
+    return ErrorReply("BadRequest", f"unknown call {call!r}")
+
+
+def handle(coord: Coordinator, data: bytes) -> bytes:
+    """One encoded call in, one encoded reply out (its ops form one step)."""
+    try:
+        call = decode_call(data)
+    except CacheError as exc:
+        return encode(ErrorReply(type(exc).__name__, str(exc)))
+    return encode(dispatch(coord, call))
+
+
+def handle_many(coord: Coordinator, items: list[bytes]) -> list[bytes]:
+    """Several encoded calls applied in order as one step; one reply each."""
+    replies: list[bytes] = []
+    try:
+        with coord.batch():
+            for data in items:
+                replies.append(handle(coord, data))
+    except _REJECTED as exc:
+        # The step itself failed to send or check: every call of it is lost.
+        err = encode(ErrorReply(type(exc).__name__, str(exc), True))
+        replies = [err] * len(items)
+    return replies

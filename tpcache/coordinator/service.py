@@ -1,0 +1,171 @@
+"""Starting a TP group, serving it as a named Ray actor, and connecting frontends to it.
+
+``start_group`` builds ranks + mirror + coordinator in the calling process.
+``CoordinatorService`` is the same behind a named (optionally detached) Ray actor, so a
+frontend on any node of the cluster reaches it with ``connect(name, namespace)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import ray
+
+from tpcache.cache.keys import TokenLike
+from tpcache.coordinator import api
+from tpcache.coordinator.core import Admission, Coordinator, CoordinatorConfig
+from tpcache.coordinator.frontend import handle, handle_many
+from tpcache.coordinator.ranks import RayRanks
+from tpcache.workers.kvpool import PoolSpec
+from tpcache.workers.rank import CacheSpec, RankWorker, WorkerSpec
+
+DEFAULT_NAMESPACE = "tpcache"
+
+
+@dataclass(frozen=True)
+class GroupConfig:
+    """Everything needed to start one TP group. ``capacity_tokens`` None: fit the budget."""
+
+    tp: int = 2
+    capacity_tokens: int | None = 1 << 20
+    cache: CacheSpec = field(default_factory=CacheSpec)
+    num_layers: int = 2
+    kv_heads: int = 4
+    head_dim: int = 8
+    dtype: str = "float16"
+    cpu_budget_bytes: int = 1 << 30
+    gpu_fraction: float = 0.8
+    backend: str = "auto"
+    timeout_s: float = 60.0
+    use_gpus: bool | None = None
+    strategy: str = "PACK"
+    coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+
+    def worker_spec(self) -> WorkerSpec:
+        return WorkerSpec(
+            pool=PoolSpec(self.num_layers, self.kv_heads, self.head_dim, self.tp, self.dtype),
+            cache=self.cache,
+            capacity_tokens=self.capacity_tokens,
+            cpu_budget_bytes=self.cpu_budget_bytes,
+            gpu_fraction=self.gpu_fraction,
+            backend=self.backend,
+            timeout_s=self.timeout_s,
+        )
+
+
+def start_group(
+    config: GroupConfig, worker_cls: type[RankWorker] = RankWorker, on_step: Any = None
+) -> Coordinator:
+    """Start ``config.tp`` rank actors, agree the capacity, and return their coordinator.
+
+    Needs ``ray.init`` first. ``coordinator.ranks.close()`` stops the ranks.
+    """
+    ranks = RayRanks(
+        config.worker_spec(),
+        use_gpus=config.use_gpus,
+        strategy=config.strategy,
+        worker_cls=worker_cls,
+    )
+    mirror = config.cache.build(ranks.capacity, record_events=on_step is not None)
+    return Coordinator(ranks, mirror, config.coordinator, on_step=on_step)
+
+
+class CoordinatorService:
+    """The coordinator behind a Ray actor (plain class; ``ray.remote`` is applied in
+    ``serve``). Frontends call ``call``/``calls`` with encoded ``api`` messages."""
+
+    def __init__(self, config: GroupConfig) -> None:
+        self.config = config
+        self.coord = start_group(config)
+
+    def call(self, data: bytes) -> bytes:
+        return handle(self.coord, data)
+
+    def calls(self, items: list[bytes]) -> list[bytes]:
+        return handle_many(self.coord, items)
+
+    def sync(self) -> None:
+        self.coord.sync()
+
+    def rank_digests(self) -> list[int]:
+        self.coord.sync()
+        return list(self.coord.ranks.call("digest"))
+
+    def stats(self) -> dict[str, Any]:
+        return self.coord.stats()
+
+    def shutdown(self) -> None:
+        self.coord.ranks.close()
+
+
+def serve(
+    config: GroupConfig,
+    name: str = "tpcache",
+    namespace: str = DEFAULT_NAMESPACE,
+    detached: bool = False,
+) -> Any:
+    """Start the coordinator as a named actor in ``namespace``; returns its handle."""
+    opts: dict[str, Any] = {"name": name, "namespace": namespace, "num_cpus": 0}
+    if detached:
+        opts["lifetime"] = "detached"
+    actor = ray.remote(CoordinatorService).options(**opts).remote(config)
+    ray.get(actor.stats.remote())  # wait until the group is up (raises if it failed)
+    return actor
+
+
+class Client:
+    """A frontend's handle on a served coordinator: the same calls as ``Coordinator``,
+    over encoded messages; errors come back as the same typed exceptions."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    def _call(self, call: api.Call) -> api.Reply:
+        reply = api.decode_reply(ray.get(self.actor.call.remote(api.encode(call))))
+        if isinstance(reply, api.ErrorReply):
+            api.raise_reply_error(reply)
+        return reply
+
+    def admit(self, request_id: Any, tokens: TokenLike, priority: int = 0) -> Admission:
+        r = self._call(api.AdmitCall(request_id, _ints(tokens), priority))
+        assert isinstance(r, api.AdmitReply)
+        return Admission(r.prefix_len, np.asarray(r.slots, dtype=np.int64))
+
+    def extend(self, request_id: Any, n: int) -> np.ndarray:
+        r = self._call(api.ExtendCall(request_id, n))
+        assert isinstance(r, api.SlotsReply)
+        return np.asarray(r.slots, dtype=np.int64)
+
+    def cache_unfinished(self, request_id: Any, tokens: TokenLike) -> int:
+        r = self._call(api.CacheUnfinishedCall(request_id, _ints(tokens)))
+        assert isinstance(r, api.CachedReply)
+        return r.cached_tokens
+
+    def finish(self, request_id: Any, output_tokens: TokenLike = ()) -> int:
+        r = self._call(api.FinishCall(request_id, _ints(output_tokens)))
+        assert isinstance(r, api.CachedReply)
+        return r.cached_tokens
+
+    def abort(self, request_id: Any) -> None:
+        self._call(api.AbortCall(request_id))
+
+    def stats(self) -> dict[str, Any]:
+        r = self._call(api.StatsCall())
+        assert isinstance(r, api.StatsReply)
+        return dict(r.stats)
+
+    def sync(self) -> None:
+        ray.get(self.actor.sync.remote())
+
+
+def _ints(tokens: TokenLike) -> list[int]:
+    if isinstance(tokens, list):
+        return tokens
+    return np.asarray(tokens).tolist()
+
+
+def connect(name: str = "tpcache", namespace: str = DEFAULT_NAMESPACE) -> Client:
+    """A client for the coordinator served as ``name`` in ``namespace`` (any node)."""
+    return Client(ray.get_actor(name, namespace=namespace))

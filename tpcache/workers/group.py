@@ -1,0 +1,363 @@
+"""The TP process group of one rank: agreement collectives over ``torch.distributed``.
+
+Contract for every collective here: every rank of the group calls it, in the same order,
+with lists of the same length. A rank that skips one hangs its peers until the group's
+timeout. A local failure should still enter the collective, carrying a sentinel value
+(e.g. -1 through ``all_min``), so that every rank sees it. Unequal lengths are a protocol
+bug that gloo answers inconsistently (a quiet wrong result, an error, or aborting the
+process); a two-int64 length header turns the quiet case into a GroupError.
+
+Unsigned 64-bit values (state digests, block hashes) travel as int64 with the same bits:
+``u64_to_i64`` before, ``i64_to_u64`` after. The reinterpretation is a bijection, so the
+MIN and the MAX of the carried values are equal iff every rank holds the same digest,
+although signed order differs from unsigned order.
+
+Timeouts (measured with gloo on torch 2.13, ``timeout_s=3``): a rendezvous with a missing
+rank fails in ``init`` (the TCPStore on rank 0 waits ``timeout_s`` for clients: ~4 s; a
+rank whose master never comes retries connecting: ~7 s); a peer that inits and then never
+enters a collective fails that collective after ``timeout_s``; a peer that died fails it at
+once (connection reset). After any failure the group is broken and every later call raises
+GroupError at once. NCCL differs: by default its watchdog (TORCH_NCCL_ASYNC_ERROR_HANDLING=3)
+tears the process down on a collective timeout instead of raising.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import socket
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+_BACKENDS = ("gloo", "nccl", "auto")
+_I64_MIN = -(2**63)
+_I64_MAX = 2**63 - 1
+_T = TypeVar("_T")
+
+
+class GroupError(RuntimeError):
+    """The group could not form, or a collective failed; the message names rank and address."""
+
+
+class GroupInputError(GroupError, ValueError):
+    """A collective was called with bad arguments; raised before entering it."""
+
+
+def u64_to_i64(value: int) -> int:
+    """The int64 with the same 64 bits as unsigned ``value`` (raises ValueError if out of range)."""
+    if not 0 <= value < 2**64:
+        raise ValueError(f"{value} is not an unsigned 64-bit value")
+    return value - 2**64 if value >= 2**63 else value
+
+
+def i64_to_u64(value: int) -> int:
+    """The unsigned value with the same 64 bits as int64 ``value``."""
+    if not _I64_MIN <= value <= _I64_MAX:
+        raise ValueError(f"{value} is not a signed 64-bit value")
+    return value + 2**64 if value < 0 else value
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """Where and how one rank joins its TP group. ``timeout_s`` bounds rendezvous and each
+    collective (gloo); it is always passed explicitly, never torch's 10-30 min default."""
+
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    backend: str = "auto"
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("rank", "world_size", "master_port"):
+            if type(getattr(self, name)) is not int:
+                raise GroupInputError(f"{name} must be an int, got {getattr(self, name)!r}")
+        if self.world_size < 1:
+            raise GroupInputError(f"world_size={self.world_size} must be >= 1")
+        if not 0 <= self.rank < self.world_size:
+            raise GroupInputError(f"rank={self.rank} is outside [0, {self.world_size})")
+        if not 1 <= self.master_port <= 65535:
+            raise GroupInputError(f"master_port={self.master_port} is outside [1, 65535]")
+        if not isinstance(self.master_addr, str) or not self.master_addr.strip():
+            raise GroupInputError(f"master_addr must be a non-empty host, got {self.master_addr!r}")
+        if self.backend not in _BACKENDS:
+            raise GroupInputError(f"backend={self.backend!r} is not one of {_BACKENDS}")
+        if (
+            isinstance(self.timeout_s, bool)
+            or not isinstance(self.timeout_s, int | float)
+            or not (math.isfinite(self.timeout_s) and self.timeout_s > 0)
+        ):
+            raise GroupInputError(f"timeout_s={self.timeout_s!r} must be a finite number > 0")
+
+    @property
+    def init_method(self) -> str:
+        host = self.master_addr
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"  # an IPv6 literal needs brackets in a URL
+        return f"tcp://{host}:{self.master_port}"
+
+    @property
+    def where(self) -> str:
+        """``rank r/world at addr:port``, for error messages."""
+        return f"rank {self.rank}/{self.world_size} at {self.master_addr}:{self.master_port}"
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """``auto`` means nccl for a CUDA device when CUDA is available, else gloo."""
+    if backend != "auto":
+        return backend
+    return "nccl" if device.type == "cuda" and torch.cuda.is_available() else "gloo"
+
+
+class TPGroup:
+    """One rank's handle on the TP group: the default ``torch.distributed`` process group.
+
+    One per process (``torch.distributed`` keeps the default group process-wide). The
+    group's tensors live on ``device``: the rank's CUDA device for nccl, the CPU for gloo.
+    After a failed collective the group is marked broken: later calls raise GroupError at
+    once instead of waiting out another timeout. Build it with ``TPGroup.init``.
+    """
+
+    def __init__(self, spec: GroupSpec, backend: str, device: torch.device) -> None:
+        self._spec = spec
+        self._backend = backend
+        self._device = device
+        # Owned by this object; set once, by the first failure or by destroy().
+        self._broken: str | None = None
+        self._destroyed = False
+
+    @classmethod
+    def init(cls, spec: GroupSpec, device: torch.device) -> TPGroup:
+        """Join the group; blocks until all ``world_size`` ranks arrive.
+
+        Raises GroupError if a rank does not arrive within about ``timeout_s`` (up to ~2.5x
+        on a non-master rank, which retries connecting), if the port is taken, if nccl is
+        asked for without a CUDA device, or if this process already has a group.
+        """
+        backend = resolve_backend(spec.backend, device)
+        if backend == "nccl":
+            if device.type != "cuda" or not torch.cuda.is_available():
+                raise GroupError(f"nccl needs a CUDA device, got {device} ({spec.where})")
+            comm_device = device
+        else:
+            comm_device = torch.device("cpu")
+        if dist.is_initialized():
+            raise GroupError(f"this process already has a process group ({spec.where})")
+        if backend == "nccl":
+            torch.cuda.set_device(comm_device)
+        try:
+            dist.init_process_group(
+                backend,
+                init_method=spec.init_method,
+                rank=spec.rank,
+                world_size=spec.world_size,
+                # Bounds the TCPStore rendezvous as well as each collective.
+                timeout=timedelta(seconds=spec.timeout_s),
+            )
+        except Exception as exc:
+            if dist.is_initialized():
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group()
+            raise GroupError(
+                f"init of {backend} group failed for {spec.where} "
+                f"(timeout {spec.timeout_s:g}s): {_first_line(exc)}"
+            ) from exc
+        return cls(spec, backend, comm_device)
+
+    @property
+    def rank(self) -> int:
+        return self._spec.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._spec.world_size
+
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def broken(self) -> str | None:
+        """Why the group can no longer be used, or None while it is healthy."""
+        return self._broken
+
+    def all_min(self, values: Sequence[int]) -> list[int]:
+        """Element-wise MIN over ranks, in one all-reduce. Collective; changes no state."""
+        return self._reduce_min("all_min", values, negate=False)
+
+    def all_max(self, values: Sequence[int]) -> list[int]:
+        """Element-wise MAX over ranks, in one all-reduce. Collective; changes no state."""
+        return self._reduce_min("all_max", values, negate=True)
+
+    def min_max(self, values: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Element-wise (MIN, MAX) over ranks, in one all-reduce MIN of ``values ++ ~values``.
+
+        Bitwise NOT, not negation: ``~x`` reverses int64 order without the overflow of
+        ``-INT64_MIN``, which is exactly the digest 0x8000000000000000. Collective.
+        """
+        xs = self._int_list("min_max", values)
+        n = len(xs)
+        t = self._tensor([n, ~n, *xs, *(~x for x in xs)])
+        self._collective("min_max", lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN))
+        out = self._unpack("min_max", t)
+        return out[:n], [~x for x in out[n:]]
+
+    def all_gather_ints(self, values: Sequence[int]) -> list[list[int]]:
+        """Every rank's ``values``, indexed by rank (to name the odd rank). Collective."""
+        xs = self._int_list("all_gather_ints", values)
+        n = len(xs)
+        mine = self._tensor([n, *xs])
+        rows = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self._collective("all_gather_ints", lambda: dist.all_gather(rows, mine))
+        out = [row.tolist() for row in rows]
+        lens = [row[0] for row in out]
+        if any(m != n for m in lens):
+            raise self._fail("all_gather_ints", f"ranks passed lists of lengths {lens}")
+        return [row[1:] for row in out]
+
+    def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
+        """Rank ``src``'s ``data`` on every rank: its length (int64), then its bytes (uint8).
+
+        Other ranks' ``data`` is ignored. If ``src`` has no valid payload (None, not
+        bytes-like) it sends length -1, and every rank raises GroupError: the failure
+        travels through the collective instead of leaving the peers to time out.
+        """
+        if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self.world_size:
+            raise GroupInputError(f"src={src!r} is outside [0, {self.world_size})")
+        self._check_open("broadcast_bytes")
+        payload: bytes | None = None
+        if self.rank == src and isinstance(data, bytes | bytearray | memoryview):
+            payload = bytes(data)
+        length = self._tensor([len(payload) if payload is not None else -1])
+        self._collective("broadcast_bytes", lambda: dist.broadcast(length, src=src))
+        n = int(length.item())
+        if n < 0:
+            # The collective itself went well: the group stays usable.
+            raise self._fail("broadcast_bytes", f"rank {src} had no bytes payload", broken=False)
+        if n == 0:
+            return b""
+        if payload is not None:
+            buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self._device)
+        else:
+            buf = torch.empty(n, dtype=torch.uint8, device=self._device)
+        self._collective("broadcast_bytes", lambda: dist.broadcast(buf, src=src))
+        return buf.cpu().numpy().tobytes()
+
+    def barrier(self) -> None:
+        """Wait until every rank reaches this barrier. Collective."""
+        idx = self._device.index
+        # NCCL wants the device named, or it guesses one from the rank and warns.
+        ids = [idx] if self._backend == "nccl" and idx is not None else None
+        self._collective("barrier", lambda: dist.barrier(device_ids=ids))
+
+    def destroy(self) -> None:
+        """Leave the group. Idempotent; safe after a failure. Not a collective."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        if self._broken is None:
+            self._broken = "destroyed"
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as exc:
+                raise GroupError(f"destroy failed for {self._spec.where}: {exc}") from exc
+
+    def _reduce_min(self, op: str, values: Sequence[int], *, negate: bool) -> list[int]:
+        xs = self._int_list(op, values)
+        n = len(xs)
+        body = [~x for x in xs] if negate else xs
+        # The [n, ~n] header: after MIN it gives the shortest and the longest list.
+        t = self._tensor([n, ~n, *body])
+        self._collective(op, lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN))
+        out = self._unpack(op, t)
+        return [~x for x in out] if negate else out
+
+    def _unpack(self, op: str, t: torch.Tensor) -> list[int]:
+        """Check the [n, ~n] header of a MIN-reduced tensor; return the body."""
+        vals = t.tolist()
+        lo, hi = vals[0], ~vals[1]
+        if lo != hi:
+            raise self._fail(op, f"ranks passed lists of different lengths ({lo} to {hi})")
+        return vals[2:]
+
+    def _int_list(self, op: str, values: Sequence[int]) -> list[int]:
+        self._check_open(op)
+        xs: list[int] = []
+        for v in values:
+            if isinstance(v, bool) or not hasattr(v, "__index__"):
+                raise GroupInputError(f"{op}: {v!r} is not an int ({self._spec.where})")
+            x = v.__index__()
+            if not _I64_MIN <= x <= _I64_MAX:
+                raise GroupInputError(
+                    f"{op}: {x} does not fit in int64; carry u64 with u64_to_i64 "
+                    f"({self._spec.where})"
+                )
+            xs.append(x)
+        if not xs:
+            raise GroupInputError(f"{op}: empty list ({self._spec.where})")
+        return xs
+
+    def _tensor(self, xs: list[int]) -> torch.Tensor:
+        return torch.tensor(xs, dtype=torch.int64, device=self._device)
+
+    def _check_open(self, op: str) -> None:
+        if self._broken is not None:
+            raise GroupError(f"{op}: group is unusable ({self._broken}) for {self._spec.where}")
+
+    def _collective(self, op: str, fn: Callable[[], _T]) -> _T:
+        self._check_open(op)
+        try:
+            return fn()
+        except Exception as exc:
+            raise self._fail(op, _first_line(exc)) from exc
+
+    def _fail(self, op: str, why: str, *, broken: bool = True) -> GroupError:
+        if broken:
+            self._broken = f"{op} failed: {why}"
+        return GroupError(
+            f"{op} failed for {self._spec.where} ({self._backend}, "
+            f"timeout {self._spec.timeout_s:g}s): {why}"
+        )
+
+
+def _first_line(exc: BaseException) -> str:
+    # torch's distributed errors carry a C++ stack trace after the first line.
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port free now on ``host`` (default: every interface, as the rendezvous store
+    listens). Racy by nature: another process may take it before the group binds it; a
+    taken port makes ``TPGroup.init`` raise GroupError."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def node_ip(probe: str = "10.255.255.255") -> str:
+    """The address other nodes can reach this one at (best effort).
+
+    Asks the kernel which local address routes to ``probe`` (a UDP connect sends no
+    packet); falls back to the host name's address, then to 127.0.0.1, which is only
+    right for a single-node group.
+    """
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((probe, 1))
+        addr = str(s.getsockname()[0])
+        if not addr.startswith("0."):
+            return addr
+    with contextlib.suppress(OSError):
+        return socket.gethostbyname(socket.gethostname())
+    return "127.0.0.1"

@@ -1,0 +1,265 @@
+"""``RankWorker``: one TP rank. A plain class; the coordinator puts Ray on it at the edge.
+
+It owns its head shard of the KV pool (on ``cuda:<local rank>`` or the CPU), its mirror
+of the cache state machine, and its process group. It applies steps in order through
+``lockstep.apply_step``; nothing else changes its cache.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from tpcache.cache.errors import CacheError
+from tpcache.cache.radix import CacheConfig, RadixCache
+from tpcache.workers.group import GroupSpec, TPGroup, free_port, node_ip
+from tpcache.workers.kvpool import (
+    KVPool,
+    PoolSpec,
+    device_budget_bytes,
+    rank_device,
+    slots_that_fit,
+)
+from tpcache.workers.lockstep import apply_step
+from tpcache.workers.ops import Op, decode_step, encode
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """The cache every rank and the mirror build, less its capacity (agreed at start-up)."""
+
+    page_size: int = 16
+    policy: str = "lru"
+    max_request_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        CacheConfig(capacity_tokens=self.page_size, page_size=self.page_size, policy=self.policy)
+
+    def build(self, capacity_tokens: int, record_events: bool = False) -> RadixCache:
+        return RadixCache(
+            CacheConfig(
+                capacity_tokens=capacity_tokens,
+                page_size=self.page_size,
+                policy=self.policy,
+                record_events=record_events,
+                max_request_tokens=self.max_request_tokens,
+            )
+        )
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What every rank of one TP group is configured with (identical on every rank)."""
+
+    pool: PoolSpec
+    cache: CacheSpec = field(default_factory=CacheSpec)
+    capacity_tokens: int | None = None  # None: as many slots as the budget allows
+    cpu_budget_bytes: int = 256 << 20
+    gpu_fraction: float = 0.8
+    backend: str = "auto"
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.capacity_tokens is not None and self.capacity_tokens < self.cache.page_size:
+            raise ValueError(
+                f"capacity_tokens={self.capacity_tokens} is below one page of {self.cache.page_size}"
+            )
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+
+class RankWorker:
+    """One TP rank: KV-pool shard + cache mirror + process group.
+
+    Call order: ``address`` (rank 0), ``join`` (all, concurrently), ``setup`` (all,
+    concurrently: a collective), then ``apply`` for each step in step order.
+    """
+
+    def __init__(self, rank: int, spec: WorkerSpec, local_rank: int = 0) -> None:
+        if not 0 <= rank < spec.pool.tp:
+            raise ValueError(f"rank {rank} is outside [0, {spec.pool.tp})")
+        self.rank = rank
+        self.spec = spec
+        self.device = rank_device(local_rank)
+        self.group: TPGroup | None = None
+        self.pool: KVPool | None = None
+        self.cache: RadixCache | None = None
+        self.last_step = -1
+        # Fault drills (tests, chaos runs): step -> what to do there. Owned by this rank.
+        self._faults: dict[int, tuple[str, float]] = {}
+
+    # ---- start-up ---------------------------------------------------------------------
+    def address(self) -> tuple[str, int]:
+        """Where the group's rendezvous can listen: this node's address and a free port."""
+        return node_ip(), free_port()
+
+    def join(self, master_addr: str, master_port: int) -> str:
+        """Join the TP process group (blocks until every rank joins or the timeout)."""
+        spec = GroupSpec(
+            rank=self.rank,
+            world_size=self.spec.pool.tp,
+            master_addr=master_addr,
+            master_port=master_port,
+            backend=self.spec.backend,
+            timeout_s=self.spec.timeout_s,
+        )
+        self.group = TPGroup.init(spec, self.device)
+        return self.group.backend
+
+    def setup(self) -> int:
+        """Agree the pool capacity (MIN over ranks), allocate the pool, build the cache.
+
+        Collective. Returns the agreed capacity in tokens (whole pages).
+        """
+        group = self._group()
+        ps = self.spec.cache.page_size
+        budget = device_budget_bytes(
+            self.device, self.spec.gpu_fraction, self.spec.cpu_budget_bytes
+        )
+        fit = slots_that_fit(self.spec.pool, budget)
+        if self.spec.capacity_tokens is not None:
+            fit = min(fit, self.spec.capacity_tokens)
+        fit = fit // ps * ps
+        capacity = group.all_min([fit])[0]
+        if capacity < ps:
+            raise CacheError(
+                f"the KV pool holds {capacity} slots on the smallest rank, less than a page of {ps}"
+            )
+        self.pool = KVPool(self.spec.pool, capacity, self.device)
+        self.cache = self.spec.cache.build(capacity)
+        self.last_step = -1
+        return capacity
+
+    # ---- steps ------------------------------------------------------------------------
+    def apply(self, data: bytes) -> bytes:
+        """Apply one encoded step; returns the encoded ``StepResult``.
+
+        Steps must come in order (Ray keeps one caller's order per actor). Raises
+        ``RankFailure`` / ``DivergenceError`` on every rank together.
+        """
+        step = decode_step(data)
+        if step.step != self.last_step + 1:
+            raise RuntimeError(
+                f"rank {self.rank} expected step {self.last_step + 1}, got {step.step}"
+            )
+        tamper = self._drill(step.step)
+        result = apply_step(self._cache(), self._group(), self.rank, step, tamper)
+        self.last_step = step.step
+        return encode(result)
+
+    # ---- KV data (the model's side; not part of the cache state) ------------------------
+    def write_token_kv(self, slots: np.ndarray, tokens: np.ndarray) -> None:
+        """Write a known function of (token, layer, global head) at ``slots`` on every layer.
+
+        For checking that KV written at some slots is what a later prefix hit reads.
+        """
+        pool = self._pool()
+        for layer in range(self.spec.pool.num_layers):
+            k, v = expected_token_kv(self.spec.pool, self.rank, layer, tokens)
+            pool.write(layer, slots, k.to(self.device), v.to(self.device))
+
+    def read_kv(self, layer: int, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        k, v = self._pool().read(layer, slots)
+        return k.float().cpu().numpy(), v.float().cpu().numpy()
+
+    # ---- inspection ---------------------------------------------------------------------
+    def digest(self) -> int:
+        return self._cache().digest()
+
+    def check_integrity(self) -> None:
+        self._cache().check_integrity()
+
+    def info(self) -> dict[str, Any]:
+        cache = self._cache()
+        s = cache.sizes()
+        return {
+            "rank": self.rank,
+            "device": str(self.device),
+            "backend": self.group.backend if self.group else None,
+            "last_step": self.last_step,
+            "digest": cache.digest(),
+            "free": s.free,
+            "evictable": s.evictable,
+            "protected": s.protected,
+            "held": s.held,
+            "pool_bytes": self._pool().nbytes,
+        }
+
+    def ping(self) -> int:
+        return self.rank
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.destroy()
+            self.group = None
+
+    # ---- fault drills -------------------------------------------------------------------
+    def inject_fault(self, step: int, kind: str, arg: float = 0.0) -> None:
+        """At ``step``: ``corrupt`` (apply a tampered op: the first Admit's first token
+        +1, or an Evict of one more page), ``sleep`` (``arg`` seconds before applying),
+        or ``crash`` (exit the process). For tests and fault drills only."""
+        if kind not in ("corrupt", "sleep", "crash"):
+            raise ValueError(f"unknown fault {kind!r}")
+        self._faults[step] = (kind, arg)
+
+    def _drill(self, step: int):
+        fault = self._faults.pop(step, None)
+        if fault is None:
+            return None
+        kind, arg = fault
+        if kind == "sleep":
+            time.sleep(arg)
+            return None
+        if kind == "crash":
+            import os
+
+            os._exit(17)
+        return _corrupt_first
+
+    def _cache(self) -> RadixCache:
+        if self.cache is None:
+            raise RuntimeError(f"rank {self.rank} is not set up")
+        return self.cache
+
+    def _pool(self) -> KVPool:
+        if self.pool is None:
+            raise RuntimeError(f"rank {self.rank} is not set up")
+        return self.pool
+
+    def _group(self) -> TPGroup:
+        if self.group is None:
+            raise RuntimeError(f"rank {self.rank} has not joined its group")
+        return self.group
+
+
+def _corrupt_first(op: Op) -> Op:
+    import msgspec
+
+    from tpcache.workers.ops import Admit, Evict, pack_tokens, unpack_tokens
+
+    if isinstance(op, Admit):
+        tokens = unpack_tokens(op.tokens).copy()
+        tokens[0] += 1
+        return msgspec.structs.replace(op, tokens=pack_tokens(tokens))
+    if isinstance(op, Evict):
+        return msgspec.structs.replace(op, num_tokens=op.num_tokens + 1)
+    return op
+
+
+def expected_token_kv(
+    pool: PoolSpec, rank: int, layer: int, tokens: np.ndarray
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V ``write_token_kv`` stores for ``tokens`` on ``rank``'s heads."""
+    h = pool.heads_per_rank
+    heads = torch.arange(rank * h, (rank + 1) * h, dtype=torch.float64)
+    dims = torch.arange(pool.head_dim, dtype=torch.float64)
+    t = torch.as_tensor(np.asarray(tokens, dtype=np.float64))
+    # Small exact values in every dtype: token mod 251, head, layer and dim mixed in.
+    base = (t % 251)[:, None, None] + 256 * heads[None, :, None] + dims[None, None, :] / 64
+    k = (base + 1024 * layer).to(pool.torch_dtype)
+    v = (-base - 1024 * layer).to(pool.torch_dtype)
+    return k, v
