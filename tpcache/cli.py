@@ -91,6 +91,139 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def init_ray(address: str | None, namespace: str | None = None) -> None:
+    """Join the cluster at ``address`` (``auto``: the one ``ray start`` made here), or start
+    a local one. Ray's token authentication stays on; see the README for tokens."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    kwargs: dict = {"namespace": namespace, "log_to_driver": False}
+    if address:
+        ray.init(address=address, **kwargs)
+    else:
+        ray.init(include_dashboard=False, **kwargs)
+
+
+def _group_config(args: argparse.Namespace, capacity: int | None):  # -> GroupConfig
+    from tpcache.coordinator.service import GroupConfig
+    from tpcache.workers.rank import CacheSpec
+
+    cache = CacheSpec(page_size=args.page_size, policy=args.policy)
+    # A thin pool (one KV head per rank, 4 dims, fp16) keeps a CPU demo's memory small;
+    # the index and the lockstep are what the demo exercises.
+    bytes_per_slot = 2 * args.layers * 1 * args.head_dim * 2
+    budget = (capacity or 1 << 20) * bytes_per_slot + (1 << 20)
+    return GroupConfig(
+        tp=args.tp,
+        capacity_tokens=capacity,
+        cache=cache,
+        num_layers=args.layers,
+        kv_heads=args.tp,
+        head_dim=args.head_dim,
+        dtype="float16",
+        cpu_budget_bytes=budget,
+        timeout_s=args.timeout,
+    )
+
+
+def _add_group_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=_positive, default=2, help="tensor-parallel ranks (default 2)")
+    p.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster to join (e.g. auto); default: start a local one",
+    )
+    p.add_argument("--layers", type=_positive, default=1, help="KV-pool layers (default 1)")
+    p.add_argument("--head-dim", type=_positive, default=4, help="KV-pool head dim (default 4)")
+    p.add_argument(
+        "--timeout", type=float, default=60.0, help="collective timeout in seconds (default 60)"
+    )
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from tpcache.cache.policies import POLICIES
+    from tpcache.coordinator.demo import needed_capacity, run_demo, synthetic_chat, trace_requests
+    from tpcache.coordinator.service import start_group
+    from tpcache.trace import TraceError
+
+    if args.policy not in POLICIES:
+        print(
+            f"tpcache demo: unknown policy {args.policy!r}; known: {', '.join(POLICIES)}",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        requests = trace_requests(args.trace, args.limit) if args.trace else synthetic_chat()
+    except (OSError, TraceError) as exc:
+        print(f"tpcache demo: {exc}", file=sys.stderr)
+        return 2
+    if args.limit and not args.trace:
+        requests = requests[: args.limit]
+    capacity = args.capacity or needed_capacity(requests, args.page_size)
+    init_ray(args.address)
+    coord = start_group(_group_config(args, capacity))
+    try:
+        summary = run_demo(coord, requests, args.batch)
+    finally:
+        coord.ranks.close()
+    summary["workload"] = args.trace or "synthetic multi-turn chat"
+    summary["machine"] = machine()
+    if args.json:
+        print(json.dumps(summary))
+        return 0 if summary["lockstep_verified"] else 1
+    print(f"demo: TP={summary['tp']} on {summary['machine']}, workload {summary['workload']}")
+    print(
+        f"  requests        {summary['requests']:,} in {summary['steps']:,} steps ({args.batch} per step)"
+    )
+    print(
+        f"  hit rate        {summary['hit_rate']:.4f}  ({summary['matched_tokens']:,} of {summary['prompt_tokens']:,} prompt tokens)"
+    )
+    print(
+        f"  capacity        {summary['capacity_tokens']:,} tokens, evicted {summary['evicted_tokens']:,}"
+    )
+    print(
+        f"  steps/s         {summary['steps_per_s']:.1f}   per-step latency median {summary['step_latency_ms_median']:.2f} ms"
+    )
+    ok = summary["lockstep_verified"]
+    print(f"  rank digests    {[f'{d:#018x}' for d in summary['rank_digests']]}")
+    print(
+        f"lockstep verified: {summary['steps']} steps, {summary['divergences']} divergences"
+        if ok
+        else "LOCKSTEP FAILED"
+    )
+    return 0 if ok else 1
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import time
+
+    from tpcache.coordinator.service import serve
+
+    init_ray(args.address, args.namespace)
+    actor = serve(_group_config(args, args.capacity), args.name, args.namespace, args.detached)
+    import ray
+
+    stats = ray.get(actor.stats.remote())
+    print(
+        f"tpcache serving '{args.name}' in namespace '{args.namespace}': TP={args.tp}, capacity {stats['capacity']:,} tokens"
+    )
+    print(
+        f"  frontends: tpcache.connect({args.name!r}, {args.namespace!r}) from any node of the cluster"
+    )
+    if args.detached:
+        print(
+            "  detached: it keeps running after this command exits (ray kill / ray stop to end it)"
+        )
+        return 0
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        ray.get(actor.shutdown.remote())
+    return 0
+
+
 def machine() -> str:
     import os
 
@@ -111,6 +244,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_trace_options(p)
     p.set_defaults(func=_cmd_replay)
+
+    p = sub.add_parser(
+        "demo", help="drive a TP group (Ray actors) with a trace and verify lockstep"
+    )
+    p.add_argument(
+        "trace",
+        nargs="?",
+        default=None,
+        help="Mooncake-format JSONL trace (default: synthetic chat)",
+    )
+    add_trace_options(p)
+    _add_group_options(p)
+    p.add_argument("--batch", type=_positive, default=8, help="requests per step (default 8)")
+    p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("serve", help="serve a TP group's coordinator as a named Ray actor")
+    _add_group_options(p)
+    p.add_argument(
+        "--capacity", type=_capacity, default=1 << 20, help="KV slots per rank (default 1,048,576)"
+    )
+    p.add_argument("--page-size", type=_positive, default=16)
+    p.add_argument("--policy", default="lru")
+    p.add_argument("--name", default="tpcache")
+    p.add_argument("--namespace", default="tpcache")
+    p.add_argument("--detached", action="store_true", help="outlive this command")
+    p.set_defaults(func=_cmd_serve)
     return parser
 
 

@@ -33,6 +33,7 @@ from tpcache.workers.ops import (
     Finish,
     Op,
     OpResult,
+    Reset,
     Step,
     decode_result,
     encode,
@@ -208,6 +209,15 @@ class Coordinator:
             return got.num_tokens
 
         return self._run(run)
+
+    def reset(self) -> None:
+        """Drop every cached prefix and running request on every rank (a cache flush)."""
+
+        def run() -> None:
+            self.mirror.reset()
+            self._emit(Reset(), OpResult())
+
+        self._run(run)
 
     @contextmanager
     def batch(self) -> Iterator[None]:

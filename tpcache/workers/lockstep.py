@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from tpcache.workers.group import i64_to_u64, u64_to_i64
 from tpcache.workers.ops import (
     Abort,
     Admit,
@@ -55,6 +56,10 @@ class LockstepError(RuntimeError):
     def __init__(self, step: int, message: str) -> None:
         super().__init__(f"step {step}: {message}")
         self.step = step
+        self.detail = message
+
+    def __reduce__(self):
+        return (type(self), (self.step, self.detail))
 
 
 class DivergenceError(LockstepError):
@@ -67,17 +72,12 @@ class DivergenceError(LockstepError):
         super().__init__(step, message)
         self.odd_ranks = odd_ranks
 
+    def __reduce__(self):
+        return (type(self), (self.step, self.detail, self.odd_ranks))
+
 
 class RankFailure(LockstepError):
     """An op failed on at least one rank during ``step``."""
-
-
-def u64_to_i64(value: int) -> int:
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-def i64_to_u64(value: int) -> int:
-    return value + (1 << 64) if value < 0 else value
 
 
 def op_may_evict(op: Op) -> bool:

@@ -1,0 +1,80 @@
+"""Configuration of the KV-event publisher (see ``publisher``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_TRANSPORTS = ("tcp", "ipc", "inproc", "pgm", "epgm", "ws", "wss", "tipc", "vmci")
+
+
+class EventConfigError(ValueError):
+    """A field of ``EventConfig`` is invalid; ``field`` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"EventConfig.{field}: {message}")
+        self.field = field
+
+
+def _check_endpoint(field: str, endpoint: object) -> None:
+    if not isinstance(endpoint, str):
+        raise EventConfigError(field, f"must be a str, got {type(endpoint).__name__}")
+    if not endpoint:
+        raise EventConfigError(field, "empty endpoint")
+    transport, sep, address = endpoint.partition("://")
+    if not sep or not address:
+        raise EventConfigError(field, f"{endpoint!r} is not 'transport://address'")
+    if transport not in _TRANSPORTS:
+        raise EventConfigError(
+            field, f"unknown transport {transport!r} in {endpoint!r}; one of {_TRANSPORTS}"
+        )
+    if transport == "tcp":
+        host, sep, port = address.rpartition(":")
+        # libzmq takes port 70000 and binds port 4464, so the range is checked here.
+        if not sep or not host or not (port == "*" or (port.isdigit() and int(port) < 65536)):
+            raise EventConfigError(field, f"{endpoint!r} needs 'tcp://host:port' (port or *)")
+
+
+def _check_int(field: str, value: object, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise EventConfigError(field, f"must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise EventConfigError(field, f"must be >= {minimum}, got {value}")
+
+
+@dataclass(frozen=True)
+class EventConfig:
+    """Where and how KV events are published. Validated on construction.
+
+    ``endpoint`` is bound when it is a wildcard (``*``, ``::``) or ``ipc://`` /
+    ``inproc://``, else connected (to a proxy or a binding subscriber).
+    ``tcp://127.0.0.1:*`` binds a free port; ``EventPublisher.endpoint`` tells which.
+    ``replay_endpoint`` is always bound. ``queue_size`` bounds both the batches waiting
+    for the send thread and the PUB socket's per-subscriber send queue.
+    """
+
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    topic: str = ""
+    buffer_steps: int = 10_000
+    queue_size: int = 100_000
+    data_parallel_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_endpoint("endpoint", self.endpoint)
+        if self.replay_endpoint is not None:
+            _check_endpoint("replay_endpoint", self.replay_endpoint)
+            # Two wildcard ports ("tcp://127.0.0.1:*") get two different free ports.
+            if self.replay_endpoint == self.endpoint and not self.endpoint.endswith(":*"):
+                raise EventConfigError("replay_endpoint", "must differ from endpoint")
+        if not isinstance(self.topic, str):
+            raise EventConfigError("topic", f"must be a str, got {type(self.topic).__name__}")
+        _check_int("buffer_steps", self.buffer_steps, 1)
+        _check_int("queue_size", self.queue_size, 1)
+        if self.data_parallel_rank is not None:
+            _check_int("data_parallel_rank", self.data_parallel_rank, 0)
+
+    @property
+    def binds(self) -> bool:
+        """True when the publisher binds ``endpoint``, False when it connects."""
+        ep = self.endpoint
+        return "*" in ep or "::" in ep or ep.startswith(("ipc://", "inproc://"))

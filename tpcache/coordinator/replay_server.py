@@ -1,0 +1,179 @@
+"""What the publisher remembers (sequence numbers, the replay buffer, the block index)
+and how it answers replay and snapshot requests on its ROUTER socket.
+
+Wire format of the replay socket (the request side is a DEALER):
+- request ``[start]``: ``start`` is an 8-byte big-endian unsigned sequence; the reply is
+  one ``(topic, seq, payload)`` message per buffered batch with ``seq >= start``, oldest
+  first, then ``END_MARKER``. A start older than the oldest kept batch replays from it.
+- request ``[b"SNAPSHOT"]``: the reply is one ``(topic, seq, payload)`` message whose
+  payload is a ``KVEventBatch`` of ``BlockStored`` events rebuilding the publisher's
+  block index as of batch ``seq`` (-1: no batch yet), then ``END_MARKER``.
+- anything else (more frames, another length) gets no reply.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+
+from tpcache.cache.events import KVEvent, KVEventBatch, encode_batch
+from tpcache.coordinator.block_index import BlockIndex
+
+SNAPSHOT_REQUEST = b"SNAPSHOT"
+END_SEQ = -1
+END_MARKER: tuple[bytes, bytes, bytes] = (b"", END_SEQ.to_bytes(8, "big", signed=True), b"")
+
+
+def encode_seq(seq: int) -> bytes:
+    """8 bytes, big-endian, signed (so the end marker -1 and real seqs share a format)."""
+    return seq.to_bytes(8, "big", signed=True)
+
+
+def decode_seq(frame: bytes) -> int:
+    return int.from_bytes(frame, "big", signed=True)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayRequest:
+    start_seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotRequest:
+    pass
+
+
+def parse_request(frames: list[bytes]) -> ReplayRequest | SnapshotRequest | None:
+    """Parse the frames after the routing identity; None if they are not a request."""
+    if len(frames) != 1:
+        return None
+    body = frames[0]
+    if body == SNAPSHOT_REQUEST:
+        return SnapshotRequest()
+    if len(body) == 8:
+        return ReplayRequest(int.from_bytes(body, "big", signed=False))
+    return None
+
+
+class EventLog:
+    """Sequence numbers, the last ``capacity`` encoded batches, and the block index.
+
+    Every batch the publisher accepts is recorded here, whether or not the live send
+    queue had room for it, so a subscriber that sees a gap can fill it by replay and a
+    snapshot always matches the sequence it names. Thread-safe: ``record`` runs on
+    publishing threads, the readers on the sender thread; one lock covers all three
+    fields so a sequence number, its buffer entry and its index update appear together.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self._lock = threading.Lock()
+        # All three owned by this log, guarded by _lock.
+        self._next_seq = 0
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=capacity)
+        self._index = BlockIndex()
+
+    @property
+    def next_seq(self) -> int:
+        return self._next_seq
+
+    def record(self, payload: bytes, events: list[KVEvent]) -> int:
+        """Assign the next sequence number to ``payload``, keep it, fold ``events``.
+
+        ``events`` must already be validated KV events (a TypeError here would leave a
+        sequence number without its index update).
+        """
+        with self._lock:
+            seq = self._next_seq
+            self._next_seq += 1
+            self._buffer.append((seq, payload))
+            self._index.apply_all(events)
+            return seq
+
+    def since(self, start_seq: int) -> list[tuple[int, bytes]]:
+        """Buffered ``(seq, payload)`` with ``seq >= start_seq``, oldest first."""
+        with self._lock:
+            if not self._buffer:
+                return []
+            skip = max(0, start_seq - self._buffer[0][0])
+            if skip >= len(self._buffer):
+                return []
+            entries = list(self._buffer)
+        return entries[skip:]
+
+    def snapshot(self) -> tuple[int, BlockIndex]:
+        """The last recorded sequence (-1 if none) and a copy of the index as of it."""
+        with self._lock:
+            return self._next_seq - 1, self._index.copy()
+
+
+class ReplayServer:
+    """Answers requests on a bound ROUTER socket. Runs on the sender thread only.
+
+    Replies are sent without blocking. The socket's per-client send limit is set to
+    hold one full replay; if a client still has not read enough of an earlier reply,
+    or has gone, the reply is cut short (counted in ``failed``) and that client sees
+    no end marker, so it must time out and ask again.
+    """
+
+    def __init__(
+        self,
+        socket: zmq.Socket,
+        topic: bytes,
+        log: EventLog,
+        clock: Callable[[], float],
+        data_parallel_rank: int | None,
+    ) -> None:
+        self._socket = socket
+        self._topic = topic
+        self._log = log
+        self._clock = clock
+        self._dp_rank = data_parallel_rank
+        # Counters, written by the sender thread only.
+        self.replays = 0
+        self.snapshots = 0
+        self.bad_requests = 0
+        self.failed = 0
+
+    def serve_pending(self, limit: int = 64) -> None:
+        """Answer up to ``limit`` waiting requests (bounded, so live sends keep going)."""
+        for _ in range(limit):
+            try:
+                frames = self._socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            identity, request = frames[0], parse_request(frames[1:])
+            match request:
+                case ReplayRequest(start_seq=start):
+                    self.replays += 1
+                    entries = self._log.since(start)
+                case SnapshotRequest():
+                    self.snapshots += 1
+                    entries = [self._snapshot_entry()]
+                case _:
+                    self.bad_requests += 1
+                    continue
+            self._reply(identity, entries)
+
+    def _snapshot_entry(self) -> tuple[int, bytes]:
+        seq, index = self._log.snapshot()
+        # The snapshot's events are built outside the log's lock: publishers only wait
+        # for the index copy, not for this walk.
+        events: list[KVEvent] = list(index.to_events())
+        batch = KVEventBatch(ts=self._clock(), events=events, data_parallel_rank=self._dp_rank)
+        return seq, encode_batch(batch)
+
+    def _reply(self, identity: bytes, entries: list[tuple[int, bytes]]) -> None:
+        try:
+            for seq, payload in entries:
+                self._socket.send_multipart(
+                    [identity, self._topic, encode_seq(seq), payload], zmq.NOBLOCK
+                )
+            self._socket.send_multipart([identity, *END_MARKER], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            # zmq.Again (client's queue full) or EHOSTUNREACH (client gone), both
+            # raised because ROUTER_MANDATORY is set on the socket.
+            self.failed += 1

@@ -1,0 +1,271 @@
+"""A reference subscriber for the KV-event stream, and the ``tpcache events`` command.
+
+It shows what a router must do with the stream: drop duplicates by sequence number,
+fill gaps by replay, and start from a snapshot when joining late.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import deque
+from collections.abc import Iterator
+from typing import TextIO
+
+import msgspec
+import zmq
+
+from tpcache.cache.events import KVEventBatch, decode_batch
+from tpcache.coordinator.block_index import BlockIndex, IndexProblem, ProblemKind, StoredBlock
+from tpcache.coordinator.replay_server import END_SEQ, SNAPSHOT_REQUEST, decode_seq
+
+__all__ = [
+    "BlockIndex",
+    "EventSubscriber",
+    "EventSubscriberError",
+    "IndexProblem",
+    "ProblemKind",
+    "StoredBlock",
+    "build_events_parser",
+    "run_events",
+]
+
+Received = tuple[int, KVEventBatch]
+
+
+class EventSubscriberError(RuntimeError):
+    """A malformed message, a replay request that timed out, or no replay endpoint."""
+
+
+def _parse(frames: list[bytes]) -> tuple[int, bytes]:
+    if len(frames) != 3:
+        raise EventSubscriberError(f"expected 3 frames (topic, seq, payload), got {len(frames)}")
+    if len(frames[1]) != 8:
+        raise EventSubscriberError(f"sequence frame of {len(frames[1])} bytes, expected 8")
+    return decode_seq(frames[1]), frames[2]
+
+
+def _decode(seq: int, payload: bytes) -> Received:
+    try:
+        return seq, decode_batch(payload)
+    except msgspec.MsgspecError as exc:
+        raise EventSubscriberError(f"batch {seq}: undecodable payload: {exc}") from exc
+
+
+class EventSubscriber:
+    """SUB on ``endpoint`` (and a DEALER on ``replay_endpoint``), both connected.
+
+    ``next_batch`` delivers live batches in sequence order without duplicates: a batch
+    at or below ``last_seq`` is skipped; a gap is filled by a replay when there is a
+    replay endpoint (else counted in ``gaps``). ``request_replay`` and
+    ``request_snapshot`` move ``last_seq`` forward, so live batches already covered by
+    them are skipped. Not thread-safe (ZMQ sockets): use it from one thread.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        *,
+        context: zmq.Context | None = None,
+    ) -> None:
+        self._ctx = context if context is not None else zmq.Context()
+        self._own_ctx = context is None
+        self._replay_endpoint = replay_endpoint
+        # Owned by this subscriber.
+        self.last_seq: int | None = None  # highest sequence delivered so far
+        self.gaps = 0  # batches missed and not recovered by replay
+        self._pending: deque[Received] = deque()  # replayed batches not yet delivered
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._dealer: zmq.Socket | None = None
+        try:
+            self._sub.setsockopt(zmq.LINGER, 0)
+            self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
+            self._sub.connect(endpoint)
+            if replay_endpoint is not None:
+                self._dealer = self._open_dealer()
+        except zmq.ZMQError as exc:
+            self.close()
+            raise EventSubscriberError(
+                f"cannot connect {endpoint!r} / {replay_endpoint!r}: {exc}"
+            ) from exc
+
+    def _open_dealer(self) -> zmq.Socket:
+        assert self._replay_endpoint is not None
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        try:
+            dealer.connect(self._replay_endpoint)
+        except zmq.ZMQError:
+            dealer.close(linger=0)
+            raise
+        return dealer
+
+    def recv_live(self, timeout: float | None = None) -> Received | None:
+        """The next live message as sent (no ordering, no dedup); None on timeout."""
+        if not self._sub.poll(None if timeout is None else int(timeout * 1000)):
+            return None
+        return _decode(*_parse(self._sub.recv_multipart()))
+
+    def next_batch(self, timeout: float | None = None) -> Received | None:
+        """The next batch after ``last_seq``, in order; None if none came in ``timeout``.
+
+        Raises EventSubscriberError on a malformed message or a failed gap replay.
+        """
+        while True:
+            while self._pending:
+                seq, batch = self._pending.popleft()
+                if self.last_seq is None or seq > self.last_seq:
+                    self.last_seq = seq
+                    return seq, batch
+            got = self.recv_live(timeout)
+            if got is None:
+                return None
+            seq, last = got[0], self.last_seq
+            if last is not None and seq <= last:
+                continue
+            if last is not None and seq > last + 1:
+                missing = seq - last - 1
+                if self._dealer is not None:
+                    replayed = self._replay(last + 1, timeout or 5.0)
+                    # From the oldest kept when the gap starts before the buffer.
+                    self._pending.extend(r for r in replayed if last < r[0] < seq)
+                    missing -= len(self._pending)
+                self.gaps += missing
+            self._pending.append(got)
+
+    def __iter__(self) -> Iterator[Received]:
+        """``next_batch`` forever (blocks while nothing comes)."""
+        while True:
+            got = self.next_batch()
+            if got is not None:
+                yield got
+
+    def request_replay(self, start_seq: int, timeout: float = 5.0) -> list[Received]:
+        """Buffered batches with seq >= ``start_seq`` (from the oldest kept if older).
+
+        Moves ``last_seq`` to the last one returned. Raises EventSubscriberError when
+        there is no replay endpoint or no end marker came within ``timeout`` per message.
+        """
+        got = self._replay(start_seq, timeout)
+        if got:
+            last = got[-1][0]
+            self.last_seq = last if self.last_seq is None else max(self.last_seq, last)
+        return got
+
+    def request_snapshot(self, timeout: float = 5.0) -> Received:
+        """``(seq, batch)``: ``BlockStored`` events rebuilding the index as of ``seq``.
+
+        ``seq`` is -1 if nothing was published yet. Sets ``last_seq`` to ``seq``, so
+        ``next_batch`` continues right after it. Raises like ``request_replay``.
+        """
+        got = self._request(SNAPSHOT_REQUEST, timeout)
+        if len(got) != 1:
+            raise EventSubscriberError(f"snapshot reply of {len(got)} messages, expected 1")
+        self.last_seq = got[0][0]
+        return got[0]
+
+    def _replay(self, start_seq: int, timeout: float) -> list[Received]:
+        if start_seq < 0:
+            raise EventSubscriberError(f"start_seq must be >= 0, got {start_seq}")
+        return self._request(start_seq.to_bytes(8, "big", signed=False), timeout)
+
+    def _request(self, body: bytes, timeout: float) -> list[Received]:
+        if self._dealer is None:
+            raise EventSubscriberError("no replay endpoint configured")
+        self._dealer.send(body)
+        replies: list[Received] = []
+        while self._dealer.poll(int(timeout * 1000)):
+            seq, payload = _parse(self._dealer.recv_multipart())
+            if seq == END_SEQ:
+                return replies
+            replies.append(_decode(seq, payload))
+        # A reply cut short may still trickle in; a fresh socket will not see it.
+        self._dealer.close(linger=0)
+        self._dealer = self._open_dealer()
+        raise EventSubscriberError(f"no end marker within {timeout}s ({len(replies)} received)")
+
+    def close(self) -> None:
+        """Close the sockets (and the context if this subscriber made it). Idempotent."""
+        self._sub.close(linger=0)
+        if self._dealer is not None:
+            self._dealer.close(linger=0)
+        if self._own_ctx and not self._ctx.closed:
+            self._ctx.term()
+
+    def __enter__(self) -> EventSubscriber:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+# --- tpcache events -------------------------------------------------------------------
+
+
+def build_events_parser(p: argparse.ArgumentParser) -> None:
+    """Add the ``tpcache events`` options to ``p``."""
+    p.add_argument("--endpoint", default="tcp://127.0.0.1:5557", help="PUB endpoint")
+    p.add_argument("--replay-endpoint", default=None, help="ROUTER endpoint for replay")
+    p.add_argument("--topic", default="", help="topic prefix to subscribe to")
+    p.add_argument("--from-seq", type=int, default=None, metavar="N", help="replay from N")
+    p.add_argument("--snapshot", action="store_true", help="start from a snapshot")
+    p.add_argument("--count", type=int, default=None, metavar="N", help="stop after N batches")
+    p.add_argument(
+        "--timeout", type=float, default=None, metavar="S", help="stop after S s without a batch"
+    )
+    p.add_argument("--json", action="store_true", help="one JSON object per event")
+
+
+def _print_batch(seq: int, batch: KVEventBatch, as_json: bool, out: TextIO) -> None:
+    if as_json:
+        for event in batch.events:
+            record = {"seq": seq, "ts": batch.ts, "data_parallel_rank": batch.data_parallel_rank}
+            record.update(msgspec.to_builtins(event))
+            out.write(json.dumps(record) + "\n")
+    else:
+        counts = {"BlockStored": 0, "BlockRemoved": 0, "AllBlocksCleared": 0}
+        for event in batch.events:
+            counts[type(event).__name__] += 1
+        described = " ".join(f"{name}={n}" for name, n in counts.items())
+        out.write(f"seq={seq} ts={batch.ts:.6f} {described}\n")
+    out.flush()
+
+
+def run_events(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """Print the stream. 0: done (``--count`` reached, or idle ``--timeout`` without
+    ``--count``); 1: ``--timeout`` before ``--count`` batches; 2: bad options or error."""
+    out = out if out is not None else sys.stdout
+    if (args.from_seq is not None or args.snapshot) and args.replay_endpoint is None:
+        print("tpcache events: --from-seq/--snapshot need --replay-endpoint", file=sys.stderr)
+        return 2
+    if args.from_seq is not None and args.snapshot:
+        print("tpcache events: use --from-seq or --snapshot, not both", file=sys.stderr)
+        return 2
+    shown = 0
+    try:
+        with EventSubscriber(args.endpoint, args.replay_endpoint, args.topic) as sub:
+            first: list[Received] = []
+            if args.snapshot:
+                first.append(sub.request_snapshot(args.timeout or 5.0))
+            if args.from_seq is not None:
+                first.extend(sub.request_replay(args.from_seq, args.timeout or 5.0))
+            for seq, batch in first:
+                if args.count is not None and shown >= args.count:
+                    return 0
+                _print_batch(seq, batch, args.json, out)
+                shown += 1
+            while args.count is None or shown < args.count:
+                got = sub.next_batch(args.timeout)
+                if got is None:
+                    return 0 if args.count is None else 1
+                _print_batch(*got, args.json, out)
+                shown += 1
+    except EventSubscriberError as exc:
+        print(f"tpcache events: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
