@@ -1,8 +1,9 @@
 """Page-granular KV slot allocator with a defined allocation order.
 
 Slot ``s`` lives in page ``s // page_size`` at offset ``s % page_size``. Every page has
-one owner tag: FREE, HELD (by a running request) or CACHED (by the radix tree), so a
-free of a page that the caller does not own is caught, not silently accepted.
+one owner tag: FREE, HELD (by a running request's row), CACHED (by the radix tree) or
+LENT (to a caller of ``RadixCache.alloc_slots``), so a free of a page that the caller
+does not own is caught, not silently accepted.
 
 Order: free pages form a FIFO. At start it is ``0, 1, ..., n-1``; each free appends its
 pages sorted. ``alloc(k)`` takes the first ``k``. So the same op sequence hands out the
@@ -16,8 +17,9 @@ import numpy as np
 
 from tpcache.cache.errors import AllocatorError, IntegrityError, OutOfCapacity
 
-FREE, HELD, CACHED = 0, 1, 2
-TAG_NAMES = ("free", "held", "cached")
+FREE, HELD, CACHED, LENT = 0, 1, 2, 3
+TAG_NAMES = ("free", "held", "cached", "lent")
+NUM_TAGS = len(TAG_NAMES)
 
 
 def _id_sum(pages: np.ndarray) -> int:
@@ -42,8 +44,8 @@ class PageAllocator:
         self.page_size = page_size
         self._tags = np.zeros(num_pages, dtype=np.int8)
         self._fifo = np.empty(num_pages, dtype=np.int32)  # ring buffer of free pages
-        self._counts = [0, 0, 0]
-        self._id_sums = [0, 0, 0]  # per owner tag: the sum of its page ids
+        self._counts = [0] * NUM_TAGS
+        self._id_sums = [0] * NUM_TAGS  # per owner tag: the sum of its page ids
         self.reset()
 
     # ---- queries --------------------------------------------------------------------
@@ -58,8 +60,8 @@ class PageAllocator:
         return self._tags[pages]
 
     def fingerprint(self) -> tuple[int, ...]:
-        """Counts and id sums of the held and cached pages (not the FIFO order)."""
-        return (*self._counts, self._id_sums[HELD], self._id_sums[CACHED])
+        """Counts and id sums of the pages of each owner but FREE (not the FIFO order)."""
+        return (*self._counts, *self._id_sums[1:])
 
     # ---- changes --------------------------------------------------------------------
     def reset(self) -> None:
@@ -67,8 +69,8 @@ class PageAllocator:
         self._tags[:] = FREE
         self._fifo[:] = np.arange(self.num_pages, dtype=np.int32)
         self._head = 0
-        self._counts = [self.num_pages, 0, 0]
-        self._id_sums = [_id_sum(np.arange(self.num_pages)), 0, 0]
+        self._counts = [self.num_pages] + [0] * (NUM_TAGS - 1)
+        self._id_sums = [_id_sum(np.arange(self.num_pages))] + [0] * (NUM_TAGS - 1)
 
     def alloc(self, n: int, tag: int = HELD) -> np.ndarray:
         """Take the first ``n`` free pages (int32), tagged ``tag``.
@@ -153,7 +155,7 @@ class PageAllocator:
 
     def check_integrity(self) -> None:
         """Recount everything from scratch; raise ``IntegrityError`` with the numbers."""
-        counts = np.bincount(self._tags, minlength=3).tolist()
+        counts = np.bincount(self._tags, minlength=NUM_TAGS).tolist()
         if counts != self._counts:
             raise IntegrityError(f"allocator tag counts {counts} != counters {self._counts}")
         n = self._counts[FREE]
@@ -168,6 +170,6 @@ class PageAllocator:
             raise IntegrityError(
                 f"page {int(queued[not_free[0]])} is in the free FIFO but not free"
             )
-        sums = [_id_sum(np.flatnonzero(self._tags == t)) for t in range(3)]
+        sums = [_id_sum(np.flatnonzero(self._tags == t)) for t in range(NUM_TAGS)]
         if sums != self._id_sums:
             raise IntegrityError(f"allocator page-id sums {self._id_sums} != recomputed {sums}")

@@ -35,9 +35,11 @@ def _to_numpy(values: TokenLike, what: str, error: type[Exception]) -> np.ndarra
     return arr
 
 
-def as_tokens(tokens: TokenLike, *, allow_empty: bool = False) -> np.ndarray:
-    """Validate token ids and return them as a contiguous int32 array (a copy only if needed).
+def as_tokens(tokens: TokenLike, *, allow_empty: bool = False, copy: bool = False) -> np.ndarray:
+    """Validate token ids and return them as a contiguous int32 array.
 
+    A copy is made only if needed, or always with ``copy`` (for keys the cache keeps:
+    a caller may reuse its buffer, and a torch tensor's numpy view shares its memory).
     Raises ``InvalidTokens`` for non-integers, wrong shape, negatives, ids above
     ``MAX_TOKEN_ID``, or an empty key when ``allow_empty`` is false.
     """
@@ -50,19 +52,23 @@ def as_tokens(tokens: TokenLike, *, allow_empty: bool = False) -> np.ndarray:
         lo, hi = int(arr.min()), int(arr.max())
         if lo < 0 or hi > MAX_TOKEN_ID:
             raise InvalidTokens(f"token ids must be in [0, {MAX_TOKEN_ID}], got [{lo}, {hi}]")
-        arr = arr.astype(np.int32)
-    elif int(arr.min()) < 0:
+        return arr.astype(np.int32)  # a new contiguous array
+    if int(arr.min()) < 0:
         raise InvalidTokens(f"token ids must be >= 0, got {int(arr.min())}")
-    return np.ascontiguousarray(arr)
+    return arr.copy() if copy else np.ascontiguousarray(arr)
 
 
-def as_slots(slots: TokenLike, count: int) -> np.ndarray:
-    """Validate slot ids (``count`` of them, non-negative) and return them as int64."""
+def as_slots(slots: TokenLike, count: int | None, limit: int) -> np.ndarray:
+    """Validate slot ids (``count`` of them unless ``None``, in ``[0, limit)``) as int64."""
     arr = _to_numpy(slots, "slots", InvalidSlots)
-    if arr.size != count:
+    if count is not None and arr.size != count:
         raise InvalidSlots(f"got {arr.size} slot ids for {count} tokens")
-    if arr.size and int(arr.min()) < 0:
-        raise InvalidSlots(f"slot ids must be >= 0, got {int(arr.min())}")
+    if arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0:
+            raise InvalidSlots(f"slot ids must be >= 0, got {lo}")
+        if hi >= limit:
+            raise InvalidSlots(f"slot ids out of range: must be < {limit}, got {hi}")
     return arr.astype(np.int64, copy=False)
 
 

@@ -8,15 +8,17 @@ Every public method validates its input before it changes anything and raises a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from tpcache.cache.allocator import CACHED, FREE, HELD, PageAllocator
+from tpcache.cache.allocator import CACHED, FREE, HELD, LENT, PageAllocator
 from tpcache.cache.errors import (
     CacheError,
     IntegrityError,
     InvalidTokens,
+    LockError,
     OutOfCapacity,
     UnknownHandle,
 )
@@ -28,6 +30,9 @@ from tpcache.cache.reqtable import Req, ReqTable, RequestId
 from tpcache.cache.tree import Node, RadixTree
 
 _MASK = (1 << 64) - 1
+
+# Called with the local shortfall in pages; evicts what it decides (see ``admit``).
+Evictor = Callable[[int], object]
 
 
 @dataclass(frozen=True)
@@ -134,7 +139,9 @@ class RadixCache:
             medium=config.medium,
         )
         self.reqs = ReqTable()
-        self._loose_pages = 0  # HELD pages a caller took with alloc_slots and has not given back
+        # lock() calls not yet undone, per handle (node id). Owned here: a handle's unlock
+        # must never take a lock that a running request holds on the same node.
+        self._handle_locks: dict[int, int] = {}
 
     # ---- tree-level operations ------------------------------------------------------------
     def match_prefix(self, tokens: TokenLike) -> MatchResult:
@@ -154,41 +161,59 @@ class RadixCache:
     def insert(self, tokens: TokenLike, slots: TokenLike, priority: int = 0) -> int:
         """Cache the whole pages of ``tokens`` held at ``slots``; returns tokens already cached.
 
-        ``slots`` must be page-laid-out slots allocated by the caller (``alloc_slots``).
-        Slots of the already-cached part that differ from the tree's are freed; the
-        slots of a partial last page stay the caller's.
+        ``slots`` must be page-laid-out slots allocated by the caller (``alloc_slots``;
+        the tree's own slots are accepted for the already-cached part). Slots of the
+        already-cached part that differ from the tree's are freed; the slots of a
+        partial last page stay the caller's. Raises ``InvalidSlots`` (nothing changed)
+        for slots of the wrong count or layout, out of range, or not the caller's.
         """
         key = as_tokens(tokens)
-        slot_ids = as_slots(slots, key.size)
+        slot_ids = as_slots(slots, key.size, self.alloc.num_pages * self.page_size)
         n = key.size // self.page_size * self.page_size
         pages = slots_to_pages(slot_ids[:n], self.page_size)
-        held = self.alloc.count(HELD)
-        have, _, _ = self.tree.insert(key[:n], pages, _as_priority(priority))
-        self._loose_pages -= held - self.alloc.count(HELD)
+        have, _, _ = self.tree.insert(key[:n], pages, _as_priority(priority), owner=LENT)
         return have
 
     def alloc_slots(self, num_tokens: int) -> np.ndarray:
-        """Allocate whole pages for ``num_tokens`` tokens, owned by the caller (no eviction)."""
-        if num_tokens < 0:
-            raise CacheError(f"cannot allocate {num_tokens} tokens")
-        pages = self.alloc.alloc(-(-num_tokens // self.page_size), HELD)
-        self._loose_pages += pages.size
+        """Allocate whole pages for ``num_tokens`` tokens, lent to the caller (no eviction).
+
+        The caller gives them back with ``insert`` or ``free_slots``. Raises
+        ``OutOfCapacity`` (nothing taken) if not enough pages are free.
+        """
+        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
+            raise CacheError(f"alloc_slots needs an int >= 0, got {num_tokens!r}")
+        pages = self.alloc.alloc(-(-num_tokens // self.page_size), LENT)
         return pages_to_slots(pages, self.page_size, num_tokens)
 
     def free_slots(self, slots: TokenLike) -> None:
-        """Free caller-owned whole pages given by their slots (all slots of each page)."""
-        slot_ids = as_slots(slots, len(slots))
+        """Free pages lent by ``alloc_slots``, given by their slots (all slots of each page).
+
+        Raises ``InvalidSlots`` or ``AllocatorError`` (nothing freed) for malformed slots
+        or pages not lent to a caller (free, cached, or in a running request's row).
+        """
+        slot_ids = as_slots(slots, None, self.alloc.num_pages * self.page_size)
         pages = slots_to_pages(slot_ids, self.page_size)
-        self.alloc.free(pages, HELD)
-        self._loose_pages -= pages.size
+        self.alloc.free(pages, LENT)
 
     def lock(self, handle: Handle) -> None:
         """Protect the matched prefix of ``handle`` from eviction; locks nest."""
-        self.tree.lock(self._node(handle))
+        node = self._node(handle)
+        self.tree.lock(node)
+        self._handle_locks[node.id] = self._handle_locks.get(node.id, 0) + 1
 
     def unlock(self, handle: Handle) -> None:
-        """Undo one ``lock``. Raises ``LockError`` if it is not locked, ``UnknownHandle``."""
-        self.tree.unlock(self._node(handle))
+        """Undo one ``lock`` of ``handle``. Raises ``LockError`` if this handle holds no
+        lock (a lock a running request holds on the same node does not count),
+        ``UnknownHandle`` if it names no node; nothing changes then."""
+        node = self._node(handle)
+        held = self._handle_locks.get(node.id, 0)
+        if held == 0:
+            raise LockError(f"handle {node.id} is not locked (by lock())")
+        self.tree.unlock(node)
+        if held == 1:
+            del self._handle_locks[node.id]
+        else:
+            self._handle_locks[node.id] = held - 1
 
     def evict(self, num_tokens: int) -> EvictResult:
         """Evict whole unlocked leaves in policy order until ``num_tokens`` are free'd.
@@ -212,16 +237,26 @@ class RadixCache:
 
     # ---- request lifecycle ------------------------------------------------------------------
     def admit(
-        self, rid: RequestId, tokens: TokenLike, priority: int = 0, *, evict: bool = True
+        self,
+        rid: RequestId,
+        tokens: TokenLike,
+        priority: int = 0,
+        *,
+        evict: bool | Evictor = True,
     ) -> AdmitResult:
         """Start request ``rid``: match its prompt (reusing at most ``len - 1`` tokens),
         lock the match, evict the shortfall (if ``evict``) and allocate the rest.
+
+        ``evict`` may instead be an ``Evictor``: it is called once, after the lock and
+        before the allocation, with the local shortfall in pages, and evicts what it
+        decides (a TP rank evicts what the op log says, agreed across ranks). Then
+        ``OutOfCapacity`` can come after the match; the lock is released again.
 
         Raises before changing anything: ``DuplicateRequest``, ``InvalidTokens``
         (empty, malformed, longer than the request limit), ``OutOfCapacity``.
         """
         self.reqs.check_new(rid)
-        key = as_tokens(tokens)
+        key = as_tokens(tokens, copy=True)  # the row keeps it
         prio = _as_priority(priority)
         if key.size > self.config.request_limit:
             raise InvalidTokens(
@@ -235,12 +270,16 @@ class RadixCache:
         path, pos = self.tree.take_match(path, pos, partial, common)
         node = path[-1] if path else self.tree.root
         self.tree.lock(node)
-        pages = self._take_pages(need, evict)
+        try:
+            pages = self._take_pages(need, evict)
+        except OutOfCapacity:
+            self.tree.unlock(node)
+            raise
         row = np.concatenate([*(p.pages for p in path), pages])
         self.reqs.add(rid, key, row, key.size, pos // ps, node, prio)
         return AdmitResult(pos, row, key.size, ps)
 
-    def extend(self, rid: RequestId, n: int, *, evict: bool = True) -> np.ndarray:
+    def extend(self, rid: RequestId, n: int, *, evict: bool | Evictor = True) -> np.ndarray:
         """``n`` more slots for ``rid`` (decode or a prefill chunk); returns their ids."""
         req = self.reqs.get(rid)
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
@@ -252,7 +291,7 @@ class RadixCache:
         ps = self.page_size
         need = -(-(req.num_tokens + n) // ps) - req.pages.size
         self._check_room(need, [], None, 0, evict)
-        if need:
+        if need or callable(evict):
             req.pages = np.concatenate((req.pages, self._take_pages(need, evict)))
         start = req.num_tokens
         req.num_tokens += n
@@ -267,7 +306,7 @@ class RadixCache:
         tree's pages and its lock moves to the new last node. Returns the cached length.
         """
         req = self.reqs.get(rid)
-        key = as_tokens(tokens)
+        key = as_tokens(tokens, copy=True)  # the row keeps it
         self._check_extends(rid, req.tokens, key, req.num_tokens)
         n = key.size // self.page_size * self.page_size
         _, tree_pages, node = self.tree.insert(
@@ -318,10 +357,15 @@ class RadixCache:
         return max(0, num_pages - self.alloc.num_free)
 
     def _check_room(
-        self, need: int, path: list[Node], partial: Node | None, common: int, evict: bool
+        self,
+        need: int,
+        path: list[Node],
+        partial: Node | None,
+        common: int,
+        evict: bool | Evictor,
     ) -> None:
         free = self.alloc.num_free
-        if need <= free:
+        if need <= free or callable(evict):
             return
         if not evict:
             raise OutOfCapacity(f"need {need} pages, {free} free (eviction not allowed here)")
@@ -335,9 +379,11 @@ class RadixCache:
                 f"need {need} pages of {self.page_size}: {free} free + {evictable} evictable"
             )
 
-    def _take_pages(self, need: int, evict: bool) -> np.ndarray:
+    def _take_pages(self, need: int, evict: bool | Evictor) -> np.ndarray:
         short = self.pages_short(need)
-        if short and evict:
+        if callable(evict):
+            evict(short)  # called even when nothing is short: it may enter a collective
+        elif short and evict:
             self.tree.evict(short)
         return self.alloc.alloc(need, HELD)
 
@@ -355,7 +401,7 @@ class RadixCache:
         self.alloc.reset()
         self.tree._clear()
         self.reqs = ReqTable()
-        self._loose_pages = 0
+        self._handle_locks = {}
         if self.config.record_events:
             events.append(AllBlocksCleared())
         self.tree.events = events
@@ -373,7 +419,7 @@ class RadixCache:
             free=self.alloc.num_free * ps,
             evictable=(t.cached_pages - t.protected_pages) * ps,
             protected=t.protected_pages * ps,
-            held=self.alloc.count(HELD) * ps,
+            held=(self.alloc.count(HELD) + self.alloc.count(LENT)) * ps,
         )
 
     def digest(self) -> int:
@@ -398,7 +444,7 @@ class RadixCache:
                 f"free {s.free} + evictable {s.evictable} + protected {s.protected} + held {s.held}"
                 f" = {total} != capacity {s.capacity}"
             )
-        counts = (self.alloc.count(FREE), self.alloc.count(HELD), self.alloc.count(CACHED))
+        counts = tuple(self.alloc.count(t) for t in (FREE, HELD, CACHED, LENT))
         if sum(counts) != self.alloc.num_pages:
             raise IntegrityError(
                 f"allocator counts {counts} do not add up to {self.alloc.num_pages}"
@@ -407,11 +453,32 @@ class RadixCache:
         self.tree.check_integrity()
         self.reqs.check_integrity(self.tree, self.alloc)
         rows = self.reqs.held_pages()
-        if rows + self._loose_pages != self.alloc.count(HELD):
+        if rows != self.alloc.count(HELD):
             raise IntegrityError(
-                f"request rows hold {rows} pages and callers {self._loose_pages}, but"
-                f" {self.alloc.count(HELD)} pages are tagged held"
+                f"request rows hold {rows} pages, but {self.alloc.count(HELD)} pages are tagged held"
             )
+        self._check_locks()
+
+    def _check_locks(self) -> None:
+        # Every node's lock count is exactly the requests and handle locks at or below it.
+        holders = [(self.reqs.get(rid).node, 1) for rid in self.reqs.ids()]
+        for node_id, count in self._handle_locks.items():
+            node = self.tree.nodes.get(node_id)
+            if node is None:
+                raise IntegrityError(f"handle {node_id} holds {count} locks on a node that is gone")
+            holders.append((node, count))
+        expected: dict[int, int] = {}
+        root = self.tree.root
+        for node, count in holders:
+            while node is not root:
+                expected[node.id] = expected.get(node.id, 0) + count
+                node = node.parent  # type: ignore[assignment]
+        for node in self.tree.walk():
+            if node.lock != expected.get(node.id, 0):
+                raise IntegrityError(
+                    f"node {node.id} has lock {node.lock}, but requests and handles hold"
+                    f" {expected.get(node.id, 0)} locks on it"
+                )
 
 
 def _as_priority(priority: object) -> int:

@@ -110,13 +110,15 @@ class RadixTree:
         # for the last 10,000 calls, and pages evicted since creation.
         self.evict_seconds: list[float] = []
         self.evicted_pages = 0
+        # Node ids only grow, across reset() too, so a handle from before a reset can
+        # never name a node created after it.
+        self._next_id = 1
         self._clear()
 
     def _clear(self) -> None:
         self.root = Node(0, None, np.zeros(0, np.int32), _EMPTY_PAGES, _EMPTY_STATES, 0)
         self.root.lock = 1  # the root is never evicted
         self.nodes: dict[int, Node] = {0: self.root}
-        self._next_id = 1
         self.tick = 0
         self.cached_pages = 0
         self.protected_pages = 0
@@ -219,8 +221,10 @@ class RadixTree:
         start: Node | None = None,
         start_pos: int = 0,
         trusted: bool = False,
+        owner: int = HELD,
     ) -> tuple[int, np.ndarray, Node]:
-        """Cache ``key`` (whole pages) backed by ``pages`` (tagged HELD by the caller).
+        """Cache ``key`` (whole pages) backed by ``pages`` (tagged ``owner``: HELD for a
+        request's row, LENT for a caller's slots).
 
         Pages of the already-cached part that differ from the tree's are duplicates and
         are freed; the rest become the tree's. Returns (tokens already cached, the
@@ -250,7 +254,7 @@ class RadixTree:
         if not trusted:
             mine = np.concatenate((dups, fresh)) if dups.size else fresh
             try:
-                self.alloc.check_owned(mine, HELD)
+                self.alloc.check_owned(mine, owner)
             except Exception as exc:
                 raise InvalidSlots(f"cannot insert: {exc}") from None
 
@@ -267,22 +271,24 @@ class RadixTree:
                 node.priority = priority
             node = node.parent  # type: ignore[assignment]
         if dups.size:
-            self.alloc.free(dups, HELD, checked=False)
+            self.alloc.free(dups, owner, checked=False)
         if have < n:
-            end = self._add_child(end, key[have:].copy(), fresh.copy(), priority)
+            end = self._add_child(end, key[have:].copy(), fresh.copy(), priority, owner)
             tree_pages = np.concatenate((tree_pages, end.pages)) if k else end.pages
         else:
             self._queue(end)
         return have, tree_pages, end
 
-    def _add_child(self, parent: Node, key: np.ndarray, pages: np.ndarray, priority: int) -> Node:
+    def _add_child(
+        self, parent: Node, key: np.ndarray, pages: np.ndarray, priority: int, owner: int
+    ) -> Node:
         parent_state = int(parent.states[-1]) if parent.states.size else ROOT_STATE
         states = self.hasher.chain(key, parent_state)
         node = Node(self._new_id(), parent, key, pages, states, self.tick)
         node.priority = priority
         parent.children[key[: self.ps].tobytes()] = node
         self.nodes[node.id] = node
-        self.alloc.retag(pages, HELD, CACHED, checked=False)
+        self.alloc.retag(pages, owner, CACHED, checked=False)
         self.cached_pages += pages.size
         self.digest_sum = (self.digest_sum + page_terms(states, pages)) & _MASK
         if self.record_events:
@@ -356,9 +362,9 @@ class RadixTree:
         freed_pages: list[np.ndarray] = []
         freed_states: list[np.ndarray] = []
         count = 0
-        heap = self._heap
-        while count < num_pages and heap:
-            k, node = heapq.heappop(heap)
+        # Read self._heap each round: queueing a parent may rebuild it into a new list.
+        while count < num_pages and self._heap:
+            k, node = heapq.heappop(self._heap)
             if node.queued != k:
                 continue
             node.queued = None
