@@ -192,6 +192,10 @@ class RankWorker:
     def ping(self) -> int:
         return self.rank
 
+    def collective_ping(self) -> int:
+        """One bare all-reduce (collective): with a round trip, the floor of a step."""
+        return self._group().all_min([self.rank])[0]
+
     def shutdown(self) -> None:
         if self.group is not None:
             self.group.destroy()
