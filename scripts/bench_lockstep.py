@@ -99,7 +99,7 @@ def main() -> None:
                 coord.reset()
                 coord.sync()
         finally:
-            coord.ranks.close()
+            coord.close()
     machine = f"{platform.node()} ({os.cpu_count()} cpus, {platform.machine()})"
     if args.json:
         print(json.dumps({"machine": machine, "rows": rows}))

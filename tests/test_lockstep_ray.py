@@ -55,7 +55,7 @@ def groups(ray_cluster):
 
     yield get
     for coord in made.values():
-        coord.ranks.close()
+        coord.close()
 
 
 def workload(seed: int, n: int = 120) -> list[tuple]:
@@ -256,7 +256,7 @@ def test_planted_divergence_is_caught_at_its_step(ray_cluster):
         with pytest.raises(CoordinatorUnavailable):
             coord.admit("c", [1, 2, 3])
     finally:
-        coord.ranks.close()
+        coord.close()
 
 
 def test_frontend_in_another_process_connects_by_name(ray_cluster):

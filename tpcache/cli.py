@@ -49,7 +49,24 @@ def add_trace_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def _add_swa_options(p: argparse.ArgumentParser) -> None:
+    """The hybrid (full + sliding-window) cache options of ``replay``."""
+    p.add_argument(
+        "--swa-window",
+        type=_positive,
+        default=None,
+        help="sliding window in tokens: replay through the hybrid SWA cache",
+    )
+    p.add_argument(
+        "--swa-capacity",
+        type=_capacity,
+        default=None,
+        help="SWA pool size in tokens (default: as large as the full pool)",
+    )
+
+
 def _cmd_replay(args: argparse.Namespace) -> int:
+    from tpcache.cache.errors import CacheError
     from tpcache.cache.policies import POLICIES
     from tpcache.replay import ReplayOptions, replay, terminal_progress
     from tpcache.trace import TraceError, load_trace
@@ -68,8 +85,21 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     if not requests:
         print("tpcache replay: the trace has no requests", file=sys.stderr)
         return 2
-    opts = ReplayOptions(capacity=args.capacity, page_size=args.page_size, policy=args.policy)
-    summary = replay(requests, opts, None if args.json else terminal_progress)
+    if args.swa_capacity is not None and args.swa_window is None:
+        print("tpcache replay: --swa-capacity needs --swa-window", file=sys.stderr)
+        return 2
+    opts = ReplayOptions(
+        capacity=args.capacity,
+        page_size=args.page_size,
+        policy=args.policy,
+        swa_window=args.swa_window,
+        swa_capacity=args.swa_capacity,
+    )
+    try:
+        summary = replay(requests, opts, None if args.json else terminal_progress)
+    except CacheError as exc:
+        print(f"tpcache replay: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
     summary["machine"] = machine()
     if args.json:
         print(json.dumps(summary))
@@ -87,6 +117,13 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         print(
             f"  cache ops       {summary['cache_ops_s']:.3f} s   medians: admit {summary['match_us_median']} us, finish {summary['insert_us_median']} us, evict {summary['evict_us_median']} us"
         )
+        if opts.swa_window:
+            print(
+                f"  SWA window      {summary['swa_window']:,} tokens, pool {summary['swa_capacity_tokens']:,}; at the end: full {summary['full_cached_tokens_end']:,} cached, SWA {summary['swa_cached_tokens_end']:,} cached, {summary['swa_free_tokens_end']:,} free"
+            )
+            print(
+                f"  tombstones      {summary['tombstones_end']:,} nodes ({summary['tombstone_tokens_end']:,} tokens) at the end, {summary['tombstoned_nodes_total']:,} made; SWA evicted {summary['swa_evicted_tokens']:,} tokens"
+            )
         print(f"  peak RSS        {summary['peak_rss_mb']} MB   on {summary['machine']}")
     return 0
 
@@ -166,7 +203,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     try:
         summary = run_demo(coord, requests, args.batch)
     finally:
-        coord.ranks.close()
+        coord.close()
     summary["workload"] = args.trace or "synthetic multi-turn chat"
     summary["machine"] = machine()
     if args.json:
@@ -195,13 +232,36 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _cmd_events(args: argparse.Namespace) -> int:
+    from tpcache.coordinator.subscriber import run_events
+
+    return run_events(args)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
+    import dataclasses
     import time
 
+    from tpcache.coordinator.event_config import EventConfig, EventConfigError
     from tpcache.coordinator.service import serve
 
+    config = _group_config(args, args.capacity)
+    try:
+        if args.events_endpoint:
+            events = EventConfig(
+                endpoint=args.events_endpoint,
+                replay_endpoint=args.events_replay_endpoint,
+                topic=args.events_topic,
+                buffer_steps=args.events_buffer,
+            )
+            config = dataclasses.replace(config, events=events)
+    except EventConfigError as exc:
+        print(f"tpcache serve: {exc}", file=sys.stderr)
+        return 2
+    if args.metrics_port is not None:
+        config = dataclasses.replace(config, metrics_port=args.metrics_port)
     init_ray(args.address, args.namespace)
-    actor = serve(_group_config(args, args.capacity), args.name, args.namespace, args.detached)
+    actor = serve(config, args.name, args.namespace, args.detached)
     import ray
 
     stats = ray.get(actor.stats.remote())
@@ -211,6 +271,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     print(
         f"  frontends: tpcache.connect({args.name!r}, {args.namespace!r}) from any node of the cluster"
     )
+    if args.events_endpoint:
+        print(
+            f"  KV events on {args.events_endpoint} (replay: {args.events_replay_endpoint}); read them with `tpcache events`"
+        )
+    if stats.get("metrics_port") is not None:
+        print(f"  Prometheus metrics on port {stats['metrics_port']} (/metrics)")
     if args.detached:
         print(
             "  detached: it keeps running after this command exits (ray kill / ray stop to end it)"
@@ -243,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="JSONL trace (default: the shared Mooncake trace)",
     )
     add_trace_options(p)
+    _add_swa_options(p)
     p.set_defaults(func=_cmd_replay)
 
     p = sub.add_parser(
@@ -269,7 +336,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default="tpcache")
     p.add_argument("--namespace", default="tpcache")
     p.add_argument("--detached", action="store_true", help="outlive this command")
+    p.add_argument(
+        "--events-endpoint",
+        default=None,
+        help="publish KV events on this ZMQ endpoint (e.g. tcp://*:5557); off by default",
+    )
+    p.add_argument(
+        "--events-replay-endpoint",
+        default=None,
+        help="ROUTER endpoint for replay and snapshots (e.g. tcp://*:5558)",
+    )
+    p.add_argument(
+        "--events-topic", default="", help="topic of every event message (default empty)"
+    )
+    p.add_argument(
+        "--events-buffer",
+        type=_positive,
+        default=10_000,
+        help="batches kept for replay (default 10,000)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on this port; off by default",
+    )
     p.set_defaults(func=_cmd_serve)
+
+    from tpcache.coordinator.subscriber import build_events_parser
+
+    p = sub.add_parser("events", help="subscribe to a coordinator's KV events and print them")
+    build_events_parser(p)
+    p.set_defaults(func=_cmd_events)
     return parser
 
 

@@ -53,6 +53,14 @@ class RankCallError(Exception):
         self.dead = dead
 
 
+class StepObserver(Protocol):
+    """Told of every step: its KV events when it is sent, its latency when verified."""
+
+    def step_sent(self, step: int, events: list) -> None: ...
+
+    def step_done(self, step: int, latency_s: float) -> None: ...
+
+
 class RankTransport(Protocol):
     """How the coordinator reaches its ranks (Ray actors, or anything with these calls)."""
 
@@ -65,6 +73,8 @@ class RankTransport(Protocol):
     def collect(self, ticket: Any, timeout: float) -> list[bytes]: ...
 
     def call(self, method: str, *args: Any) -> list[Any]: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -115,12 +125,16 @@ class Coordinator:
         ranks: RankTransport,
         mirror: RadixCache,
         config: CoordinatorConfig | None = None,
-        on_step: Callable[[int, list], None] | None = None,
+        observers: list[StepObserver] | None = None,
     ) -> None:
         self.ranks = ranks
         self.mirror = mirror
         self.config = config or CoordinatorConfig()
-        self.on_step = on_step  # receives (step, events) as each step is sent
+        self.observers: list[StepObserver] = list(observers or [])
+        # Counted by whoever publishes events (EventsHook); read by stats() and metrics.
+        self.event_stats: Callable[[], tuple[int, int]] | None = None
+        self.publisher: Any = None  # the EventPublisher, when events are on
+        self.metrics_port: int | None = None
         self.counters = _Counters()
         self._pending: list[tuple[Op, OpResult]] = []
         self._inflight: deque[_InFlight] = deque()
@@ -263,7 +277,20 @@ class Coordinator:
             "step_latency_ms_median": statistics.median(lat) * 1e3 if lat else 0.0,
             "digest": self.mirror.digest(),
             "broken": str(self.broken) if self.broken else None,
+            "events_published": self.event_stats()[0] if self.event_stats else 0,
+            "events_dropped": self.event_stats()[1] if self.event_stats else 0,
+            "metrics_port": self.metrics_port,
         }
+
+    def close(self) -> None:
+        """Stop the ranks, the event publisher and the metrics endpoint. Idempotent."""
+        self.ranks.close()
+        for obs in self.observers:
+            close = getattr(obs, "close", None)
+            if close is not None:
+                close()
+        if self.publisher is not None:
+            self.publisher.close()
 
     # ---- steps -------------------------------------------------------------------------------
     def _run(self, fn: Callable[[], _T]) -> _T:
@@ -286,8 +313,9 @@ class Coordinator:
         step = self._next_step
         self._next_step += 1
         data = encode(Step(step, ops))
-        if self.on_step is not None:
-            self.on_step(step, self.mirror.take_events())
+        events = self.mirror.take_events()
+        for obs in self.observers:
+            obs.step_sent(step, events)
         while len(self._inflight) >= self.config.max_inflight:
             self._collect_one()
         ticket = self.ranks.send(data)
@@ -303,7 +331,10 @@ class Coordinator:
             outs = self.ranks.collect(f.ticket, self.config.step_timeout_s)
         except RankCallError as exc:
             self._fail(f, exc)
-        self.counters.latencies_s.append(time.perf_counter() - f.sent_at)
+        latency = time.perf_counter() - f.sent_at
+        self.counters.latencies_s.append(latency)
+        for obs in self.observers:
+            obs.step_done(f.step, latency)
         odd = []
         for out in outs:
             got = decode_result(out)

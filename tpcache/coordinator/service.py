@@ -16,7 +16,10 @@ import ray
 from tpcache.cache.keys import TokenLike
 from tpcache.coordinator import api
 from tpcache.coordinator.core import Admission, Coordinator, CoordinatorConfig
+from tpcache.coordinator.event_config import EventConfig
 from tpcache.coordinator.frontend import handle, handle_many
+from tpcache.coordinator.metrics import CoordinatorMetrics, EventsHook
+from tpcache.coordinator.publisher import EventPublisher
 from tpcache.coordinator.ranks import RayRanks
 from tpcache.workers.kvpool import PoolSpec
 from tpcache.workers.rank import CacheSpec, RankWorker, WorkerSpec
@@ -42,6 +45,8 @@ class GroupConfig:
     use_gpus: bool | None = None
     strategy: str = "PACK"
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+    events: EventConfig | None = None  # None: no KV events published
+    metrics_port: int | None = None  # None: no Prometheus endpoint; 0 picks a port
 
     def worker_spec(self) -> WorkerSpec:
         return WorkerSpec(
@@ -55,21 +60,42 @@ class GroupConfig:
         )
 
 
-def start_group(
-    config: GroupConfig, worker_cls: type[RankWorker] = RankWorker, on_step: Any = None
-) -> Coordinator:
-    """Start ``config.tp`` rank actors, agree the capacity, and return their coordinator.
+def start_group(config: GroupConfig, worker_cls: type[RankWorker] = RankWorker) -> Coordinator:
+    """Start ``config.tp`` rank actors, agree the capacity, and return their coordinator,
+    publishing KV events and serving metrics if configured.
 
-    Needs ``ray.init`` first. ``coordinator.ranks.close()`` stops the ranks.
+    Needs ``ray.init`` first. ``coordinator.close()`` stops the ranks and the endpoints.
+    Raises ``EventConfigError``/``EventPublisherError`` for a bad events endpoint before
+    any rank starts.
     """
-    ranks = RayRanks(
-        config.worker_spec(),
-        use_gpus=config.use_gpus,
-        strategy=config.strategy,
-        worker_cls=worker_cls,
-    )
-    mirror = config.cache.build(ranks.capacity, record_events=on_step is not None)
-    return Coordinator(ranks, mirror, config.coordinator, on_step=on_step)
+    publisher = EventPublisher(config.events) if config.events is not None else None
+    try:
+        ranks = RayRanks(
+            config.worker_spec(),
+            use_gpus=config.use_gpus,
+            strategy=config.strategy,
+            worker_cls=worker_cls,
+        )
+    except BaseException:
+        if publisher is not None:
+            publisher.close()
+        raise
+    mirror = config.cache.build(ranks.capacity, record_events=publisher is not None)
+    coord = Coordinator(ranks, mirror, config.coordinator)
+    if publisher is not None:
+        coord.observers.append(EventsHook(publisher))
+        coord.publisher = publisher
+
+        def event_stats() -> tuple[int, int]:
+            st = publisher.stats()
+            return st.published_events, st.dropped_events
+
+        coord.event_stats = event_stats
+    if config.metrics_port is not None:
+        metrics = CoordinatorMetrics(coord)
+        coord.metrics_port = metrics.serve(config.metrics_port)
+        coord.observers.append(metrics)
+    return coord
 
 
 class CoordinatorService:
@@ -97,7 +123,7 @@ class CoordinatorService:
         return self.coord.stats()
 
     def shutdown(self) -> None:
-        self.coord.ranks.close()
+        self.coord.close()
 
 
 def serve(

@@ -1,0 +1,117 @@
+"""Prometheus metrics of one coordinator, and the KV-event publishing hook.
+
+Counters and gauges are read from ``Coordinator.stats()`` at scrape time (a custom
+collector), so a scrape and ``stats()`` always agree. Latency histograms are observed
+as steps complete. A registry of its own per coordinator: two coordinators in one
+process (tests) never share series.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from tpcache.coordinator.core import Coordinator
+    from tpcache.coordinator.publisher import EventPublisher
+
+_COUNTERS = {
+    "queries": ("tpcache_prefix_queries", "Admitted requests whose prompt was matched"),
+    "query_tokens": ("tpcache_prefix_query_tokens", "Prompt tokens looked up"),
+    "hit_tokens": ("tpcache_prefix_hit_tokens", "Prompt tokens found cached"),
+    "evicted_tokens": ("tpcache_evicted_tokens", "Tokens evicted from the cache"),
+    "steps_done": ("tpcache_steps", "Steps applied and verified on every rank"),
+    "ops": ("tpcache_ops", "Cache operations logged"),
+    "divergences": ("tpcache_divergences", "Steps after which ranks disagreed"),
+    "rank_failures": ("tpcache_rank_failures", "Steps that failed on a rank"),
+    "events_published": ("tpcache_kv_events_published", "KV events accepted by the publisher"),
+    "events_dropped": ("tpcache_kv_events_dropped", "KV events dropped from the live stream"),
+}
+_GAUGES = {
+    "capacity": ("tpcache_pool_capacity_tokens", "KV slots in the device pool"),
+    "free": ("tpcache_pool_free_tokens", "Free KV slots"),
+    "evictable": ("tpcache_cache_evictable_tokens", "Cached tokens no request holds"),
+    "protected": ("tpcache_cache_protected_tokens", "Cached tokens locked by running requests"),
+    "held": ("tpcache_pool_held_tokens", "KV slots held by running requests, not cached"),
+    "used": ("tpcache_pool_used_tokens", "KV slots in use (capacity - free)"),
+    "running": ("tpcache_running_requests", "Requests admitted and not finished"),
+    "inflight": ("tpcache_steps_inflight", "Steps sent and not yet verified"),
+    "hit_rate": ("tpcache_prefix_hit_rate", "hit_tokens / query_tokens since start"),
+}
+
+
+class _StatsCollector:
+    def __init__(self, coord: Coordinator) -> None:
+        self.coord = coord
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.coord.stats()
+        for key, (name, doc) in _COUNTERS.items():
+            yield CounterMetricFamily(name, doc, value=stats.get(key, 0) or 0)
+        for key, (name, doc) in _GAUGES.items():
+            value = stats["capacity"] - stats["free"] if key == "used" else stats[key]
+            yield GaugeMetricFamily(name, doc, value=value, labels=None)
+
+
+class CoordinatorMetrics:
+    """Registers a coordinator's metrics; ``serve(port)`` exposes them over HTTP."""
+
+    def __init__(self, coord: Coordinator, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.registry.register(_StatsCollector(coord))  # type: ignore[arg-type]
+        self.step_latency = Histogram(
+            "tpcache_step_latency_seconds",
+            "From sending a step to every rank's verified result",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0, 5.0),
+            registry=self.registry,
+        )
+        self.evict_time = Histogram(
+            "tpcache_evict_seconds",
+            "Time of one eviction call in the coordinator's mirror",
+            buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 0.1),
+            registry=self.registry,
+        )
+        self._coord = coord
+        self._evictions_seen = 0
+        self.server: Any = None
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
+        """Start the HTTP endpoint (``port`` 0 picks one); returns the port."""
+        self.server, thread = start_http_server(port, addr=addr, registry=self.registry)
+        del thread
+        return int(self.server.server_port)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+    # ---- StepObserver ---------------------------------------------------------------------
+    def step_sent(self, step: int, events: list) -> None:
+        seconds = self._coord.mirror.tree.evict_seconds
+        # The list keeps the last calls only; observe what is new since the last step.
+        new = seconds[self._evictions_seen :] if self._evictions_seen <= len(seconds) else seconds
+        for s in new:
+            self.evict_time.observe(s)
+        self._evictions_seen = len(seconds)
+
+    def step_done(self, step: int, latency_s: float) -> None:
+        self.step_latency.observe(latency_s)
+
+
+class EventsHook:
+    """Publishes each step's KV events (the mirror's, identical to every rank's)."""
+
+    def __init__(self, publisher: EventPublisher) -> None:
+        self.publisher = publisher
+
+    def step_sent(self, step: int, events: list) -> None:
+        if events:
+            self.publisher.publish(events)
+
+    def step_done(self, step: int, latency_s: float) -> None:
+        pass
