@@ -50,10 +50,10 @@ def test_counts_tags_and_fingerprint_follow_each_change() -> None:
     a.retag(p[:2], HELD, CACHED)
     assert (a.count(FREE), a.count(HELD), a.count(CACHED)) == (2, 2, 2)
     assert a.tags_of(p).tolist() == [CACHED, CACHED, HELD, HELD]
-    # counts per tag (free, held, cached, lent), then id sums of held, cached, lent
-    assert a.fingerprint() == (2, 2, 2, 0, 2 + 3, 0 + 1, 0)
+    # counts per tag (free, held, cached, lent), id sums of held, cached, lent, FIFO head
+    assert a.fingerprint() == (2, 2, 2, 0, 2 + 3, 0 + 1, 0, 4)
     a.free(p[:2], CACHED)
-    assert a.fingerprint() == (4, 2, 0, 0, 5, 0, 0)
+    assert a.fingerprint() == (4, 2, 0, 0, 5, 0, 0, 4)
     a.check_integrity()
 
 

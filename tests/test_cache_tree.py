@@ -62,7 +62,7 @@ def test_match_misses_and_empty_match_page1() -> None:
     c = _cache(8)
     _put(c, [5, 6, 7])
     m = c.match_prefix([6, 5])
-    assert (m.prefix_len, m.slots.tolist(), m.pages.dtype) == (0, [], np.int32)
+    assert (m.prefix_len, m.slots.tolist(), m.pages.dtype) == (0, [], np.int64)
     assert m.handle == Handle(0)
     c.lock(m.handle)  # locking the empty prefix protects nothing
     assert _sizes(c) == (5, 3, 0, 0)
@@ -263,4 +263,24 @@ def test_evict_keeps_going_when_the_queue_is_rebuilt_mid_call() -> None:
         c.match_prefix([1, 2, 3])  # each match queues a new entry for the leaf
     assert c.evict(3) == EvictResult(num_tokens=3, num_nodes=3)
     assert tree_nodes(c) == []
+    c.check_integrity()
+
+
+def test_a_handle_cannot_unlock_a_lock_a_running_request_holds() -> None:
+    # Regression: lock counts were anonymous, so unlock() of a handle that was never
+    # locked (or a second unlock) took the lock of a running request on the same node;
+    # its prefix then became evictable while the request still used it.
+    c = _cache(8)
+    c.admit("r", [1, 2, 3])
+    c.finish("r")
+    c.admit("run", [1, 2, 3, 4])
+    h = c.match_prefix([1, 2, 3]).handle
+    with pytest.raises(LockError, match="not locked"):
+        c.unlock(h)
+    c.lock(h)
+    c.unlock(h)
+    with pytest.raises(LockError, match="not locked"):
+        c.unlock(h)
+    assert _sizes(c) == (4, 0, 3, 1)
+    assert c.evict(8) == EvictResult(0, 0)
     c.check_integrity()

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tpcache.cache.radix import CacheConfig, RadixCache
+from tpcache.cache.swa_cache import HybridCache
+from tpcache.cache.swa_config import HybridConfig
 from tpcache.trace import TraceRequest, output_tokens, prompt_tokens
 
 
@@ -27,6 +29,8 @@ class ReplayOptions:
     capacity: int | None  # tokens; None: infinite (sized to the whole replay)
     page_size: int = 16
     policy: str = "lru"
+    swa_window: int | None = None  # tokens; set: replay through the hybrid (SWA) cache
+    swa_capacity: int | None = None  # SWA pool tokens; None: as large as the full pool
 
 
 def infinite_capacity(requests: list[TraceRequest], page_size: int) -> int:
@@ -46,7 +50,7 @@ def replay(
 ) -> dict[str, Any]:
     """Replay ``requests`` and return the summary (see ``tpcache replay --json``)."""
     capacity = opts.capacity or infinite_capacity(requests, opts.page_size)
-    cache = RadixCache(CacheConfig(capacity, opts.page_size, opts.policy))
+    cache = make_cache(opts, capacity)
     match_s: list[float] = []
     insert_s: list[float] = []
     prompt_total = matched = 0
@@ -84,6 +88,33 @@ def replay(
         "evict_us_median": _median_us(evicts),
         "cached_tokens_end": cache.sizes().cached,
         "peak_rss_mb": round(peak_rss_mb(), 1),
+        **(hybrid_summary(cache) if opts.swa_window else {}),
+    }
+
+
+def make_cache(opts: ReplayOptions, capacity: int) -> RadixCache | HybridCache:
+    """The base cache, or the hybrid one when ``opts.swa_window`` is set (raises
+    ``CacheError`` for a configuration it cannot build)."""
+    if not opts.swa_window:
+        return RadixCache(CacheConfig(capacity, opts.page_size, opts.policy))
+    swa = opts.swa_capacity if opts.swa_capacity is not None else capacity
+    return HybridCache(HybridConfig(capacity, swa, opts.swa_window, opts.page_size, opts.policy))
+
+
+def hybrid_summary(cache: HybridCache) -> dict[str, Any]:
+    """The hybrid cache's extra figures: SWA pool use and tombstones at the end."""
+    s = cache.sizes()
+    ps = cache.page_size
+    return {
+        "swa_window": cache.window,
+        "swa_capacity_tokens": s.swa.capacity,
+        "full_cached_tokens_end": s.cached,
+        "swa_cached_tokens_end": s.swa.cached,
+        "swa_free_tokens_end": s.swa.free,
+        "swa_evicted_tokens": cache.tree.evicted_swa_pages * ps,
+        "tombstones_end": s.tombstones,
+        "tombstone_tokens_end": s.tombstone_tokens,
+        "tombstoned_nodes_total": cache.tree.tombstoned_nodes,
     }
 
 

@@ -8,7 +8,8 @@ does not own is caught, not silently accepted.
 Order: free pages form a FIFO. At start it is ``0, 1, ..., n-1``; each free appends its
 pages sorted. ``alloc(k)`` takes the first ``k``. So the same op sequence hands out the
 same page ids in every process, and an allocation or a free costs O(k) vectorised
-work, not a Python step per page.
+work, not a Python step per page. Page ids are int64 (numpy's index type): indexing the
+tag array with int32 ids would convert them on every call.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ NUM_TAGS = len(TAG_NAMES)
 def _id_sum(pages: np.ndarray) -> int:
     # With the counts, the id sum per owner is a cheap fingerprint of who owns what
     # (one vectorised op per change; the tree's digest covers cached pages fully).
-    return int(pages.sum(dtype=np.int64))
+    return int(np.add.reduce(pages, dtype=np.int64))
 
 
 class PageAllocator:
@@ -43,7 +44,7 @@ class PageAllocator:
         self.num_pages = num_pages
         self.page_size = page_size
         self._tags = np.zeros(num_pages, dtype=np.int8)
-        self._fifo = np.empty(num_pages, dtype=np.int32)  # ring buffer of free pages
+        self._fifo = np.empty(num_pages, dtype=np.int64)  # ring buffer of free pages
         self._counts = [0] * NUM_TAGS
         self._id_sums = [0] * NUM_TAGS  # per owner tag: the sum of its page ids
         self.reset()
@@ -60,21 +61,23 @@ class PageAllocator:
         return self._tags[pages]
 
     def fingerprint(self) -> tuple[int, ...]:
-        """Counts and id sums of the pages of each owner but FREE (not the FIFO order)."""
-        return (*self._counts, *self._id_sums[1:])
+        """Counts and id sums of the pages of each owner but FREE, and the FIFO's head."""
+        return (*self._counts, *self._id_sums[1:], self._head)
 
     # ---- changes --------------------------------------------------------------------
     def reset(self) -> None:
         """Every page free, FIFO back to ``0..n-1``."""
         self._tags[:] = FREE
-        self._fifo[:] = np.arange(self.num_pages, dtype=np.int32)
+        self._fifo[:] = np.arange(self.num_pages, dtype=np.int64)
         self._head = 0
         self._counts = [self.num_pages] + [0] * (NUM_TAGS - 1)
         self._id_sums = [_id_sum(np.arange(self.num_pages))] + [0] * (NUM_TAGS - 1)
 
-    def alloc(self, n: int, tag: int = HELD) -> np.ndarray:
-        """Take the first ``n`` free pages (int32), tagged ``tag``.
+    def alloc(self, n: int, tag: int = HELD, *, copy: bool = True) -> np.ndarray:
+        """Take the first ``n`` free pages (int64), tagged ``tag``.
 
+        ``copy=False`` may return a view of the FIFO, valid only until the next free: for
+        internal callers that copy the pages at once (into a request's row).
         Raises ``OutOfCapacity`` if fewer than ``n`` are free; nothing is taken then.
         """
         if n < 0:
@@ -83,7 +86,7 @@ class PageAllocator:
             raise OutOfCapacity(f"asked for {n} pages, {self._counts[FREE]} free")
         cap, h = self.num_pages, self._head
         if h + n <= cap:
-            pages = self._fifo[h : h + n].copy()
+            pages = self._fifo[h : h + n].copy() if copy else self._fifo[h : h + n]
         else:
             pages = np.concatenate((self._fifo[h:], self._fifo[: h + n - cap]))
         self._head = (h + n) % cap
@@ -100,7 +103,10 @@ class PageAllocator:
         """
         if pages.size == 0:
             return
-        pages = np.sort(pages.astype(np.int32, copy=False))
+        if pages.dtype != np.int64:
+            pages = pages.astype(np.int64)
+        if pages.size > 1:
+            pages = np.sort(pages)
         if checked:
             self.check_owned(pages, owner, is_sorted=True)
         cap = self.num_pages
@@ -146,10 +152,15 @@ class PageAllocator:
             )
 
     def _set(self, pages: np.ndarray, old: int, new: int) -> None:
-        self._tags[pages] = new
-        self._counts[old] -= pages.size
-        self._counts[new] += pages.size
-        s = _id_sum(pages)
+        n = pages.size
+        if n == 1:  # a request's partial last page, often: no numpy call
+            s = int(pages[0])
+            self._tags[s] = new
+        else:
+            self._tags[pages] = new
+            s = _id_sum(pages)
+        self._counts[old] -= n
+        self._counts[new] += n
         self._id_sums[old] -= s
         self._id_sums[new] += s
 

@@ -65,16 +65,21 @@ class PageHasher:
         width = (page_size + 1) // 2 if page_size % 2 == 0 else page_size
         self._mult = rng.integers(1, 2**62, size=width, dtype=np.int64) * 2 + 1
         self._pow = _powers(_M, 1)
-        self._inv = _powers(_M_INV, 1)
+        self._c1_inv = _powers(_M_INV, 1) * _C1  # C1 * M**-i: page_words' last multiply
 
     def _grow(self, n: int) -> None:
         if n + 1 > self._pow.size:
             size = max(n + 1, 2 * self._pow.size)
             self._pow = _powers(_M, size)
-            self._inv = _powers(_M_INV, size)
+            self._c1_inv = _powers(_M_INV, size) * _C1
 
     def page_words(self, key: np.ndarray) -> np.ndarray:
         """One mixed uint64 per page of ``key`` (len a multiple of the page size)."""
+        c = self._premix(key)
+        c *= _C1
+        return c
+
+    def _premix(self, key: np.ndarray) -> np.ndarray:
         ps = self.page_size
         if ps % 2 == 0:
             # Two int32 tokens per 64-bit word halves the work; int64 matmul wraps mod 2**64
@@ -83,18 +88,25 @@ class PageHasher:
         else:
             words = key.astype(np.int64).reshape(-1, ps)
         c = (words @ self._mult).view(np.uint64)
-        # One xorshift-multiply round: the chain's final fmix64 does the full mixing.
+        # One xorshift-multiply round (with page_words' C1): the chain's final fmix64
+        # does the full mixing.
         c ^= c >> _S33
-        c *= _C1
         return c
 
     def chain(self, key: np.ndarray, parent_state: int) -> np.ndarray:
-        """Chain states of every page of ``key`` following ``parent_state``."""
-        c = self.page_words(key)
+        """Chain states of every page of ``key`` following ``parent_state``.
+
+        ``state[i] = M**i * (sum_{j<=i} c[j] * M**-j + M * parent)``, in place on one
+        array: seven numpy calls whatever the length.
+        """
+        c = self._premix(key)
         n = c.size
         self._grow(n)
-        acc = np.cumsum(c * self._inv[:n], dtype=np.uint64)
-        return self._pow[:n] * acc + self._pow[1 : n + 1] * np.uint64(parent_state)
+        c *= self._c1_inv[:n]
+        np.cumsum(c, out=c)
+        c += np.uint64((_M * parent_state) & MASK64)
+        c *= self._pow[:n]
+        return c
 
 
 def block_hashes(states: np.ndarray) -> np.ndarray:

@@ -6,6 +6,7 @@ vocabulary fits. Conversion is vectorised; nothing here loops over tokens in Pyt
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -18,10 +19,12 @@ TokenLike = Any  # list[int] | np.ndarray | torch.Tensor
 
 
 def _to_numpy(values: TokenLike, what: str, error: type[Exception]) -> np.ndarray:
+    if type(values) is np.ndarray:
+        arr = values
     # torch is optional for cache/: recognise a tensor without importing torch.
-    if type(values).__module__.startswith("torch"):
-        values = values.detach().cpu().numpy()
-    if isinstance(values, np.ndarray):
+    elif type(values).__module__.startswith("torch"):
+        arr = values.detach().cpu().numpy()
+    elif isinstance(values, np.ndarray):
         arr = values
     else:
         try:
@@ -53,9 +56,11 @@ def as_tokens(tokens: TokenLike, *, allow_empty: bool = False, copy: bool = Fals
         if lo < 0 or hi > MAX_TOKEN_ID:
             raise InvalidTokens(f"token ids must be in [0, {MAX_TOKEN_ID}], got [{lo}, {hi}]")
         return arr.astype(np.int32)  # a new contiguous array
-    if int(arr.min()) < 0:
+    if np.minimum.reduce(arr) < 0:
         raise InvalidTokens(f"token ids must be >= 0, got {int(arr.min())}")
-    return arr.copy() if copy else np.ascontiguousarray(arr)
+    if copy or not arr.flags.c_contiguous:
+        return arr.copy()
+    return arr
 
 
 def as_slots(slots: TokenLike, count: int | None, limit: int) -> np.ndarray:
@@ -80,7 +85,7 @@ def slots_to_pages(slots: np.ndarray, page_size: int) -> np.ndarray:
     if slots.size % page_size:
         raise InvalidSlots(f"{slots.size} slots are not whole pages of {page_size}")
     if page_size == 1:
-        return slots.astype(np.int32)
+        return slots.astype(np.int64, copy=False)
     grid = slots.reshape(-1, page_size)
     pages = grid[:, 0] // page_size
     expect = pages[:, None] * page_size + np.arange(page_size)
@@ -89,11 +94,22 @@ def slots_to_pages(slots: np.ndarray, page_size: int) -> np.ndarray:
         raise InvalidSlots(
             f"slots of page {bad} are not page * {page_size} + offset: {grid[bad].tolist()}"
         )
-    return pages.astype(np.int32)
+    return pages.astype(np.int64, copy=False)
 
 
 def pages_to_slots(pages: np.ndarray, page_size: int, num_tokens: int | None = None) -> np.ndarray:
-    """Slot ids (int64) of the tokens held in ``pages``, cut to ``num_tokens`` if given."""
-    p = pages.astype(np.int64)
-    slots = p if page_size == 1 else (p[:, None] * page_size + np.arange(page_size)).ravel()
+    """Slot ids (int64, a new array) of the tokens held in ``pages``, cut to ``num_tokens``
+    if given."""
+    if page_size == 1:
+        slots = pages.astype(np.int64)  # a copy: never a view of the cache's own rows
+    else:
+        p = pages if pages.dtype == np.int64 else pages.astype(np.int64)
+        slots = (p[:, None] * page_size + _offsets(page_size)).ravel()
     return slots if num_tokens is None else slots[:num_tokens]
+
+
+@functools.lru_cache(maxsize=16)
+def _offsets(page_size: int) -> np.ndarray:
+    offsets = np.arange(page_size, dtype=np.int64)
+    offsets.flags.writeable = False
+    return offsets

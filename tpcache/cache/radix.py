@@ -155,7 +155,7 @@ class RadixCache:
 
     def _match_result(self, path: list[Node], n: int) -> MatchResult:
         node = path[-1] if path else self.tree.root
-        pages = np.concatenate([p.pages for p in path]) if path else np.zeros(0, np.int32)
+        pages = np.concatenate([p.pages for p in path]) if path else np.zeros(0, np.int64)
         return MatchResult(n, pages, Handle(node.id), self.page_size)
 
     def insert(self, tokens: TokenLike, slots: TokenLike, priority: int = 0) -> int:
@@ -334,7 +334,7 @@ class RadixCache:
         self.reqs.remove(rid)
         return n
 
-    def _insert_own(self, req: Req, key: np.ndarray) -> tuple[int, np.ndarray, Node]:
+    def _insert_own(self, req: Req, key: np.ndarray) -> tuple[int, np.ndarray | None, Node]:
         # The row's prefix is the locked path to req.node, so the walk starts there.
         return self.tree.insert(
             key,
@@ -343,6 +343,7 @@ class RadixCache:
             start=req.node,
             start_pos=req.cached_pages * self.page_size,
             trusted=True,
+            want_pages=False,
         )
 
     def abort(self, rid: RequestId) -> None:
@@ -385,7 +386,7 @@ class RadixCache:
             evict(short)  # called even when nothing is short: it may enter a collective
         elif short and evict:
             self.tree.evict(short)
-        return self.alloc.alloc(need, HELD)
+        return self.alloc.alloc(need, HELD, copy=False)  # callers copy it into the row
 
     @staticmethod
     def _check_extends(rid: RequestId, known: np.ndarray, key: np.ndarray, limit: int) -> None:
@@ -423,11 +424,14 @@ class RadixCache:
         )
 
     def digest(self) -> int:
-        """64-bit digest of the cached contents and their slots, page ownership, locks and
-        running requests. Equal caches share it; any difference changes it (whp)."""
+        """64-bit digest of the cached contents and their slots, page ownership, locks,
+        running requests, the node count, and the clocks that order what comes next (the
+        policy tick, the free FIFO's position). Caches that applied the same ops share it,
+        and a reset cache shares a fresh one's (node ids, which keep growing across a
+        reset, are left out); any difference changes it (whp). Costs O(1)."""
         t = self.tree
         x = fmix64_int(t.digest_sum ^ 0x5A17)
-        for v in self.alloc.fingerprint():
+        for v in (*self.alloc.fingerprint(), t.tick, len(t.nodes)):
             x = fmix64_int(x ^ (v & _MASK))
         x ^= fmix64_int((t.protected_pages << 32) ^ len(self.reqs) ^ 0x1F83D9AB)
         return x & _MASK

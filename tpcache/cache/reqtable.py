@@ -28,7 +28,7 @@ class Req:
 
     rid: RequestId
     tokens: np.ndarray  # int32: the tokens the cache was told about so far
-    pages: np.ndarray  # int32: every page of the row, in token order
+    pages: np.ndarray  # int64: every page of the row, in token order
     num_tokens: int  # slots held (tokens with KV, or about to have it)
     cached_pages: int  # leading pages that are the tree's
     node: Node  # the locked end of the cached prefix
@@ -96,14 +96,22 @@ class ReqTable:
             if node is not tree.root and (not node.alive or node.lock <= 0):
                 raise IntegrityError(f"request {req.rid!r} holds an evicted or unlocked node")
             path_pages = []
+            path_keys = []
             while node is not tree.root:
                 path_pages.append(node.pages)
+                path_keys.append(node.key)
                 node = node.parent  # type: ignore[assignment]
-            path = np.concatenate(path_pages[::-1]) if path_pages else np.zeros(0, np.int32)
+            path = np.concatenate(path_pages[::-1]) if path_pages else np.zeros(0, np.int64)
             if path.size != req.cached_pages or not np.array_equal(path, req.pages[: path.size]):
                 raise IntegrityError(
                     f"request {req.rid!r}: row prefix of {req.cached_pages} pages differs from its"
                     f" tree path of {path.size} pages"
+                )
+            keys = np.concatenate(path_keys[::-1]) if path_keys else np.zeros(0, np.int32)
+            if not np.array_equal(keys, req.tokens[: keys.size]):
+                raise IntegrityError(
+                    f"request {req.rid!r}: its tokens differ from the {keys.size} tokens of its"
+                    " tree path"
                 )
             if req.pages.size != -(-req.num_tokens // ps):
                 raise IntegrityError(

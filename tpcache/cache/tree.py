@@ -1,9 +1,10 @@
 """The paged radix tree: cached prefixes, their pages, locks and the eviction queue.
 
-Each node holds a run of whole pages: its tokens (int32), its page ids (int32, one per
-page) and the chain state of each page's block hash (uint64). Children are keyed by
-the bytes of their first page, so a lookup costs one dict probe per node and a
-comparison is one vectorised compare per node, never a Python step per token.
+Each node holds a run of whole pages: its tokens (the bytes of int32 ids), its page ids
+(int64, one per page) and the chain state of each page's block hash (uint64). Children
+are keyed by the bytes of their first page, so a lookup costs one dict probe per node
+and a comparison is one ``memcmp`` per node (``bytes.startswith`` on a memoryview of
+the query), never a Python step per token and no numpy call per node.
 
 Eviction candidates (unlocked leaves) sit in a heap ordered by the policy key. Entries
 are not removed when a node changes; a popped entry is used only if it is still the
@@ -27,18 +28,18 @@ from tpcache.cache.events import BlockRemoved, BlockStored, KVEvent
 from tpcache.cache.hashing import ROOT_STATE, PageHasher, block_hashes
 from tpcache.cache.policies import KeyFn
 
-_EMPTY_PAGES = np.zeros(0, dtype=np.int32)
+_EMPTY_PAGES = np.zeros(0, dtype=np.int64)
 _EMPTY_STATES = np.zeros(0, dtype=np.uint64)
-_D1 = np.uint64(0xA24BAED4963EE407)
-_D2 = np.uint64(0x9FB21C651E98DF25)
+_K = 0xA24BAED4963EE407  # odd
 _MASK = (1 << 64) - 1
 
 
 def page_terms(states: np.ndarray, pages: np.ndarray) -> int:
-    """Digest terms of cached pages: each mixes a block's chain state with its page id."""
-    x = states + pages.astype(np.uint64) * _D1
-    x ^= x >> np.uint64(31)
-    return int((x * _D2).sum(dtype=np.uint64))
+    """Digest terms of cached pages: the sum of ``state * (page + K)`` mod 2**64, so it
+    covers each block (its chain state) with its page id; additive over pages. Two numpy
+    calls."""
+    p = pages.view(np.uint64) if pages.dtype == np.int64 else pages.astype(np.uint64)
+    return (int(states @ p) + _K * int(np.add.reduce(states))) & _MASK
 
 
 class Node:
@@ -50,7 +51,7 @@ class Node:
         "created",
         "hits",
         "id",
-        "key",
+        "kb",
         "last_access",
         "lock",
         "pages",
@@ -58,13 +59,14 @@ class Node:
         "priority",
         "queued",
         "states",
+        "term",
     )
 
     def __init__(
         self,
         node_id: int,
         parent: Node | None,
-        key: np.ndarray,
+        key: bytes | np.ndarray,
         pages: np.ndarray,
         states: np.ndarray,
         tick: int,
@@ -72,9 +74,10 @@ class Node:
         self.id = node_id
         self.parent = parent
         self.children: dict[bytes, Node] = {}
-        self.key = key
+        self.kb = key if isinstance(key, bytes) else key.tobytes()  # int32 tokens, as bytes
         self.pages = pages
         self.states = states
+        self.term = 0  # this node's share of the tree's digest_sum (page_terms)
         self.lock = 0  # requests whose locked path runs through this node
         self.last_access = tick
         self.created = tick
@@ -82,6 +85,15 @@ class Node:
         self.priority = 0
         self.queued: tuple[int, ...] | None = None  # key of this node's live heap entry
         self.alive = True
+
+    @property
+    def key(self) -> np.ndarray:
+        """The node's tokens: a read-only int32 view of ``kb`` (no copy)."""
+        return np.frombuffer(self.kb, dtype=np.int32)
+
+    @key.setter
+    def key(self, tokens: np.ndarray) -> None:
+        self.kb = np.ascontiguousarray(tokens, dtype=np.int32).tobytes()
 
 
 class RadixTree:
@@ -116,7 +128,7 @@ class RadixTree:
         self._clear()
 
     def _clear(self) -> None:
-        self.root = Node(0, None, np.zeros(0, np.int32), _EMPTY_PAGES, _EMPTY_STATES, 0)
+        self.root = Node(0, None, b"", _EMPTY_PAGES, _EMPTY_STATES, 0)
         self.root.lock = 1  # the root is never evicted
         self.nodes: dict[int, Node] = {0: self.root}
         self.tick = 0
@@ -134,31 +146,38 @@ class RadixTree:
         Starts at the root, or at ``node`` that is known to end at ``key[:pos]``.
         Returns the fully matched nodes after the start, the tokens matched up to the
         last of them, and the node where the match stops part-way with its matched
-        token count (``None, 0`` if none).
+        token count (``None, 0`` if none). ``key`` is a C-contiguous int32 array.
         """
-        ps = self.ps
         if node is None:
             node = self.root
         path: list[Node] = []
-        while pos < n:
-            child = node.children.get(key[pos : pos + ps].tobytes())
+        if pos >= n:
+            return path, pos, None, 0
+        mv = memoryview(key).cast("B")  # byte offsets below: 4 per token, no copy
+        b, end, pb = 4 * pos, 4 * n, 4 * self.ps
+        while b < end:
+            child = node.children.get(mv[b : b + pb].tobytes())
             if child is None:
                 break
-            ck = child.key
-            m = ck.size
-            if pos + m <= n:
-                eq = key[pos : pos + m] == ck
-                if eq.all():
+            kb = child.kb
+            m = len(kb)
+            if b + m <= end:
+                if kb.startswith(mv[b : b + m]):  # equal: same length
                     path.append(child)
-                    pos += m
+                    b += m
                     node = child
                     continue
-            else:
-                eq = key[pos:n] == ck[: n - pos]
-                if eq.all():
-                    return path, pos, child, n - pos
-            return path, pos, child, int(eq.argmin()) // ps * ps
-        return path, pos, None, 0
+            elif kb.startswith(mv[b:end]):
+                return path, b // 4, child, (end - b) // 4
+            return path, b // 4, child, self._common(key, b // 4, n, child)
+        return path, b // 4, None, 0
+
+    def _common(self, key: np.ndarray, pos: int, n: int, child: Node) -> int:
+        """Tokens (whole pages) that ``key[pos:n]`` shares with ``child``, which differ."""
+        ck = child.key
+        m = min(ck.size, n - pos)
+        eq = key[pos : pos + m] == ck[:m]
+        return int(eq.argmin()) // self.ps * self.ps
 
     def split(self, child: Node, at: int) -> Node:
         """Cut ``child`` after ``at`` tokens (whole pages); returns the new upper node.
@@ -169,11 +188,11 @@ class RadixTree:
         ps = self.ps
         cut = at // ps
         parent = child.parent
-        assert parent is not None and 0 < at < child.key.size and at % ps == 0
+        assert parent is not None and 0 < at < len(child.kb) // 4 and at % ps == 0
         upper = Node(
             self._new_id(),
             parent,
-            child.key[:at].copy(),
+            child.kb[: 4 * at],
             child.pages[:cut].copy(),
             child.states[:cut].copy(),
             child.created,
@@ -182,11 +201,14 @@ class RadixTree:
         upper.hits = child.hits
         upper.priority = child.priority
         upper.lock = child.lock
-        child.key = child.key[at:].copy()
+        upper.term = page_terms(upper.states, upper.pages)
+        child.term = (child.term - upper.term) & _MASK
+        child.kb = child.kb[4 * at :]
         child.pages = child.pages[cut:].copy()
         child.states = child.states[cut:].copy()
-        parent.children[upper.key[:ps].tobytes()] = upper
-        upper.children[child.key[:ps].tobytes()] = child
+        pb = 4 * ps
+        parent.children[upper.kb[:pb]] = upper
+        upper.children[child.kb[:pb]] = child
         child.parent = upper
         self.nodes[upper.id] = upper
         return upper
@@ -222,13 +244,15 @@ class RadixTree:
         start_pos: int = 0,
         trusted: bool = False,
         owner: int = HELD,
-    ) -> tuple[int, np.ndarray, Node]:
+        want_pages: bool = True,
+    ) -> tuple[int, np.ndarray | None, Node]:
         """Cache ``key`` (whole pages) backed by ``pages`` (tagged ``owner``: HELD for a
         request's row, LENT for a caller's slots).
 
         Pages of the already-cached part that differ from the tree's are duplicates and
         are freed; the rest become the tree's. Returns (tokens already cached, the
-        tree's pages for the whole key, the node ending at ``key``).
+        tree's pages for the whole key or ``None`` unless ``want_pages``, the node
+        ending at ``key``).
 
         ``start``/``start_pos``: a node known to end at ``key[:start_pos]`` whose pages
         are ``pages[:start_pos // ps]`` (a request's locked prefix), so the walk begins
@@ -240,16 +264,16 @@ class RadixTree:
         path, pos, partial, common = self.descend(key, n, start, start_pos)
         have = pos + common
         k0 = start_pos // ps
-        pieces = [pages[:k0]] if k0 else []
-        pieces.extend(p.pages for p in path)
-        if partial is not None:
-            pieces.append(partial.pages[: common // ps])
         k = have // ps
-        tree_pages = (
-            np.concatenate(pieces) if len(pieces) > 1 else (pieces[0] if pieces else _EMPTY_PAGES)
-        )
-        given = pages[k0:k]
-        dups = given[given != tree_pages[k0:]]
+        if k > k0:  # the tree's pages where the walk went, and the given ones that differ
+            pieces = [p.pages for p in path]
+            if partial is not None:
+                pieces.append(partial.pages[: common // ps])
+            known = np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+            given = pages[k0:k]
+            dups = given[given != known]
+        else:
+            known = dups = _EMPTY_PAGES
         fresh = pages[k:]
         if not trusted:
             mine = np.concatenate((dups, fresh)) if dups.size else fresh
@@ -273,24 +297,31 @@ class RadixTree:
         if dups.size:
             self.alloc.free(dups, owner, checked=False)
         if have < n:
-            end = self._add_child(end, key[have:].copy(), fresh.copy(), priority, owner)
-            tree_pages = np.concatenate((tree_pages, end.pages)) if k else end.pages
+            end = self._add_child(end, key[have:], fresh.copy(), priority, owner)
         else:
             self._queue(end)
-        return have, tree_pages, end
+        if not want_pages:
+            return have, None, end
+        parts = [pages[:k0], known] if k0 else [known]
+        if have < n:
+            parts.append(end.pages)
+        return have, np.concatenate(parts), end
 
     def _add_child(
         self, parent: Node, key: np.ndarray, pages: np.ndarray, priority: int, owner: int
     ) -> Node:
+        """A new leaf under ``parent``: ``key`` (int32, copied into the node), ``pages``
+        (the node's own array from now on), tagged ``owner`` until now."""
         parent_state = int(parent.states[-1]) if parent.states.size else ROOT_STATE
         states = self.hasher.chain(key, parent_state)
-        node = Node(self._new_id(), parent, key, pages, states, self.tick)
+        node = Node(self._new_id(), parent, key.tobytes(), pages, states, self.tick)
         node.priority = priority
-        parent.children[key[: self.ps].tobytes()] = node
+        node.term = page_terms(states, pages)
+        parent.children[node.kb[: 4 * self.ps]] = node
         self.nodes[node.id] = node
         self.alloc.retag(pages, owner, CACHED, checked=False)
         self.cached_pages += pages.size
-        self.digest_sum = (self.digest_sum + page_terms(states, pages)) & _MASK
+        self.digest_sum = (self.digest_sum + node.term) & _MASK
         if self.record_events:
             parent_hash = int(block_hashes(parent.states[-1:])[0]) if parent.states.size else None
             self.events.append(
@@ -360,8 +391,9 @@ class RadixTree:
         """
         started = time.perf_counter()
         freed_pages: list[np.ndarray] = []
-        freed_states: list[np.ndarray] = []
+        terms = 0
         count = 0
+        pb = 4 * self.ps
         # Read self._heap each round: queueing a parent may rebuild it into a new list.
         while count < num_pages and self._heap:
             k, node = heapq.heappop(self._heap)
@@ -372,12 +404,12 @@ class RadixTree:
                 continue
             parent = node.parent
             assert parent is not None
-            del parent.children[node.key[: self.ps].tobytes()]
+            del parent.children[node.kb[:pb]]
             del self.nodes[node.id]
             node.alive = False
             count += node.pages.size
             freed_pages.append(node.pages)
-            freed_states.append(node.states)
+            terms += node.term
             if self.record_events:
                 self.events.append(
                     BlockRemoved(
@@ -387,10 +419,9 @@ class RadixTree:
             if not parent.children and parent is not self.root:
                 self._queue(parent)
         if freed_pages:
-            pages = np.concatenate(freed_pages)
-            states = np.concatenate(freed_states)
+            pages = np.concatenate(freed_pages) if len(freed_pages) > 1 else freed_pages[0]
             self.cached_pages -= pages.size
-            self.digest_sum = (self.digest_sum - page_terms(states, pages)) & _MASK
+            self.digest_sum = (self.digest_sum - terms) & _MASK
             self.alloc.free(pages, CACHED, checked=False)
         self.evicted_pages += count
         self.evict_seconds.append(time.perf_counter() - started)
@@ -431,14 +462,17 @@ class RadixTree:
             parent = node.parent
             if parent is None or not node.alive or self.nodes.get(node.id) is not node:
                 raise IntegrityError(f"node {node.id} is detached or not indexed")
-            if parent.children.get(node.key[:ps].tobytes()) is not node:
+            if parent.children.get(node.kb[: 4 * ps]) is not node:
                 raise IntegrityError(
                     f"node {node.id} is not under its first-page key in its parent"
                 )
-            if node.key.size == 0 or node.key.size != node.pages.size * ps:
+            if not node.kb or len(node.kb) != 4 * node.pages.size * ps:
                 raise IntegrityError(
-                    f"node {node.id}: {node.key.size} tokens for {node.pages.size} pages of {ps}"
+                    f"node {node.id}: {len(node.kb) // 4} tokens for {node.pages.size} pages"
+                    f" of {ps}"
                 )
+            if node.pages.dtype != np.int64:
+                raise IntegrityError(f"node {node.id}: pages of dtype {node.pages.dtype}")
             if node.states.size != node.pages.size:
                 raise IntegrityError(
                     f"node {node.id}: {node.states.size} hash states, {node.pages.size} pages"
@@ -462,7 +496,10 @@ class RadixTree:
             pages_total += node.pages.size
             protected += node.pages.size if node.lock else 0
             all_pages.append(node.pages)
-            digest += page_terms(node.states, node.pages)
+            term = page_terms(node.states, node.pages)
+            if term != node.term:
+                raise IntegrityError(f"node {node.id}: digest term {node.term:#x} != {term:#x}")
+            digest += term
         if pages_total != self.cached_pages or protected != self.protected_pages:
             raise IntegrityError(
                 f"tree holds {pages_total} pages ({protected} protected), counters say "

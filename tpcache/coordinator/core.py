@@ -10,6 +10,7 @@ each op returned) is compared with the mirror's, and a difference is a divergenc
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections import deque
@@ -22,8 +23,8 @@ import numpy as np
 
 from tpcache.cache.keys import TokenLike, as_tokens
 from tpcache.cache.radix import RadixCache
-from tpcache.coordinator.api import CoordinatorUnavailable
-from tpcache.workers.lockstep import DivergenceError, LockstepError, RankFailure
+from tpcache.coordinator.api import CoordinatorUnavailable, RequestLost
+from tpcache.workers.lockstep import DivergenceError, LockstepError, RankFailure, eviction_marks
 from tpcache.workers.ops import (
     Abort,
     Admit,
@@ -82,6 +83,8 @@ class CoordinatorConfig:
     max_inflight: int = 4
     max_batch_ops: int = 1024
     step_timeout_s: float = 120.0
+    auto_recover: bool = True  # after a rank failure or divergence, rebuild the group at once
+    probe_s: float = 2.0  # a rank that does not answer a ping this fast is replaced
 
     def __post_init__(self) -> None:
         if self.max_inflight < 1 or self.max_batch_ops < 1 or self.step_timeout_s <= 0:
@@ -114,6 +117,7 @@ class _Counters:
     hit_tokens: int = 0
     divergences: int = 0
     rank_failures: int = 0
+    recoveries: int = 0
     latencies_s: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
 
 
@@ -141,6 +145,10 @@ class Coordinator:
         self._next_step = 0
         self._batch_depth = 0
         self.broken: LockstepError | None = None
+        # Requests that were running when the group failed: id -> why they were lost.
+        self._lost: dict[Any, str] = {}
+        # Set by a restarted service: every unknown request id may have been lost.
+        self.restart_note: str | None = None
 
     # ---- the frontend API ------------------------------------------------------------------
     def admit(self, request_id: Any, tokens: TokenLike, priority: int = 0) -> Admission:
@@ -152,11 +160,14 @@ class Coordinator:
 
         def run() -> Admission:
             key = as_tokens(tokens)
-            before = self.mirror.tree.evicted_pages
+            if _hashable(request_id):
+                self._lost.pop(request_id, None)
+            full0, swa0 = eviction_marks(self.mirror)
             got = self.mirror.admit(request_id, key, priority)
-            evicted = self.mirror.tree.evicted_pages - before
+            full1, swa1 = eviction_marks(self.mirror)
+            evicted = full1 - full0
             slots = got.slots
-            op = Admit(request_id, pack_tokens(key), priority, evicted)
+            op = Admit(request_id, pack_tokens(key), priority, evicted, swa1 - swa0)
             self._emit(op, OpResult(got.prefix_len, int(slots.size), int(slots.sum()), evicted))
             c = self.counters
             c.queries += 1
@@ -170,11 +181,13 @@ class Coordinator:
         """``n`` more slots for a running request (decode, or the next prefill chunk)."""
 
         def run() -> np.ndarray:
-            before = self.mirror.tree.evicted_pages
+            self._check_lost(request_id)
+            full0, swa0 = eviction_marks(self.mirror)
             slots = self.mirror.extend(request_id, n)
-            evicted = self.mirror.tree.evicted_pages - before
+            full1, swa1 = eviction_marks(self.mirror)
+            evicted = full1 - full0
             self._emit(
-                Extend(request_id, n, evicted),
+                Extend(request_id, n, evicted, swa1 - swa0),
                 OpResult(0, int(slots.size), int(slots.sum()), evicted),
             )
             return slots
@@ -185,6 +198,7 @@ class Coordinator:
         """Cache a running request's whole pages so far (chunked prefill); cached length."""
 
         def run() -> int:
+            self._check_lost(request_id)
             key = as_tokens(tokens)
             n = self.mirror.cache_unfinished(request_id, key)
             self._emit(CacheUnfinished(request_id, pack_tokens(key)), OpResult(prefix_len=n))
@@ -196,6 +210,7 @@ class Coordinator:
         """Finish a request: cache its prompt and ``output_tokens`` (whole pages with KV)."""
 
         def run() -> int:
+            self._check_lost(request_id)
             out = as_tokens(output_tokens, allow_empty=True)
             n = self.mirror.finish(request_id, out)
             self._emit(Finish(request_id, pack_tokens(out)), OpResult(prefix_len=n))
@@ -207,6 +222,7 @@ class Coordinator:
         """Drop a running request without caching it."""
 
         def run() -> None:
+            self._check_lost(request_id)
             self.mirror.abort(request_id)
             self._emit(Abort(request_id), OpResult())
 
@@ -274,6 +290,8 @@ class Coordinator:
             "evicted_tokens": self.mirror.tree.evicted_pages * self.mirror.page_size,
             "divergences": c.divergences,
             "rank_failures": c.rank_failures,
+            "recoveries": c.recoveries,
+            "replaced_ranks": getattr(self.ranks, "replaced", 0),
             "step_latency_ms_median": statistics.median(lat) * 1e3 if lat else 0.0,
             "digest": self.mirror.digest(),
             "broken": str(self.broken) if self.broken else None,
@@ -372,13 +390,82 @@ class Coordinator:
         return tuple(r for r, d in enumerate(digests) if d != mirror_digest)
 
     def _break(self, err: LockstepError) -> None:
+        """Stop: every running request is lost (with ``err`` as the cause), then recover
+        if configured, and raise ``err`` (retryable) to the caller that hit it."""
         self.broken = err
+        for rid in self.mirror.reqs.ids():
+            self._lost[rid] = str(err)
+        while len(self._lost) > 100_000:  # bounded memory of lost ids, oldest first
+            del self._lost[next(iter(self._lost))]
         self._inflight.clear()
         self._pending = []
+        if self.config.auto_recover:
+            try:
+                self.recover()
+            except Exception as exc:
+                err.detail += f"; recovery failed: {type(exc).__name__}: {exc}"
+                err.args = (f"step {err.step}: {err.detail}",)
         raise err
+
+    def recover(self) -> None:
+        """Replace dead or hung ranks, rebuild the process group, and start every rank and
+        the mirror from an empty cache (announced once as ``AllBlocksCleared``).
+
+        Requests that were running are lost: later calls for them raise ``RequestLost``.
+        """
+        for rid in self.mirror.reqs.ids():
+            self._lost.setdefault(rid, "the coordinator recovered its TP group")
+        self._inflight.clear()
+        self._pending = []
+        capacity = self.ranks.restart(self.config.probe_s)
+        old = self.mirror
+        if capacity == old.sizes().capacity:
+            old.reset()
+        else:
+            self.mirror = type(old)(dataclasses.replace(old.config, capacity_tokens=capacity))
+            if old.config.record_events:
+                old.reset()
+                self.mirror.tree.events = old.take_events()
+        events = self.mirror.take_events()
+        for obs in self.observers:
+            obs.step_sent(-1, events)
+        self._next_step = 0
+        self.broken = None
+        self.counters.recoveries += 1
+
+    def check_health(self) -> bool:
+        """Ping every rank (bounded by ``probe_s``); on a dead or hung rank, fail and
+        recover as a failed step would. Returns True if all were healthy."""
+        self._check_usable()
+        if self._inflight or self._pending:
+            self.sync()  # a failure shows up here, and recovers
+            return True
+        try:
+            self.ranks.call("ping", timeout=self.config.probe_s)
+        except RankCallError as exc:
+            self.counters.rank_failures += 1
+            kind = "died" if exc.dead else "did not answer a health check"
+            self._break(RankFailure(self._next_step, f"rank {exc.rank} {kind}: {exc.cause}"))
+        return True
+
+    def _check_lost(self, rid: Any) -> None:
+        if not _hashable(rid) or rid in self.mirror.reqs:
+            return
+        why = self._lost.pop(rid, None)
+        if why is not None:
+            raise RequestLost(f"request {rid!r} was lost ({why}); admit it again")
+        if self.restart_note is not None:
+            raise RequestLost(
+                f"request {rid!r} is unknown: {self.restart_note}, so requests admitted "
+                "before then are lost; admit it again"
+            )
 
     def _check_usable(self) -> None:
         if self.broken is not None:
             raise CoordinatorUnavailable(
                 f"the TP group stopped at {self.broken}; it must be recovered"
             )
+
+
+def _hashable(rid: Any) -> bool:
+    return isinstance(rid, int | str)

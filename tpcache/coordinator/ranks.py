@@ -43,6 +43,7 @@ class RayRanks:
         tp = spec.pool.tp
         self.world_size = tp
         self.spec = spec
+        self.start_timeout_s = start_timeout_s
         gpus = cluster_gpus() >= tp if use_gpus is None else use_gpus
         self.use_gpus = gpus
         bundle = {"GPU": 1, "CPU": CPU_PER_RANK} if gpus else {"CPU": CPU_PER_RANK}
@@ -55,28 +56,31 @@ class RayRanks:
                 f"could not place {tp} ranks ({bundle} each) within {start_timeout_s:g}s; "
                 f"cluster has {ray.cluster_resources()}"
             ) from None
-        actor_cls = RankActor if worker_cls is RankWorker else ray.remote(worker_cls)
-        self.actors = [
-            actor_cls.options(
-                num_cpus=CPU_PER_RANK,
-                num_gpus=1 if gpus else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.pg, placement_group_bundle_index=i
-                ),
-            ).remote(i, spec, 0)
-            for i in range(tp)
-        ]
+        self._actor_cls = RankActor if worker_cls is RankWorker else ray.remote(worker_cls)
+        self.actors = [self._new_actor(i) for i in range(tp)]
         try:
-            addr, port = ray.get(self.actors[0].address.remote(), timeout=start_timeout_s)
-            self.backends = self._get(
-                [a.join.remote(addr, port) for a in self.actors], start_timeout_s
-            )
-            caps = self._get([a.setup.remote() for a in self.actors], start_timeout_s)
+            self.capacity = self._form_group("join_and_setup")
         except BaseException:
             self.close()
             raise
-        self.capacity = caps[0]
+        self.replaced = 0  # ranks started to replace dead or hung ones, since creation
+
+    def _new_actor(self, rank: int) -> Any:
+        return self._actor_cls.options(
+            num_cpus=CPU_PER_RANK,
+            num_gpus=1 if self.use_gpus else 0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.pg, placement_group_bundle_index=rank
+            ),
+        ).remote(rank, self.spec, 0)
+
+    def _form_group(self, method: str) -> int:
+        """Every rank (re)joins a new group at rank 0's address and agrees the capacity."""
+        t = self.start_timeout_s
+        addr, port = ray.get(self.actors[0].address.remote(), timeout=t)
+        caps = self._get([getattr(a, method).remote(addr, port) for a in self.actors], t)
         self.master = (addr, port)
+        return int(caps[0])
 
     # ---- RankTransport ------------------------------------------------------------------
     def send(self, data: bytes) -> list[Any]:
@@ -92,6 +96,26 @@ class RayRanks:
     def call(self, method: str, *args: Any, timeout: float = 60.0) -> list[Any]:
         return self._get([getattr(a, method).remote(*args) for a in self.actors], timeout)
 
+    def restart(self, probe_s: float = 2.0) -> int:
+        """Replace every rank that is dead or does not answer within ``probe_s`` (hung in a
+        step), have all ranks form a new group, and agree the capacity again. The new
+        ranks and the survivors all start with an empty cache. Returns the capacity."""
+        refs = [a.ping.remote() for a in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=probe_s)
+        done = set(ready)
+        for rank, ref in enumerate(refs):
+            healthy = False
+            if ref in done:
+                with contextlib.suppress(Exception):
+                    healthy = ray.get(ref, timeout=0) == rank
+            if not healthy:
+                with contextlib.suppress(Exception):
+                    ray.kill(self.actors[rank], no_restart=True)
+                self.actors[rank] = self._new_actor(rank)
+                self.replaced += 1
+        self.capacity = self._form_group("rejoin")
+        return self.capacity
+
     # ---- life ---------------------------------------------------------------------------
     def close(self) -> None:
         for a in getattr(self, "actors", []):
@@ -104,21 +128,24 @@ class RayRanks:
             self.pg = None
 
     def _get(self, refs: list[Any], timeout: float) -> list[Any]:
-        """Results in rank order; the first failure (by rank) raises ``RankCallError``."""
+        """Results in rank order. The first failure to arrive raises ``RankCallError`` at
+        once: a dead or failed rank is reported without waiting for a hung peer."""
         deadline = time.monotonic() + timeout
-        out: list[Any] = []
-        first: RankCallError | None = None
-        for rank, ref in enumerate(refs):
+        pending = list(refs)
+        while pending:
+            left = deadline - time.monotonic()
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, left))
+            if not done:
+                rank = refs.index(pending[0])
+                raise RankCallError(rank, TimeoutError(f"no reply within {timeout:g}s"))
+            ref = done[0]
+            rank = refs.index(ref)
             try:
-                out.append(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
+                ray.get(ref, timeout=0)
             except RayActorError as exc:
-                first = first or RankCallError(rank, exc, dead=True)
+                raise RankCallError(rank, exc, dead=True) from None
             except RayTaskError as exc:
-                first = first or RankCallError(rank, getattr(exc, "cause", exc) or exc)
-            except GetTimeoutError as exc:
-                first = first or RankCallError(
-                    rank, TimeoutError(f"no reply in {timeout:g}s: {exc}")
-                )
-        if first is not None:
-            raise first
-        return out
+                raise RankCallError(rank, getattr(exc, "cause", None) or exc) from None
+            except Exception as exc:  # e.g. an error Ray could not carry back
+                raise RankCallError(rank, exc) from None
+        return ray.get(refs)

@@ -7,6 +7,9 @@ frontend on any node of the cluster reaches it with ``connect(name, namespace)``
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,30 +103,62 @@ def start_group(config: GroupConfig, worker_cls: type[RankWorker] = RankWorker) 
 
 class CoordinatorService:
     """The coordinator behind a Ray actor (plain class; ``ray.remote`` is applied in
-    ``serve``). Frontends call ``call``/``calls`` with encoded ``api`` messages."""
+    ``serve``). Frontends call ``call``/``calls`` with encoded ``api`` messages.
 
-    def __init__(self, config: GroupConfig) -> None:
+    A background thread checks the ranks' health every ``health_interval_s`` so a rank
+    that dies while the group is idle is noticed (and replaced) within a few seconds.
+    Every entry point holds one lock: the coordinator itself is single-threaded.
+    """
+
+    def __init__(self, config: GroupConfig, health_interval_s: float = 2.0) -> None:
         self.config = config
         self.coord = start_group(config)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        with contextlib.suppress(Exception):  # not inside an actor: no restart to detect
+            if ray.get_runtime_context().was_current_actor_reconstructed:
+                self.coord.restart_note = (
+                    f"the coordinator restarted at {time.strftime('%Y-%m-%d %H:%M:%S')}"
+                )
+        if health_interval_s > 0:
+            threading.Thread(
+                target=self._watch, args=(health_interval_s,), name="tpcache-health", daemon=True
+            ).start()
+
+    def _watch(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            with self._lock, contextlib.suppress(Exception):  # errors reach frontends
+                self.coord.check_health()
 
     def call(self, data: bytes) -> bytes:
-        return handle(self.coord, data)
+        with self._lock:
+            return handle(self.coord, data)
 
     def calls(self, items: list[bytes]) -> list[bytes]:
-        return handle_many(self.coord, items)
+        with self._lock:
+            return handle_many(self.coord, items)
 
     def sync(self) -> None:
-        self.coord.sync()
+        with self._lock:
+            self.coord.sync()
 
     def rank_digests(self) -> list[int]:
-        self.coord.sync()
-        return list(self.coord.ranks.call("digest"))
+        with self._lock:
+            self.coord.sync()
+            return list(self.coord.ranks.call("digest"))
+
+    def rank_pids(self) -> list[int]:
+        with self._lock:
+            return list(self.coord.ranks.call("pid"))
 
     def stats(self) -> dict[str, Any]:
-        return self.coord.stats()
+        with self._lock:
+            return self.coord.stats()
 
     def shutdown(self) -> None:
-        self.coord.close()
+        self._stop.set()
+        with self._lock:
+            self.coord.close()
 
 
 def serve(
@@ -133,7 +168,14 @@ def serve(
     detached: bool = False,
 ) -> Any:
     """Start the coordinator as a named actor in ``namespace``; returns its handle."""
-    opts: dict[str, Any] = {"name": name, "namespace": namespace, "num_cpus": 0}
+    # Restarted by Ray if its process dies; it then starts a fresh group (empty cache).
+    opts: dict[str, Any] = {
+        "name": name,
+        "namespace": namespace,
+        "num_cpus": 0,
+        "max_restarts": -1,
+        "max_concurrency": 4,  # frontends' calls serialise on the service's lock
+    }
     if detached:
         opts["lifetime"] = "detached"
     actor = ray.remote(CoordinatorService).options(**opts).remote(config)

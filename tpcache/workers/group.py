@@ -253,6 +253,29 @@ class TPGroup:
         self._collective("broadcast_bytes", lambda: dist.broadcast(buf, src=src))
         return buf.cpu().numpy().tobytes()
 
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum the floating-point tensor ``t`` over ranks, in place; returns ``t``.
+
+        Collective: every rank passes a tensor of the same shape and dtype (a mismatch is
+        a protocol bug that the backend may not catch). A tensor off the group's device
+        (a CUDA tensor under gloo) travels through the group's device and back. Every
+        rank gets the same sum (the backend reduces once and shares the result).
+        """
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise GroupInputError(
+                f"all_reduce_sum needs a floating-point tensor, got {type(t).__name__}"
+                f"{'' if not isinstance(t, torch.Tensor) else ' of ' + str(t.dtype)}"
+                f" ({self._spec.where})"
+            )
+        self._check_open("all_reduce_sum")
+        buf = (
+            t if t.device == self._device and t.is_contiguous() else t.to(self._device).contiguous()
+        )
+        self._collective("all_reduce_sum", lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM))
+        if buf is not t:
+            t.copy_(buf)
+        return t
+
     def barrier(self) -> None:
         """Wait until every rank reaches this barrier. Collective."""
         idx = self._device.index

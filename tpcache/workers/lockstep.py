@@ -6,17 +6,27 @@ What is broadcast: under torchrun, the step's length then its bytes (``broadcast
 under Ray, the coordinator sends the same bytes to each rank's actor.
 What is agreed by MIN, in this order, by every rank, always:
   1. for each op that may evict (``Evict``, or ``Admit``/``Extend`` whose mirror
-     evicted), one ``all_min([evictable pages])``: a rank evicts
-     ``min(asked, MIN evictable)``; a rank that already failed sends -1;
+     evicted), one ``all_min([evictable pages])`` (hybrid cache: ``[evictable full
+     pages, evictable SWA pages]``): a rank evicts ``min(asked, MIN evictable)`` per
+     pool; a rank that already failed sends -1;
   2. after the whole batch, one ``min_max([status, digest])``: status -1 from any rank
      makes every rank raise ``RankFailure``; MIN != MAX of the digest makes every rank
      raise ``DivergenceError``.
 Which collectives run depends only on the batch, never on local state, so a rank that
 has gone wrong still enters exactly the same collectives as its peers and nobody hangs.
+
+Under torchrun rank 0 drives the others with ``Command``s (``lead_command`` / ``follow``):
+it broadcasts each command (length, then bytes); every rank runs it in the same order:
+``RunStep`` applies a step exactly as a Ray rank's ``apply`` does (the collectives above);
+``RunCall`` runs a ``RankWorker`` method (``forward`` enters the model's all-reduces),
+then every rank's reply is gathered on every rank (one broadcast per rank, in rank
+order), failures included, so a rank that failed still enters the gather; ``Stop`` ends
+the loop. A command never depends on local state to decide which collectives it enters.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -26,14 +36,21 @@ from tpcache.workers.ops import (
     Abort,
     Admit,
     CacheUnfinished,
+    CallReply,
+    Command,
     Evict,
     Extend,
     Finish,
     Op,
     OpResult,
     Reset,
+    RunCall,
+    RunStep,
     Step,
     StepResult,
+    Stop,
+    decode_command,
+    decode_reply,
     decode_step,
     encode,
     unpack_tokens,
@@ -51,7 +68,13 @@ class Agreement(Protocol):
 
 
 class LockstepError(RuntimeError):
-    """The group can no longer go on in lockstep; the coordinator must recover."""
+    """The group can no longer go on in lockstep; the coordinator must recover.
+
+    Retryable for a frontend: the requests it held are lost, new ones can be admitted
+    once the coordinator has recovered.
+    """
+
+    retryable = True
 
     def __init__(self, step: int, message: str) -> None:
         super().__init__(f"step {step}: {message}")
@@ -84,32 +107,33 @@ def op_may_evict(op: Op) -> bool:
     """Whether ``op`` enters the evictable-size agreement (decided by the batch alone)."""
     if isinstance(op, Evict):
         return True
-    return isinstance(op, Admit | Extend) and op.evict_pages > 0
+    return isinstance(op, Admit | Extend) and (op.evict_pages > 0 or op.evict_swa_pages > 0)
 
 
-def apply_op(cache, op: Op, evict_fn: Callable[[int], int]) -> OpResult:
+def apply_op(cache, op: Op, evict_fn: Callable[[int, int], int]) -> OpResult:
     """Apply one op to ``cache`` (a ``RadixCache`` or hybrid cache); the result to compare.
 
-    ``evict_fn(pages)`` evicts up to ``pages`` pages under agreement and returns how many
-    it evicted. The mirror passes a local eviction, ranks an agreed one.
+    ``evict_fn(pages, swa_pages)`` evicts up to ``pages`` full pages and then up to
+    ``swa_pages`` SWA pages (hybrid cache; 0 otherwise) under agreement, and returns the
+    full pages it evicted. The mirror passes a local eviction, ranks an agreed one.
     """
     match op:
-        case Admit(rid, tokens, priority, evict_pages):
+        case Admit(rid, tokens, priority, evict_pages, evict_swa_pages):
             evicted = [0]
 
-            def evictor(_short: int) -> None:
-                if evict_pages:
-                    evicted[0] = evict_fn(evict_pages)
+            def evictor(*_short: int) -> None:
+                if evict_pages or evict_swa_pages:
+                    evicted[0] = evict_fn(evict_pages, evict_swa_pages)
 
             got = cache.admit(rid, unpack_tokens(tokens), priority, evict=evictor)
             slots = got.slots
             return OpResult(got.prefix_len, int(slots.size), int(slots.sum()), evicted[0])
-        case Extend(rid, n, evict_pages):
+        case Extend(rid, n, evict_pages, evict_swa_pages):
             evicted = [0]
 
-            def evictor(_short: int) -> None:
-                if evict_pages:
-                    evicted[0] = evict_fn(evict_pages)
+            def evictor(*_short: int) -> None:
+                if evict_pages or evict_swa_pages:
+                    evicted[0] = evict_fn(evict_pages, evict_swa_pages)
 
             slots = cache.extend(rid, n, evict=evictor)
             return OpResult(0, int(slots.size), int(slots.sum()), evicted[0])
@@ -124,15 +148,33 @@ def apply_op(cache, op: Op, evict_fn: Callable[[int], int]) -> OpResult:
             return OpResult()
         case Evict(num_tokens):
             pages = -(-num_tokens // cache.page_size)
-            return OpResult(evicted_pages=evict_fn(pages))
+            return OpResult(evicted_pages=evict_fn(pages, 0))
         case Reset():
             cache.reset()
             return OpResult()
     raise TypeError(f"unknown op {op!r}")
 
 
-def evictable_pages(cache) -> int:
-    return cache.sizes().evictable // cache.page_size
+def is_hybrid(cache) -> bool:
+    """Whether ``cache`` keeps an SWA pool too (a ``HybridCache``)."""
+    return hasattr(cache, "swa_slots")
+
+
+def evictable_pages(cache) -> list[int]:
+    """What this rank can evict, per pool: ``[full]``, or ``[full, SWA]`` for a hybrid cache
+    (the same length on every rank: every rank builds the same kind of cache)."""
+    s = cache.sizes()
+    if is_hybrid(cache):
+        return [s.evictable // cache.page_size, s.swa.evictable // cache.page_size]
+    return [s.evictable // cache.page_size]
+
+
+def eviction_marks(cache) -> tuple[int, int]:
+    """Pages evicted so far from the full and the SWA pool (the mirror's counters): the
+    coordinator puts the difference over one call into its op's ``evict_pages`` and
+    ``evict_swa_pages``, which every rank then evicts under agreement."""
+    tree = cache.tree
+    return tree.evicted_pages, getattr(tree, "evicted_swa_pages", 0)
 
 
 def apply_step(
@@ -153,12 +195,14 @@ def apply_step(
     for op in step.ops:
         entered = [False]
 
-        def agreed_evict(pages: int, _entered: list[bool] = entered) -> int:
+        def agreed_evict(pages: int, swa_pages: int, _entered: list[bool] = entered) -> int:
             _entered[0] = True  # only called while this rank is healthy
-            agreed = group.all_min([evictable_pages(cache)])[0]
-            if agreed < 0:
+            agreed = group.all_min(evictable_pages(cache))
+            if min(agreed) < 0:
                 raise RankFailure(step.step, "a peer failed earlier in this step")
-            return cache.tree.evict(min(pages, agreed))[0]
+            if len(agreed) == 2:
+                return cache.tree.evict(min(pages, agreed[0]), min(swa_pages, agreed[1]))[0]
+            return cache.tree.evict(min(pages, agreed[0]))[0]
 
         if failure is None:
             try:
@@ -171,7 +215,7 @@ def apply_step(
         if op_may_evict(op) and not entered[0]:
             # This rank skipped the op's agreement (failed, or the op failed early):
             # enter it anyway with the failure sentinel so the peers don't wait.
-            group.all_min([-1])
+            group.all_min([-1] * len(evictable_pages(cache)))
             failure = failure or f"op {type(op).__name__} did not reach its agreement"
     digest = cache.digest()
     mins, maxs = group.min_max([0 if failure is None else -1, u64_to_i64(digest)])
@@ -192,12 +236,106 @@ def broadcast_step(group: Agreement, data: bytes | None, src: int = 0) -> Step:
     return decode_step(group.broadcast_bytes(data, src))
 
 
+# ---- torchrun: rank 0 leads, the others follow ------------------------------------------------
+class PeerCallError(RuntimeError):
+    """A ``RunCall`` failed on rank ``rank`` (its error text travels; not its type)."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(f"rank {rank}: {message}")
+        self.rank = rank
+        self.detail = message
+
+    def __reduce__(self):
+        return (type(self), (self.rank, self.detail))
+
+
+def broadcast_command(group: Agreement, cmd: Command | None, src: int = 0) -> Command:
+    """``src`` sends ``cmd`` (length, then bytes); every rank returns it decoded."""
+    return decode_command(group.broadcast_bytes(encode(cmd) if cmd is not None else None, src))
+
+
+def run_command(worker, cmd: Command, rank: int):
+    """Run ``cmd`` on this rank's ``worker`` (a ``RankWorker``); returns its value, raises
+    what it raised. ``RunStep`` goes through ``worker.apply``, hence ``apply_step``."""
+    match cmd:
+        case RunStep(data):
+            return worker.apply(data)
+        case RunCall(method, args, only):
+            if only is not None and only != rank:
+                return None
+            if method.startswith("_"):
+                raise ValueError(f"{method!r} is not a public RankWorker method")
+            return getattr(worker, method)(*args)
+    raise TypeError(f"cannot run {cmd!r}")
+
+
+def gather_replies(group: Agreement, mine: CallReply, world_size: int) -> list[CallReply]:
+    """Every rank's reply, on every rank, in rank order (collective: one broadcast each)."""
+    data = encode(mine)
+    return [decode_reply(group.broadcast_bytes(data, src)) for src in range(world_size)]
+
+
+def lead_command(group: Agreement, worker, cmd: Command, world_size: int) -> list:
+    """Rank 0 (under torchrun): broadcast ``cmd``, run it here too, and for a ``RunCall``
+    gather every rank's reply. Returns the values by rank (``RunStep``: this rank's only).
+
+    Raises what this rank raised (for a call: after the gather, so peers never wait), or
+    ``PeerCallError`` naming the first rank whose call failed.
+    """
+    broadcast_command(group, cmd)
+    if not isinstance(cmd, RunCall):
+        return [run_command(worker, cmd, 0)] if not isinstance(cmd, Stop) else []
+    err: Exception | None = None
+    try:
+        mine = CallReply(True, run_command(worker, cmd, 0))
+    except Exception as exc:
+        err = exc
+        mine = CallReply(False, error=f"{type(exc).__name__}: {exc}")
+    replies = gather_replies(group, mine, world_size)
+    if err is not None:
+        raise err
+    for rank, reply in enumerate(replies):
+        if not reply.ok:
+            raise PeerCallError(rank, reply.error)
+    return [reply.value for reply in replies]
+
+
+def follow(group: Agreement, worker, rank: int, world_size: int) -> int:
+    """Ranks other than 0 (under torchrun): run rank 0's commands until ``Stop``.
+
+    A failed step or call does not end the loop (its error reached rank 0 through the
+    step's agreement or the reply gather); a broken group does, by raising. Returns the
+    number of commands run.
+    """
+    count = 0
+    while True:
+        cmd = broadcast_command(group, None)
+        if isinstance(cmd, Stop):
+            return count
+        count += 1
+        if isinstance(cmd, RunCall):
+            try:
+                reply = CallReply(True, run_command(worker, cmd, rank))
+            except Exception as exc:
+                reply = CallReply(False, error=f"{type(exc).__name__}: {exc}")
+            gather_replies(group, reply, world_size)
+        else:
+            # A LockstepError was raised on every rank together; rank 0 reports it.
+            with contextlib.suppress(LockstepError):
+                run_command(worker, cmd, rank)
+
+
 __all__ = [
     "DivergenceError",
     "LockstepError",
+    "PeerCallError",
     "RankFailure",
     "apply_op",
     "apply_step",
+    "broadcast_command",
     "broadcast_step",
     "encode",
+    "eviction_marks",
+    "follow",
+    "lead_command",
 ]

@@ -26,12 +26,14 @@ class Admit(msgspec.Struct, tag=True, frozen=True):
     tokens: bytes
     priority: int = 0
     evict_pages: int = 0  # pages the coordinator's mirror evicted for this admit
+    evict_swa_pages: int = 0  # SWA pages it freed (hybrid cache only), tombstoning included
 
 
 class Extend(msgspec.Struct, tag=True, frozen=True):
     rid: RequestId
     n: int
     evict_pages: int = 0
+    evict_swa_pages: int = 0
 
 
 class CacheUnfinished(msgspec.Struct, tag=True, frozen=True):
@@ -83,9 +85,78 @@ class StepResult(msgspec.Struct, frozen=True):
     apply_us: float = 0.0
 
 
+# ---- the model (tpcache.workers.model): the same structs under Ray and torchrun --------------
+class Forward(msgspec.Struct, tag=True, frozen=True):
+    """Run the model on the new ``tokens`` of running request ``rid``.
+
+    ``slots``: full-pool slot ids (little-endian int64) of every position of the context,
+    cached prefix and new tokens (``start + len(tokens)`` of them), as the cache's row
+    holds them; ``swa_slots``: SWA-pool slot ids of positions ``swa_start`` .. end
+    (hybrid cache only). Each rank checks them against its own cache before computing.
+    """
+
+    rid: RequestId
+    tokens: bytes
+    start: int
+    slots: bytes
+    swa_start: int = 0
+    swa_slots: bytes = b""
+
+
+class ForwardResult(msgspec.Struct, frozen=True):
+    """What one rank computed: ``logits`` (little-endian float32, ``[computed, vocab]``)."""
+
+    rank: int
+    computed: int  # tokens run through the model by this forward (the new ones)
+    context: int  # positions their attention covered (prefix + new)
+    vocab: int
+    logits: bytes
+
+
+def pack_slots(slots: np.ndarray) -> bytes:
+    return np.ascontiguousarray(slots, dtype="<i8").tobytes()
+
+
+def unpack_slots(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype="<i8")
+
+
+# ---- torchrun: what rank 0 broadcasts to every rank (see lockstep.follow) -------------------
+class RunStep(msgspec.Struct, tag=True, frozen=True):
+    """Apply an encoded ``Step`` (the same bytes a Ray rank gets in ``apply``)."""
+
+    data: bytes
+
+
+class RunCall(msgspec.Struct, tag=True, frozen=True):
+    """Call ``RankWorker.<method>(*args)``; every rank replies. ``rank`` set: only that
+    rank calls it (the others reply None), e.g. to plant a fault on one rank."""
+
+    method: str
+    args: list = []
+    rank: int | None = None
+
+
+class Stop(msgspec.Struct, tag=True, frozen=True):
+    """Leave the command loop (the group stays; the process may tear it down)."""
+
+
+Command = RunStep | RunCall | Stop
+
+
+class CallReply(msgspec.Struct, frozen=True):
+    ok: bool
+    value: object = None
+    error: str = ""
+
+
 _encoder = msgspec.msgpack.Encoder()
 _step_decoder = msgspec.msgpack.Decoder(Step)
 _result_decoder = msgspec.msgpack.Decoder(StepResult)
+_forward_decoder = msgspec.msgpack.Decoder(Forward)
+_forward_result_decoder = msgspec.msgpack.Decoder(ForwardResult)
+_command_decoder = msgspec.msgpack.Decoder(Command)
+_reply_decoder = msgspec.msgpack.Decoder(CallReply)
 
 
 def encode(msg: msgspec.Struct) -> bytes:
@@ -98,3 +169,19 @@ def decode_step(data: bytes) -> Step:
 
 def decode_result(data: bytes) -> StepResult:
     return _result_decoder.decode(data)
+
+
+def decode_forward(data: bytes) -> Forward:
+    return _forward_decoder.decode(data)
+
+
+def decode_forward_result(data: bytes) -> ForwardResult:
+    return _forward_result_decoder.decode(data)
+
+
+def decode_command(data: bytes) -> Command:
+    return _command_decoder.decode(data)
+
+
+def decode_reply(data: bytes) -> CallReply:
+    return _reply_decoder.decode(data)

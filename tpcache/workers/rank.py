@@ -7,6 +7,8 @@ of the cache state machine, and its process group. It applies steps in order thr
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +18,9 @@ import torch
 
 from tpcache.cache.errors import CacheError
 from tpcache.cache.radix import CacheConfig, RadixCache
+from tpcache.cache.swa_cache import HybridCache
+from tpcache.cache.swa_config import HybridConfig
+from tpcache.workers.context import ForwardError, check_forward, to_context
 from tpcache.workers.group import GroupSpec, TPGroup, free_port, node_ip
 from tpcache.workers.kvpool import (
     KVPool,
@@ -25,21 +30,46 @@ from tpcache.workers.kvpool import (
     slots_that_fit,
 )
 from tpcache.workers.lockstep import apply_step
-from tpcache.workers.ops import Op, decode_step, encode
+from tpcache.workers.model import Context, ModelConfigError, ModelSpec, RankModel
+from tpcache.workers.ops import ForwardResult, Op, decode_forward, decode_step, encode
 
 
 @dataclass(frozen=True)
 class CacheSpec:
-    """The cache every rank and the mirror build, less its capacity (agreed at start-up)."""
+    """The cache every rank and the mirror build, less its capacity (agreed at start-up).
+
+    ``sliding_window`` set: the hybrid cache (full + SWA pools, ``HybridCache``) with an
+    SWA pool of ``swa_capacity_tokens`` (None: as large as the full pool; never larger).
+    """
 
     page_size: int = 16
     policy: str = "lru"
     max_request_tokens: int | None = None
+    sliding_window: int | None = None
+    swa_capacity_tokens: int | None = None
 
     def __post_init__(self) -> None:
         CacheConfig(capacity_tokens=self.page_size, page_size=self.page_size, policy=self.policy)
+        if self.sliding_window is not None:
+            self._hybrid_config(max(self.swa_capacity_tokens or 0, self.page_size), False)
+        elif self.swa_capacity_tokens is not None:
+            raise CacheError("swa_capacity_tokens needs a sliding_window (the hybrid cache)")
+
+    def _hybrid_config(self, capacity_tokens: int, record_events: bool) -> HybridConfig:
+        swa = self.swa_capacity_tokens or capacity_tokens
+        return HybridConfig(
+            capacity_tokens=capacity_tokens,
+            swa_capacity_tokens=min(swa, capacity_tokens),
+            sliding_window=self.sliding_window,  # type: ignore[arg-type]
+            page_size=self.page_size,
+            policy=self.policy,
+            record_events=record_events,
+            max_request_tokens=self.max_request_tokens,
+        )
 
     def build(self, capacity_tokens: int, record_events: bool = False) -> RadixCache:
+        if self.sliding_window is not None:
+            return HybridCache(self._hybrid_config(capacity_tokens, record_events))  # type: ignore[return-value]
         return RadixCache(
             CacheConfig(
                 capacity_tokens=capacity_tokens,
@@ -91,6 +121,13 @@ class RankWorker:
         self.last_step = -1
         # Fault drills (tests, chaos runs): step -> what to do there. Owned by this rank.
         self._faults: dict[int, tuple[str, float]] = {}
+        # The model (load_model) and the SWA pool it needs with a hybrid cache, built for
+        # one cache instance (a new cache after setup/rejoin gets a new pool). Owned here.
+        self.model: RankModel | None = None
+        self._swa_pool: KVPool | None = None
+        self._swa_pool_cache: object | None = None
+        self.tokens_computed = 0  # tokens run through the model since load_model
+        self._slot_fault = 0  # test double: shift of the first context slot, next forward
 
     # ---- start-up ---------------------------------------------------------------------
     def address(self) -> tuple[str, int]:
@@ -134,6 +171,20 @@ class RankWorker:
         self.last_step = -1
         return capacity
 
+    def join_and_setup(self, master_addr: str, master_port: int) -> int:
+        """``join`` then ``setup``: the whole start-up of a rank (collective)."""
+        self.join(master_addr, master_port)
+        return self.setup()
+
+    def rejoin(self, master_addr: str, master_port: int) -> int:
+        """Leave the current (possibly broken) group, join a new one and start over with an
+        empty cache and a fresh pool. Collective over the new group."""
+        self.shutdown()
+        self.pool = None
+        self.cache = None
+        self._faults.clear()
+        return self.join_and_setup(master_addr, master_port)
+
     # ---- steps ------------------------------------------------------------------------
     def apply(self, data: bytes) -> bytes:
         """Apply one encoded step; returns the encoded ``StepResult``.
@@ -166,6 +217,103 @@ class RankWorker:
         k, v = self._pool().read(layer, slots)
         return k.float().cpu().numpy(), v.float().cpu().numpy()
 
+    # ---- the model (workers/model.py) ---------------------------------------------------
+    def load_model(self, spec: ModelSpec) -> dict[str, Any]:
+        """Build this rank's shard of ``spec`` on its device, in the pool's dtype.
+
+        After ``setup``. Raises ``ModelConfigError`` (nothing loaded) unless the pool holds
+        the model's KV: ``kv_heads == heads``, same ``head_dim``, one pool layer per
+        full-attention layer (with a hybrid cache; per layer otherwise), and a model
+        window equal to the hybrid cache's. Not a collective.
+        """
+        pool, cache = self.spec.pool, self._cache()
+        spec.check_tp(pool.tp)
+        if (spec.heads, spec.head_dim) != (pool.kv_heads, pool.head_dim):
+            raise ModelConfigError(
+                f"the model has {spec.heads} heads of {spec.head_dim}, the pool "
+                f"{pool.kv_heads} of {pool.head_dim}"
+            )
+        hybrid = isinstance(cache, HybridCache)
+        if hybrid and spec.swa_layers and spec.window != cache.window:
+            raise ModelConfigError(
+                f"model window {spec.window} != the hybrid cache's {cache.window}"
+            )
+        model = RankModel(spec, self.rank, pool.tp, self.device, pool.dtype, hybrid)
+        full, swa = model.pool_layers
+        if full != pool.num_layers:
+            raise ModelConfigError(
+                f"the pool holds {pool.num_layers} layers, the model keeps {full} "
+                f"in it ({swa} in the SWA pool)"
+            )
+        self.model = model
+        self.tokens_computed = 0
+        return {"rank": self.rank, "full_layers": full, "swa_layers": swa, "hybrid": hybrid}
+
+    def forward(self, data: bytes) -> bytes:
+        """Run the model on an encoded ``Forward``; returns an encoded ``ForwardResult``.
+
+        Collective (every rank, same order, same command). The command is first checked
+        against this rank's own cache (``check_forward``) and the verdict agreed by MIN,
+        so a bad command raises ``ForwardError`` on every rank before any compute. Then
+        the new tokens' K and V are written into the pool(s) and the model's
+        ``2 * num_layers`` all-reduces run. Changes the pools, not the cache.
+        """
+        group = self._group()
+        problem = None
+        try:
+            cmd = decode_forward(data)
+            if self.model is None:
+                raise ForwardError("no model loaded (call load_model)")
+            check_forward(self._cache(), cmd)
+            tokens, ctx = to_context(cmd)
+            self.model.spec.check_tokens(tokens)
+            swa_pool = self._swa_pool_now()
+        except Exception as exc:  # must reach the peers through the agreement, not hang them
+            problem = f"{type(exc).__name__}: {exc}"
+        if group.all_min([0 if problem is None else -1])[0] < 0:
+            where = f"this rank ({self.rank}): {problem}" if problem else "another rank"
+            raise ForwardError(f"forward refused on {where}")
+        if self._slot_fault:
+            ctx = self._plant_slot_fault(ctx)
+        assert self.model is not None
+        logits = self.model.forward(tokens, ctx, self._pool(), swa_pool, group.all_reduce_sum)
+        n = int(tokens.numel())
+        self.tokens_computed += n
+        return encode(
+            ForwardResult(
+                self.rank,
+                n,
+                ctx.start + n,
+                self.model.spec.vocab,
+                logits.cpu().numpy().astype("<f4").tobytes(),
+            )
+        )
+
+    def plant_slot_error(self, shift: int = 1) -> None:
+        """Test double of a wrong slot id on this rank: the next forward (after its check)
+        reads position 0 of its context from slot ``slots[0] + shift``. Tests only."""
+        self._slot_fault = shift
+
+    def _plant_slot_fault(self, ctx: Context) -> Context:
+        shift, self._slot_fault = self._slot_fault, 0
+        slots = ctx.slots.clone()
+        slots[0] = (slots[0] + shift) % self._pool().num_slots
+        return dataclasses.replace(ctx, slots=slots)
+
+    def _swa_pool_now(self) -> KVPool | None:
+        """The SWA pool of the current cache (built on first use for each new cache)."""
+        cache = self._cache()
+        model = self.model
+        if model is None or not isinstance(cache, HybridCache) or model.pool_layers[1] == 0:
+            return None
+        if self._swa_pool is None or self._swa_pool_cache is not cache:
+            self._swa_pool = None  # free the old one first
+            spec = dataclasses.replace(self.spec.pool, num_layers=model.pool_layers[1])
+            slots = cache.config.num_swa_pages * cache.page_size
+            self._swa_pool = KVPool(spec, slots, self.device)
+            self._swa_pool_cache = cache
+        return self._swa_pool
+
     # ---- inspection ---------------------------------------------------------------------
     def digest(self) -> int:
         return self._cache().digest()
@@ -187,18 +335,26 @@ class RankWorker:
             "protected": s.protected,
             "held": s.held,
             "pool_bytes": self._pool().nbytes,
+            "tokens_computed": self.tokens_computed,
         }
 
     def ping(self) -> int:
         return self.rank
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
 
     def collective_ping(self) -> int:
         """One bare all-reduce (collective): with a round trip, the floor of a step."""
         return self._group().all_min([self.rank])[0]
 
     def shutdown(self) -> None:
+        """Leave the process group (tolerates a broken one). Idempotent."""
         if self.group is not None:
-            self.group.destroy()
+            with contextlib.suppress(Exception):
+                self.group.destroy()
             self.group = None
 
     # ---- fault drills -------------------------------------------------------------------

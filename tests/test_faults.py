@@ -1,0 +1,265 @@
+"""Surviving faults: a rank that dies or hangs, a coordinator restart, hostile input."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tpcache.cache import errors
+from tpcache.cache.radix import RadixCache
+from tpcache.coordinator import api
+from tpcache.coordinator.api import CoordinatorUnavailable, RequestLost
+from tpcache.coordinator.core import CoordinatorConfig
+from tpcache.coordinator.event_config import EventConfig
+from tpcache.coordinator.frontend import handle
+from tpcache.coordinator.service import GroupConfig, start_group
+from tpcache.coordinator.soak import run_soak
+from tpcache.workers.lockstep import DivergenceError, LockstepError, RankFailure
+from tpcache.workers.rank import CacheSpec
+
+
+def config(**kw) -> GroupConfig:
+    base = dict(
+        tp=2,
+        capacity_tokens=1024,
+        cache=CacheSpec(page_size=4, max_request_tokens=256),
+        num_layers=1,
+        kv_heads=2,
+        head_dim=2,
+        dtype="float32",
+        cpu_budget_bytes=1 << 20,
+        timeout_s=4.0,
+        coordinator=CoordinatorConfig(step_timeout_s=30.0, probe_s=2.0),
+    )
+    base.update(kw)
+    return GroupConfig(**base)
+
+
+def check_fresh_group_works(coord) -> None:
+    """After recovery: correct slots and hits against a fresh in-process cache, no leak."""
+    local = RadixCache(coord.mirror.config)
+    assert coord.mirror.digest() == local.digest()  # started from an empty cache
+    prompt = list(range(10, 50))
+    for i in range(3):
+        got = coord.admit(f"new{i}", [*prompt, i])
+        want = local.admit(f"new{i}", [*prompt, i])
+        assert got.prefix_len == want.prefix_len
+        np.testing.assert_array_equal(got.slots, want.slots)
+        coord.finish(f"new{i}", [7, 7])
+        local.finish(f"new{i}", [7, 7])
+    assert want.prefix_len == 40
+    coord.sync()
+    assert coord.ranks.call("digest") == [local.digest()] * 2
+    coord.ranks.call("check_integrity")
+    for info in coord.ranks.call("info"):
+        assert info["free"] + info["evictable"] == coord.mirror.sizes().capacity
+        assert info["held"] == info["protected"] == 0
+
+
+def test_rank_killed_mid_run_recovers(ray_cluster, tmp_path):
+    import ray
+
+    cfg = config(events=EventConfig(endpoint=f"ipc://{tmp_path}/ev.sock"))
+    coord = start_group(cfg)
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(coord.publisher.endpoint)
+    try:
+        time.sleep(0.3)
+        coord.admit("done", list(range(1, 60)))
+        coord.finish("done", [1, 2])
+        coord.admit("held", list(range(1, 40)))  # running when the rank dies
+        coord.sync()
+        ray.kill(coord.ranks.actors[1], no_restart=True)
+        t = time.monotonic()
+        with pytest.raises(RankFailure) as caught:
+            coord.admit("next", list(range(100, 140)))
+            coord.sync()
+        noticed = time.monotonic() - t
+        print(f"rank death noticed and recovered in {noticed:.2f}s")
+        assert noticed < 30
+        assert caught.value.retryable
+        assert "rank 1" in str(caught.value)
+        assert coord.stats()["recoveries"] == 1 and coord.stats()["replaced_ranks"] == 1
+        with pytest.raises(RequestLost, match="held"):
+            coord.finish("held")
+        check_fresh_group_works(coord)
+        # announced once: exactly one AllBlocksCleared on the wire
+        cleared = 0
+        while sub.poll(500):
+            _, _, payload = sub.recv_multipart()
+            for ev in msgspec.msgpack.decode(payload)[1]:
+                cleared += ev["type"] == "AllBlocksCleared"
+        assert cleared == 1
+    finally:
+        sub.close(0)
+        coord.close()
+
+
+def test_rank_hang_times_out_and_recovers(ray_cluster):
+    coord = start_group(config(timeout_s=3.0))
+    try:
+        coord.admit("a", list(range(1, 30)))
+        coord.sync()
+        step = coord.stats()["steps_sent"]
+        coord.ranks.actors[1].inject_fault.remote(step, "sleep", 12.0)
+        t = time.monotonic()
+        with pytest.raises(LockstepError):
+            coord.finish("a")
+            coord.sync()
+        took = time.monotonic() - t
+        print(f"hang detected and recovered in {took:.2f}s (collective timeout 3s)")
+        assert took < 12  # did not wait for the sleeper
+        assert coord.stats()["replaced_ranks"] == 1
+        check_fresh_group_works(coord)
+    finally:
+        coord.close()
+
+
+def test_divergence_recovers_or_stays_down(ray_cluster):
+    coord = start_group(config(coordinator=CoordinatorConfig(auto_recover=False)))
+    try:
+        coord.admit("a", list(range(1, 30)))
+        coord.finish("a")
+        coord.admit("a", list(range(1, 30)))  # running when the group stops
+        coord.sync()
+        coord.ranks.actors[0].inject_fault.remote(coord.stats()["steps_sent"], "corrupt")
+        coord.admit("b", list(range(1, 30)))  # its prefix hit differs on rank 0
+        with pytest.raises(DivergenceError) as caught:
+            coord.sync()
+        assert caught.value.odd_ranks == (0,)
+        with pytest.raises(CoordinatorUnavailable):
+            coord.admit("c", [1, 2, 3])
+        coord.recover()  # by hand when auto_recover is off
+        with pytest.raises(RequestLost):
+            coord.finish("a")
+        check_fresh_group_works(coord)
+    finally:
+        coord.close()
+
+
+def test_coordinator_restart_is_survived(ray_cluster):
+    import ray
+
+    from tpcache.coordinator.service import connect, serve
+
+    actor = serve(config(), name="restart-me", namespace="tpcache-tests")
+    try:
+        client = connect("restart-me", "tpcache-tests")
+        client.admit("held", list(range(1, 30)))
+        old_pids = ray.get(actor.rank_pids.remote())
+        ray.kill(actor, no_restart=False)  # the process dies; Ray restarts the actor
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                client = connect("restart-me", "tpcache-tests")
+                client.stats()
+                break
+            except Exception:
+                assert time.monotonic() < deadline, "coordinator did not come back"
+                time.sleep(1)
+        with pytest.raises(RequestLost, match="restarted"):
+            client.finish("held")
+        got = client.admit("fresh", list(range(1, 30)))
+        assert got.prefix_len == 0  # started from an empty cache
+        client.finish("fresh")
+        again = client.admit("again", list(range(1, 30)))
+        assert again.prefix_len == 28
+        client.finish("again")
+        digests = ray.get(actor.rank_digests.remote())
+        assert len(set(digests)) == 1
+        assert set(ray.get(actor.rank_pids.remote())).isdisjoint(old_pids)  # new ranks
+    finally:
+        ray.get(actor.shutdown.remote())
+        ray.kill(actor, no_restart=True)
+
+
+@pytest.fixture(scope="module")
+def fuzz_group(ray_cluster):
+    coord = start_group(config())
+    yield coord
+    coord.close()
+
+
+ids = st.one_of(
+    st.integers(-3, 6), st.sampled_from(["a", "b", "", "x" * 300]), st.floats(), st.none()
+)
+tokens = st.one_of(
+    st.lists(st.integers(-5, 2**31 + 5), max_size=40),
+    st.lists(st.integers(1, 50), min_size=1, max_size=300),
+    st.lists(st.floats(), max_size=5),
+    st.text(max_size=5),
+)
+calls = st.one_of(
+    st.builds(
+        lambda r, t, p: {"call": "admit", "request_id": r, "tokens": t, "priority": p},
+        ids,
+        tokens,
+        st.integers(-2, 2),
+    ),
+    st.builds(lambda r, n: {"call": "extend", "request_id": r, "n": n}, ids, st.integers(-5, 2000)),
+    st.builds(lambda r, t: {"call": "cache_unfinished", "request_id": r, "tokens": t}, ids, tokens),
+    st.builds(lambda r, t: {"call": "finish", "request_id": r, "output_tokens": t}, ids, tokens),
+    st.builds(lambda r: {"call": "abort", "request_id": r}, ids),
+    st.builds(lambda r: {"call": "abort", "request_id": r, "unknown": 1}, ids),
+    st.builds(lambda r: {"call": "warp", "request_id": r}, ids),
+)
+messages = st.one_of(calls.map(msgspec.msgpack.encode), st.binary(max_size=64))
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(st.lists(messages, min_size=1, max_size=12))
+def test_fuzz_api_never_breaks_state(fuzz_group, batch):
+    coord = fuzz_group
+    for data in batch:
+        d0 = coord.mirror.digest()
+        steps = coord.stats()["steps_sent"]
+        reply = api.decode_reply(handle(coord, data))
+        if isinstance(reply, api.ErrorReply):
+            assert reply.error in api.error_types(), reply
+            assert coord.mirror.digest() == d0
+            assert coord.stats()["steps_sent"] == steps  # nothing entered the op log
+    coord.sync()
+    coord.mirror.check_integrity()
+    assert coord.ranks.call("digest") == [coord.mirror.digest()] * 2
+    coord.reset()  # the next example starts clean
+    coord.sync()
+
+
+def test_short_soak_leaks_nothing(ray_cluster):
+    coord = start_group(
+        config(capacity_tokens=2048, cache=CacheSpec(page_size=4, max_request_tokens=512))
+    )
+    try:
+        out = run_soak(coord, calls=1200, seed=5)
+        print(out)
+        assert out["divergences"] == 0 and out["no_leak"] and out["rank_digests_equal"]
+        assert out["evicted_tokens"] > 0 and out["aborted"] > 0 and out["chunked_prefill_calls"] > 0
+        assert coord.stats()["steps_done"] == out["steps"] > 100
+        for start, end in zip(out["rss_mb_after_warmup"], out["rss_mb_end"], strict=True):
+            assert end < start + 64  # flat after warm-up (MB), generous for a short run
+    finally:
+        coord.close()
+
+
+def test_bad_calls_in_wrong_order_are_typed(fuzz_group):
+    coord = fuzz_group
+    d = coord.mirror.digest()
+    with pytest.raises(errors.UnknownRequest):
+        coord.finish("never-admitted")
+    coord.admit("w", [1, 2, 3, 4, 5])
+    coord.finish("w")
+    with pytest.raises(errors.UnknownRequest):
+        coord.extend("w", 1)  # extend after finish
+    coord.sync()
+    coord.reset()
+    coord.sync()
+    assert coord.mirror.digest() == d or coord.mirror.sizes().cached == 0

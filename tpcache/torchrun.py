@@ -1,0 +1,261 @@
+"""torchrun mode: the same ``RankWorker`` as a torchrun rank, without Ray.
+
+    torchrun --standalone --nproc_per_node=2 -m tpcache.torchrun check
+
+Every rank builds its ``RankWorker``, joins the group at torchrun's ``MASTER_ADDR`` /
+``MASTER_PORT`` (gloo on CPUs, NCCL on GPUs), agrees the pool capacity and loads the
+model. Rank 0 is also the coordinator: a ``Coordinator`` over ``TorchrunRanks``, which
+broadcasts every step and every rank call as a ``Command`` (``lockstep.lead_command``);
+the other ranks run ``lockstep.follow`` until rank 0 sends ``Stop``. Steps are applied
+by ``apply_step`` with the same MIN agreements and digest checks as under Ray.
+
+``check`` runs the model checks (``coordinator.modelcheck``) on the group and prints one
+JSON line (``{"tpcache_check": ...}``) from rank 0; the exit code is 0 iff all passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import sys
+import time
+from typing import Any
+
+import torch
+
+from tpcache.coordinator.core import Coordinator, CoordinatorConfig, RankCallError
+from tpcache.coordinator.engine import ModelEngine
+from tpcache.coordinator.modelcheck import Workload, run_script, run_workload
+from tpcache.workers.kvpool import PoolSpec
+from tpcache.workers.lockstep import (
+    DivergenceError,
+    PeerCallError,
+    follow,
+    lead_command,
+)
+from tpcache.workers.model import ModelSpec
+from tpcache.workers.ops import RunCall, RunStep, Stop
+from tpcache.workers.rank import CacheSpec, RankWorker, WorkerSpec
+
+
+class TorchrunRanks:
+    """The ``RankTransport`` of rank 0 under torchrun: commands go out by broadcast.
+
+    Synchronous: ``send`` applies the step on every rank before it returns (the ticket
+    holds rank 0's result or its error). Only rank 0's ``StepResult`` comes back: the
+    step's digest agreement already made every rank check the others. Replacing a rank
+    is not possible inside a torchrun job (``restart`` raises); torchrun restarts jobs.
+    """
+
+    def __init__(self, worker: RankWorker, capacity: int) -> None:
+        self.worker = worker
+        self.world_size = worker.spec.pool.tp
+        self.capacity = capacity
+        self._closed = False
+
+    def send(self, data: bytes) -> tuple[bool, Any]:
+        try:
+            return True, lead_command(self._group(), self.worker, RunStep(data), self.world_size)
+        except Exception as exc:
+            return False, exc
+
+    def ready(self, ticket: tuple[bool, Any]) -> bool:
+        return True
+
+    def collect(self, ticket: tuple[bool, Any], timeout: float) -> list[bytes]:
+        ok, value = ticket
+        if not ok:
+            raise RankCallError(0, value)
+        return value
+
+    def call(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
+        """``method(*args)`` on every rank (gathered in rank order). Args and results
+        travel as msgpack: ints, strs, bytes, lists, dicts."""
+        return self._call(RunCall(method, list(args)))
+
+    def call_on(self, rank: int, method: str, *args: Any) -> Any:
+        """``method(*args)`` on ``rank`` only (e.g. to plant a fault there)."""
+        return self._call(RunCall(method, list(args), rank))[rank]
+
+    def _call(self, cmd: RunCall) -> list[Any]:
+        try:
+            return lead_command(self._group(), self.worker, cmd, self.world_size)
+        except PeerCallError as exc:
+            raise RankCallError(exc.rank, exc) from None
+        except Exception as exc:
+            raise RankCallError(0, exc) from None
+
+    def restart(self, probe_s: float = 2.0) -> int:
+        raise RuntimeError("a torchrun job cannot replace its ranks; restart the job")
+
+    def close(self) -> None:
+        """Send ``Stop`` to the other ranks (once)."""
+        if self._closed:
+            return
+        self._closed = True
+        lead_command(self._group(), self.worker, Stop(), self.world_size)
+
+    def _group(self):
+        return self.worker._group()
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """What every rank of a ``check`` run builds (from the same command line)."""
+
+    model: ModelSpec
+    cache: CacheSpec
+    capacity: int
+    dtype: str
+    timeout_s: float
+
+
+def env_int(name: str) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        raise SystemExit(f"{name} is not set: start this under torchrun")
+    return int(value)
+
+
+def start_rank(cfg: RunConfig) -> tuple[RankWorker, int]:
+    """Build, join, set up and load the model on this torchrun rank (collective)."""
+    rank, world, local = env_int("RANK"), env_int("WORLD_SIZE"), env_int("LOCAL_RANK")
+    layers = len(cfg.model.full_layers) if cfg.cache.sliding_window else cfg.model.num_layers
+    spec = WorkerSpec(
+        pool=PoolSpec(layers, cfg.model.heads, cfg.model.head_dim, world, cfg.dtype),
+        cache=cfg.cache,
+        capacity_tokens=cfg.capacity,
+        cpu_budget_bytes=1 << 28,
+        timeout_s=cfg.timeout_s,
+    )
+    worker = RankWorker(rank, spec, local)
+    worker.join(os.environ.get("MASTER_ADDR", "127.0.0.1"), env_int("MASTER_PORT"))
+    capacity = worker.setup()
+    worker.load_model(cfg.model)
+    return worker, capacity
+
+
+def coordinator(worker: RankWorker, capacity: int, cache: CacheSpec) -> Coordinator:
+    """Rank 0's coordinator over the torchrun group (no recovery: see ``TorchrunRanks``)."""
+    fields = CoordinatorConfig.__dataclass_fields__
+    config = CoordinatorConfig(**({"auto_recover": False} if "auto_recover" in fields else {}))
+    return Coordinator(TorchrunRanks(worker, capacity), cache.build(capacity), config)
+
+
+def run_checks(coord: Coordinator, cfg: RunConfig, seed: int, tol: float) -> dict[str, Any]:
+    """The model checks of the Ray tests, on this group. Returns the JSON-able verdict."""
+    engine = ModelEngine(coord)
+    model, out = cfg.model, {}
+    runs = {
+        "basic": Workload(seed=seed, requests=6),
+        "chunked": Workload(seed=seed + 1, requests=6, chunk=6, concurrency=3),
+        "evict": Workload(seed=seed + 2, requests=16),
+    }
+    for name, wl in runs.items():
+        rep = run_workload(engine, model, wl, tol=tol, dtype=cfg.dtype, rid_prefix=name)
+        out[name] = {**rep.as_dict(), "ok": rep.ok(tol)}
+        coord.sync()
+    ranks: TorchrunRanks = coord.ranks  # type: ignore[assignment]
+    digests = ranks.call("digest")
+    out["digests_equal"] = digests == [coord.mirror.digest()] * ranks.world_size
+    infos = ranks.call("info")
+    out["tokens_computed"] = [i["tokens_computed"] for i in infos]
+    # A wrong slot id on rank 1 (after its check): the logits must show it.
+    coord.reset()
+    rng = random.Random(seed)
+    prompt = [rng.randrange(model.vocab) for _ in range(24)]
+    run_script(engine, model, [[prompt]], tol=tol, dtype=cfg.dtype, rid_prefix="pre")
+    ranks.call_on(ranks.world_size - 1, "plant_slot_error", 1)
+    bad = run_script(engine, model, [[[*prompt, 1, 2]]], tol=tol, dtype=cfg.dtype, rid_prefix="bad")
+    out["planted_slot"] = {"prefix": bad.prefix_lens, "rel_err": bad.max_rel_err}
+    out["planted_slot_detected"] = bad.prefix_lens[0] > 0 and bad.max_rel_err > 100 * tol
+    coord.reset()
+    run_script(engine, model, [[prompt]], tol=tol, dtype=cfg.dtype, rid_prefix="again")
+    coord.sync()
+    # Last: a divergence planted on one rank (its admit misses the cached prefix) stops
+    # every rank at that step.
+    step = coord.stats()["steps_sent"]
+    ranks.call_on(ranks.world_size - 1, "inject_fault", step, "corrupt")
+    try:
+        coord.admit("diverge", [*prompt, 3])
+        coord.sync()
+        out["divergence_caught"] = False
+    except DivergenceError as exc:
+        out["divergence_caught"] = exc.step == step and exc.odd_ranks == (ranks.world_size - 1,)
+        out["divergence"] = {"step": exc.step, "odd_ranks": list(exc.odd_ranks), "planted": step}
+    out["ok"] = bool(
+        all(out[name]["ok"] for name in runs)
+        and out["digests_equal"]
+        and out["planted_slot_detected"]
+        and out["divergence_caught"]
+        and out["basic"]["hit_tokens"] > 0
+        and out["evict"]["evicted_pages"] > 0
+    )
+    return out
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m tpcache.torchrun", description=__doc__)
+    sub = p.add_subparsers(dest="mode", required=True)
+    c = sub.add_parser("check", help="model-vs-full-recompute checks over the cache")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU)")
+    c.add_argument("--tol", type=float, default=None, help="relative error allowed")
+    c.add_argument("--page-size", type=int, default=4)
+    c.add_argument("--capacity", type=int, default=192, help="pool tokens (pressure below)")
+    c.add_argument("--window", type=int, default=None, help="hybrid cache with this window")
+    c.add_argument("--swa-capacity", type=int, default=64)
+    c.add_argument("--timeout-s", type=float, default=120.0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    torch.set_num_threads(1)
+    dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
+    tol = args.tol or (1e-5 if dtype == "float32" else 1e-2)
+    hybrid = args.window is not None
+    model = ModelSpec(
+        seed=args.seed + 1000,
+        num_layers=3 if hybrid else 2,
+        swa_layers=(0, 2) if hybrid else (),
+        window=args.window,
+    )
+    cache = CacheSpec(
+        page_size=args.page_size,
+        max_request_tokens=64,
+        sliding_window=args.window,
+        swa_capacity_tokens=args.swa_capacity if hybrid else None,
+    )
+    cfg = RunConfig(model, cache, args.capacity, dtype, args.timeout_s)
+    started = time.perf_counter()
+    worker, capacity = start_rank(cfg)
+    try:
+        if worker.rank != 0:
+            follow(worker._group(), worker, worker.rank, worker.spec.pool.tp)
+            return 0
+        coord = coordinator(worker, capacity, cache)
+        try:
+            out = run_checks(coord, cfg, args.seed, tol)
+        finally:
+            coord.ranks.close()
+        out.update(
+            world_size=worker.spec.pool.tp,
+            backend=worker.group.backend if worker.group else None,
+            device=str(worker.device),
+            dtype=dtype,
+            tol=tol,
+            seed=args.seed,
+            seconds=round(time.perf_counter() - started, 2),
+        )
+        print(json.dumps({"tpcache_check": out}), flush=True)
+        return 0 if out["ok"] else 1
+    finally:
+        worker.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

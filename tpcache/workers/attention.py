@@ -1,0 +1,63 @@
+"""The math of one attention layer that both the pool path and the reference share.
+
+Only what is not about the cache lives here: RMS norm, rotary positions, and masked
+attention of queries over keys and values at known positions. Where K and V come from
+(a pool read by slot ids, or the whole sequence computed at once) is the caller's
+business, so the reference and the cached path cannot agree by sharing a bug in it.
+Everything is vectorised over tokens and heads; nothing loops over tokens in Python.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / rms(x) * weight`` over the last dim, computed in float32, cast back."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.float()).to(x.dtype)
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
+    """Rotate ``x`` ``[tokens, heads, head_dim]`` by its absolute ``positions`` (RoPE,
+    rotate-half layout). Angles in float64 so every position is exact; result in x's dtype."""
+    d = x.shape[-1]
+    half = d // 2
+    inv = base ** (-torch.arange(half, dtype=torch.float64, device=x.device) * 2 / d)
+    ang = positions.to(torch.float64)[:, None] * inv[None, :]  # [tokens, half]
+    cos = torch.cos(ang).float()[:, None, :]
+    sin = torch.sin(ang).float()[:, None, :]
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    window: int | None,
+) -> torch.Tensor:
+    """Causal (and, with ``window``, sliding-window) attention.
+
+    ``q`` ``[n, heads, d]`` at positions ``q_pos``; ``k``/``v`` ``[c, heads, d]`` at
+    ``k_pos``. A query at position p sees keys at positions ``k <= p`` and, with a
+    window W, ``k >= p - W`` (W tokens before it and itself). Scores and softmax in
+    float32. Returns ``[n, heads * d]`` in q's dtype. Raises ValueError if some query
+    sees no key (its own K must always be among ``k``).
+    """
+    scale = q.shape[-1] ** -0.5
+    scores = torch.einsum("nhd,chd->hnc", q.float(), k.float()) * scale
+    rel = q_pos[:, None] - k_pos[None, :]  # [n, c]: how far back each key is
+    allowed = rel >= 0
+    if window is not None:
+        allowed &= rel <= window
+    if not bool(allowed.any(dim=1).all()):
+        raise ValueError("a query has no key in its context (its own K is missing)")
+    scores = scores.masked_fill(~allowed[None, :, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("hnc,chd->nhd", probs, v.float())
+    return out.reshape(out.shape[0], -1).to(q.dtype)

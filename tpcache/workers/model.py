@@ -1,0 +1,306 @@
+"""A small tensor-parallel decoder that runs on the KV pool: the proof that cached KV is right.
+
+Made for checking the cache, so it does what a real engine does with it: embeddings,
+``num_layers`` blocks of multi-head attention with rotary positions and an MLP, a final
+norm and an LM head. Weights come from a seed (no downloads) and are identical in every
+process. Tensor parallelism is Megatron's: each rank holds ``heads // tp`` heads (its
+columns of Wq, Wk, Wv; its rows of Wo) and ``ffn // tp`` MLP units (columns of the up
+projection, rows of the down projection); the row-parallel products are summed over the
+group by an all-reduce, so every rank ends each block with the same hidden state.
+
+The cached path (``RankModel.forward``) computes only the request's new tokens: it writes
+their K and V into the pool at the slot ids of the cache's row and attends over K and V
+*read back from the pool* at the slots of the whole context. ``reference_logits`` is the
+same model computed over the whole sequence at once, with full weights and no pool.
+
+Sliding-window layers (``swa_layers``) see only the last ``window`` tokens before each
+query. With the hybrid cache, their K and V live in the SWA pool at the SWA slots the
+cache maps, and only the window is read.
+
+May import torch, numpy and ``tpcache.workers``/``tpcache.cache``; nothing else.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tpcache.workers.attention import attend, rms_norm, rotary
+from tpcache.workers.kvpool import KVPool
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+class ModelConfigError(ValueError):
+    """A model shape that cannot work, or one that does not fit the pool or the cache."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model every rank and the reference build. ``window``: tokens a sliding-window
+    layer sees before the current one (required iff ``swa_layers`` is not empty)."""
+
+    vocab: int = 64
+    hidden: int = 32
+    heads: int = 4
+    head_dim: int = 8
+    ffn: int = 64
+    num_layers: int = 2
+    swa_layers: tuple[int, ...] = ()
+    window: int | None = None
+    seed: int = 0
+    rope_base: float = 10000.0
+    eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        for name in ("vocab", "hidden", "heads", "head_dim", "ffn", "num_layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ModelConfigError(f"{name} must be a positive int, got {value!r}")
+        if self.head_dim % 2:
+            raise ModelConfigError(f"head_dim={self.head_dim} must be even for rotary positions")
+        swa = self.swa_layers
+        if list(swa) != sorted(set(swa)) or any(not 0 <= i < self.num_layers for i in swa):
+            raise ModelConfigError(
+                f"swa_layers={swa} must be distinct sorted layer indices in [0, {self.num_layers})"
+            )
+        if swa and (not isinstance(self.window, int) or self.window < 1):
+            raise ModelConfigError(f"swa_layers need a window >= 1, got {self.window!r}")
+        if not swa and self.window is not None:
+            raise ModelConfigError("a window without swa_layers means nothing; drop it")
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if i not in self.swa_layers)
+
+    def check_tokens(self, tokens: torch.Tensor) -> None:
+        """Raises ValueError unless every token id is in ``[0, vocab)``."""
+        if tokens.numel() and not (0 <= int(tokens.min()) and int(tokens.max()) < self.vocab):
+            raise ValueError(
+                f"token ids span [{int(tokens.min())}, {int(tokens.max())}], "
+                f"outside the vocab [0, {self.vocab})"
+            )
+
+    def check_tp(self, tp: int) -> None:
+        """Raises ModelConfigError unless heads and ffn split evenly over ``tp`` ranks."""
+        if self.heads % tp or self.ffn % tp:
+            raise ModelConfigError(
+                f"heads={self.heads} and ffn={self.ffn} must both divide by tp={tp}"
+            )
+
+
+@functools.lru_cache(maxsize=4)
+def full_weights(spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """The whole model's weights (float32, CPU), drawn from ``spec.seed`` in a fixed order.
+
+    The same spec gives bit-identical weights in every process. Read-only by contract.
+    """
+    g = torch.Generator().manual_seed(spec.seed)
+
+    def draw(*shape: int, scale: float) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).float()
+
+    d, hd = spec.hidden, spec.heads * spec.head_dim
+    w = {"embed": draw(spec.vocab, d, scale=1.0)}
+    for i in range(spec.num_layers):
+        w[f"{i}.norm1"] = 1.0 + draw(d, scale=0.1)
+        w[f"{i}.wq"] = draw(d, hd, scale=d**-0.5)
+        w[f"{i}.wk"] = draw(d, hd, scale=d**-0.5)
+        w[f"{i}.wv"] = draw(d, hd, scale=d**-0.5)
+        w[f"{i}.wo"] = draw(hd, d, scale=hd**-0.5)
+        w[f"{i}.norm2"] = 1.0 + draw(d, scale=0.1)
+        w[f"{i}.up"] = draw(d, spec.ffn, scale=d**-0.5)
+        w[f"{i}.down"] = draw(spec.ffn, d, scale=spec.ffn**-0.5)
+    w["norm"] = 1.0 + draw(d, scale=0.1)
+    w["head"] = draw(d, spec.vocab, scale=d**-0.5)
+    return w
+
+
+def shard_weights(spec: ModelSpec, rank: int, tp: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s Megatron shard: columns of Wq/Wk/Wv and of up (its heads and MLP
+    units), rows of Wo and of down; embeddings, norms and the head are replicated."""
+    spec.check_tp(tp)
+    full = full_weights(spec)
+    cols = slice(
+        rank * spec.heads // tp * spec.head_dim, (rank + 1) * spec.heads // tp * spec.head_dim
+    )
+    units = slice(rank * spec.ffn // tp, (rank + 1) * spec.ffn // tp)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in full.items():
+        part = name.rsplit(".", 1)[-1]
+        if part in ("wq", "wk", "wv"):
+            t = t[:, cols]
+        elif part == "wo":
+            t = t[cols, :]
+        elif part == "up":
+            t = t[:, units]
+        elif part == "down":
+            t = t[units, :]
+        out[name] = t.contiguous()
+    return out
+
+
+@dataclass(frozen=True)
+class Context:
+    """Where one forward's KV lives, as the cache's row gives it.
+
+    ``slots[p]``: the full-pool slot of position p, for every position of the context
+    (cached prefix + new tokens, ``start + n`` of them). ``swa_slots``: the SWA-pool slots
+    of positions ``swa_start ..`` to the end (empty without an SWA pool).
+    """
+
+    start: int
+    slots: torch.Tensor
+    swa_start: int = 0
+    swa_slots: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """Which pool, and which layer of it, holds one model layer's K and V."""
+
+    pool: str  # "full" or "swa"
+    index: int
+    window: int | None  # None: full attention
+
+
+def layer_placement(spec: ModelSpec, hybrid: bool) -> list[LayerKV]:
+    """Where each layer's KV lives: with an SWA pool, sliding-window layers in it (in layer
+    order) and full layers in the full pool; without, every layer in the full pool."""
+    out: list[LayerKV] = []
+    full = swa = 0
+    for i in range(spec.num_layers):
+        window = spec.window if i in spec.swa_layers else None
+        if hybrid and window is not None:
+            out.append(LayerKV("swa", swa, window))
+            swa += 1
+        else:
+            out.append(LayerKV("full", full, window))
+            full += 1
+    return out
+
+
+class RankModel:
+    """One rank's shard of the model, on the rank's device, in the pool's dtype.
+
+    Mixed precision as serving engines run it: weights, activations and KV in the pool's
+    dtype; the residual stream and the all-reduced partial sums in float32.
+
+    ``forward`` changes the pools (it writes the new tokens' K and V) and nothing else.
+    It enters ``2 * num_layers`` all-reduces, in layer order, on every rank alike.
+    """
+
+    def __init__(
+        self, spec: ModelSpec, rank: int, tp: int, device: torch.device, dtype: str, hybrid: bool
+    ) -> None:
+        if dtype not in _DTYPES:
+            raise ModelConfigError(f"dtype={dtype!r} is not one of {sorted(_DTYPES)}")
+        self.spec = spec
+        self.rank = rank
+        self.tp = tp
+        self.device = device
+        self.dtype = _DTYPES[dtype]
+        self.heads = spec.heads // tp
+        self.placement = layer_placement(spec, hybrid)
+        # Owned by this object; never written after construction.
+        self.w = {
+            k: v.to(device=device, dtype=self.dtype)
+            for k, v in shard_weights(spec, rank, tp).items()
+        }
+
+    @property
+    def pool_layers(self) -> tuple[int, int]:
+        """How many layers the full pool and the SWA pool must hold."""
+        full = sum(p.pool == "full" for p in self.placement)
+        return full, len(self.placement) - full
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        ctx: Context,
+        pool: KVPool,
+        swa_pool: KVPool | None,
+        all_reduce: AllReduce,
+    ) -> torch.Tensor:
+        """Logits ``[n, vocab]`` (float32) of the ``n`` new ``tokens`` at positions
+        ``ctx.start ..``; their K and V are written into the pools first.
+
+        The caller has checked the context against the cache; slot ids are trusted here.
+        """
+        spec, w, dev = self.spec, self.w, self.device
+        n = int(tokens.numel())
+        end = ctx.start + n
+        q_pos = torch.arange(ctx.start, end, device=dev)
+        slots = ctx.slots.to(dev)
+        swa_slots = ctx.swa_slots.to(dev) if ctx.swa_slots is not None else None
+        dt = self.dtype
+        x = w["embed"][tokens.to(dev)].float()  # the residual stream stays float32
+        for i, where in enumerate(self.placement):
+            h = rms_norm(x, w[f"{i}.norm1"], spec.eps).to(dt)
+            q = (h @ w[f"{i}.wq"]).view(n, self.heads, spec.head_dim)
+            k = (h @ w[f"{i}.wk"]).view(n, self.heads, spec.head_dim)
+            v = (h @ w[f"{i}.wv"]).view(n, self.heads, spec.head_dim)
+            q = rotary(q, q_pos, spec.rope_base)
+            k = rotary(k, q_pos, spec.rope_base)
+            if where.pool == "swa":
+                assert swa_pool is not None and swa_slots is not None
+                kbuf, vbuf = swa_pool.layer_buffers(where.index)
+                lo, read, write = ctx.swa_start, swa_slots, swa_slots[swa_slots.numel() - n :]
+            else:
+                kbuf, vbuf = pool.layer_buffers(where.index)
+                lo = 0 if where.window is None else max(0, ctx.start - where.window)
+                read, write = slots[lo:end], slots[ctx.start : end]
+            kbuf.index_copy_(0, write, k)
+            vbuf.index_copy_(0, write, v)
+            k_ctx = kbuf.index_select(0, read)  # one gather for the whole context
+            v_ctx = vbuf.index_select(0, read)
+            k_pos = torch.arange(lo, end, device=dev)
+            a = attend(q, k_ctx, v_ctx, q_pos, k_pos, where.window)
+            x = x + all_reduce((a @ w[f"{i}.wo"]).float())  # row-parallel: sum over heads
+            h = rms_norm(x, w[f"{i}.norm2"], spec.eps).to(dt)
+            x = x + all_reduce((F.gelu(h @ w[f"{i}.up"]) @ w[f"{i}.down"]).float())
+        return (rms_norm(x, w["norm"], spec.eps).to(dt) @ w["head"]).float()
+
+
+def reference_logits(
+    spec: ModelSpec,
+    tokens: torch.Tensor | list[int],
+    dtype: str = "float32",
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """Full recompute without any cache: logits ``[T, vocab]`` (float32) of every position
+    of ``tokens``, from the whole weights (TP=1 math), K and V of the whole sequence
+    computed at once, causal and (for SWA layers) windowed masks. Same precision recipe
+    as ``RankModel`` (weights and activations in ``dtype``, residual in float32).
+    Changes nothing."""
+    dt = _DTYPES[dtype]
+    w = {k: v.to(device=device, dtype=dt) for k, v in full_weights(spec).items()}
+    toks = torch.as_tensor(tokens, dtype=torch.int64, device=device)
+    spec.check_tokens(toks)
+    t = int(toks.numel())
+    pos = torch.arange(t, device=device)
+    x = w["embed"][toks].float()
+    for i in range(spec.num_layers):
+        window = spec.window if i in spec.swa_layers else None
+        h = rms_norm(x, w[f"{i}.norm1"], spec.eps).to(dt)
+        q = rotary((h @ w[f"{i}.wq"]).view(t, spec.heads, -1), pos, spec.rope_base)
+        k = rotary((h @ w[f"{i}.wk"]).view(t, spec.heads, -1), pos, spec.rope_base)
+        v = (h @ w[f"{i}.wv"]).view(t, spec.heads, -1)
+        x = x + (attend(q, k, v, pos, pos, window) @ w[f"{i}.wo"]).float()
+        h = rms_norm(x, w[f"{i}.norm2"], spec.eps).to(dt)
+        x = x + (F.gelu(h @ w[f"{i}.up"]) @ w[f"{i}.down"]).float()
+    return (rms_norm(x, w["norm"], spec.eps).to(dt) @ w["head"]).float()
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``max |got - want| / max |want|`` (0 for two empty tensors)."""
+    if want.numel() == 0:
+        return 0.0
+    scale = float(want.abs().max())
+    return float((got.float() - want.float()).abs().max()) / max(scale, 1e-30)
