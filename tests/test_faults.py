@@ -254,12 +254,17 @@ def test_bad_calls_in_wrong_order_are_typed(fuzz_group):
     coord = fuzz_group
     d = coord.mirror.digest()
     with pytest.raises(errors.UnknownRequest):
-        coord.finish("never-admitted")
+        coord.finish("never-admitted")  # finish before admit
+    assert coord.mirror.digest() == d
     coord.admit("w", [1, 2, 3, 4, 5])
     coord.finish("w")
+    d = coord.mirror.digest()
     with pytest.raises(errors.UnknownRequest):
         coord.extend("w", 1)  # extend after finish
+    with pytest.raises(errors.UnknownRequest):
+        coord.cache_unfinished("w", [1, 2, 3, 4, 5, 6])
+    assert coord.mirror.digest() == d
     coord.sync()
+    assert coord.ranks.call("digest") == [d, d]
     coord.reset()
     coord.sync()
-    assert coord.mirror.digest() == d or coord.mirror.sizes().cached == 0

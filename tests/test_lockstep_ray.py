@@ -15,7 +15,6 @@ import pytest
 from tpcache.cache import errors
 from tpcache.cache.radix import RadixCache
 from tpcache.coordinator import api
-from tpcache.coordinator.api import CoordinatorUnavailable
 from tpcache.coordinator.frontend import handle
 from tpcache.coordinator.service import GroupConfig, start_group
 from tpcache.workers.lockstep import DivergenceError
@@ -230,14 +229,16 @@ def test_msgspec_api_rejects_malformed_messages(groups):
     raw = msgspec.msgpack.encode({"call": "abort", "request_id": "x", "extra": 1})
     reply = api.decode_reply(handle(coord, raw))
     assert isinstance(reply, api.ErrorReply) and "extra" in reply.message
+    assert coord.mirror.digest() == d0
     ok = api.decode_reply(handle(coord, api.encode(api.AdmitCall("m", list(range(1, 12))))))
     assert isinstance(ok, api.AdmitReply) and len(ok.slots) == 11
+    d1 = coord.mirror.digest()
     err = api.decode_reply(handle(coord, api.encode(api.AdmitCall("m", [1]))))
     assert isinstance(err, api.ErrorReply) and err.error == "DuplicateRequest"
+    assert coord.mirror.digest() == d1
     assert isinstance(api.decode_reply(handle(coord, api.encode(api.AbortCall("m")))), api.OkReply)
     coord.sync()
-    assert coord.mirror.digest() == d0
-    assert coord.ranks.call("digest") == [d0, d0]
+    assert coord.ranks.call("digest") == [coord.mirror.digest()] * 2
 
 
 def test_planted_divergence_is_caught_at_its_step(ray_cluster):
@@ -253,8 +254,11 @@ def test_planted_divergence_is_caught_at_its_step(ray_cluster):
             coord.sync()
         assert caught.value.step == bad_step
         assert caught.value.odd_ranks == (1,)
-        with pytest.raises(CoordinatorUnavailable):
-            coord.admit("c", [1, 2, 3])
+        # recovered at once (auto_recover): an empty cache, in lockstep again
+        assert coord.stats()["recoveries"] == 1
+        assert coord.admit("c", list(range(1, 30))).prefix_len == 0
+        coord.sync()
+        assert coord.ranks.call("digest") == [coord.mirror.digest()] * 2
     finally:
         coord.close()
 

@@ -23,7 +23,7 @@ def _forked_with_tombstone():
     assert (a.prefix_len, a.pages.tolist(), a.swa_pages.tolist()) == (0, R(0, 9), R(0, 9))
     b = run(c, "b", R(1, 6) + R(20, 23))
     assert (b.prefix_len, b.pages.tolist()) == (6, R(0, 5) + R(10, 13))
-    assert b.swa_pages.tolist() == R(0, 5) + R(10, 13)
+    assert (b.swa_pages.tolist(), b.swa_start) == (R(2, 5) + R(10, 13), 2)  # the last window on
     hx = c.match_prefix(R(1, 10)).handle
     c.lock(hx)  # SWA-locks only [7..10]: it is a whole window
     c.match_prefix(R(1, 6) + R(20, 23))  # [1..6] and [20..23] now share the newest tick
@@ -142,7 +142,7 @@ def test_insert_over_a_tombstone_revives_it_with_the_newcomers_swa_kv() -> None:
         )
     ]
     m = c.match_prefix([*R(1, 6), 99])
-    assert (m.prefix_len, m.swa_pages.tolist()) == (6, R(14, 19))
+    assert (m.prefix_len, m.swa_pages.tolist()) == (6, R(16, 19))  # its last window
     # The full FIFO holds 25..63 then the duplicates 14..19; the SWA FIFO 25..63 then 0..5.
     s = c.alloc_slots(41)
     assert s[-3:].tolist() == [63, 14, 15]

@@ -150,7 +150,7 @@ def _swa_lock_above_full_lock(c) -> None:
 
 
 def _leaked_swa_slot(c) -> None:
-    c.alloc.swa.alloc(1, HELD)
+    c.alloc.swa.take(1)
 
 
 def _tombstone_keeps_swa(c) -> None:
@@ -168,8 +168,8 @@ def _lock_without_holder(c) -> None:
 
 def _mapped_swa_page_freed(c) -> None:
     # A cached node's SWA page is freed and another is taken: every count still adds up.
-    c.alloc.swa.free(c.alloc.swa_of(c.tree.walk()[0].pages[:1]), HELD)
-    c.alloc.swa.alloc(1, HELD)
+    c.alloc.swa.give(c.alloc.swa_of(c.tree.walk()[0].pages[:1]))
+    c.alloc.swa.take(1)
 
 
 PLANTS = {
@@ -179,7 +179,7 @@ PLANTS = {
     "tombstone with SWA pages": (_tombstone_keeps_swa, "still maps SWA pages"),
     "missing from the SWA order": (_missing_from_swa_order, "not in the SWA eviction order"),
     "lock without a holder": (_lock_without_holder, "requests and handles hold"),
-    "mapped SWA page freed": (_mapped_swa_page_freed, "is free in the SWA pool"),
+    "mapped SWA page freed": (_mapped_swa_page_freed, "both free and mapped"),
 }
 
 
@@ -225,3 +225,6 @@ def test_paired_allocator_order_mapping_and_partial_frees() -> None:
     with pytest.raises(AllocatorError):
         PairedAllocator(4, 8, 1)
     a.check_integrity()
+    a.swa.take(1)  # taken, but no full page maps to it
+    with pytest.raises(IntegrityError, match="leaked or lost SWA page"):
+        a.check_integrity()

@@ -171,7 +171,7 @@ def run_checks(coord: Coordinator, cfg: RunConfig, seed: int, tol: float) -> dic
     ranks.call_on(ranks.world_size - 1, "plant_slot_error", 1)
     bad = run_script(engine, model, [[[*prompt, 1, 2]]], tol=tol, dtype=cfg.dtype, rid_prefix="bad")
     out["planted_slot"] = {"prefix": bad.prefix_lens, "rel_err": bad.max_rel_err}
-    out["planted_slot_detected"] = bad.prefix_lens[0] > 0 and bad.max_rel_err > 100 * tol
+    out["planted_slot_detected"] = bad.prefix_lens[0] > 0 and bad.max_rel_err > max(2 * tol, 1e-3)
     coord.reset()
     run_script(engine, model, [[prompt]], tol=tol, dtype=cfg.dtype, rid_prefix="again")
     coord.sync()

@@ -325,26 +325,27 @@ class RadixCache:
         KV, free duplicates and the partial tail, unlock. Returns the cached length."""
         req = self.reqs.get(rid)
         out = as_tokens(output_tokens, allow_empty=True)
-        seq = np.concatenate((req.tokens, out)) if out.size else req.tokens
         ps = self.page_size
-        n = min(seq.size, req.num_tokens) // ps * ps
-        self._insert_own(req, seq[:n])
+        n = min(req.tokens.size + out.size, req.num_tokens) // ps * ps
+        # Only the part after the row's cached prefix (the locked path to req.node) is
+        # walked and copied: for a long conversation that is a small tail. (Even an empty
+        # tail is inserted: that touches the path, as any finish does.)
+        s0 = req.cached_pages * ps
+        tail = req.tokens[s0:n]
+        if n > req.tokens.size:
+            tail = np.concatenate((tail, out[: n - req.tokens.size]))
+        self.tree.insert(
+            tail,
+            req.pages[s0 // ps : n // ps],
+            req.priority,
+            start=req.node,
+            trusted=True,
+            want_pages=False,
+        )
         self.alloc.free(req.pages[n // ps :], HELD, checked=False)
         self.tree.unlock(req.node)
         self.reqs.remove(rid)
         return n
-
-    def _insert_own(self, req: Req, key: np.ndarray) -> tuple[int, np.ndarray | None, Node]:
-        # The row's prefix is the locked path to req.node, so the walk starts there.
-        return self.tree.insert(
-            key,
-            req.pages[: key.size // self.page_size],
-            req.priority,
-            start=req.node,
-            start_pos=req.cached_pages * self.page_size,
-            trusted=True,
-            want_pages=False,
-        )
 
     def abort(self, rid: RequestId) -> None:
         """End ``rid`` without caching anything: free its own pages and unlock."""

@@ -6,13 +6,13 @@ where someone can still see it. Each full page maps to at most one SWA page
 (``swa_of``); a full page without one is a page whose SWA KV was dropped (a tombstone's
 page in the tree).
 
-Order and determinism come from the two ``PageAllocator`` FIFOs: ``alloc(n)`` takes the
-first ``n`` free pages of each pool and pairs them in order; every free appends its
-pages sorted. Owners: the full pool keeps the owner tags (FREE/HELD/CACHED/LENT); an SWA
-page's owner is its full page's owner (the mapping says which), so the SWA pool tags
-its pages only free or in use (``IN_USE``). That halves the work of moving pages from a
-request to the tree, and a double free or a leaked SWA page is still caught: every SWA
-page in use is mapped from exactly one full page that is not free.
+The full pool is a ``PageAllocator`` (owner tags FREE/HELD/CACHED/LENT, a FIFO of sorted
+frees). An SWA page's owner is its full page's owner, so the SWA pool keeps no tags of
+its own: ``SwaPool`` is only the FIFO of its free pages, and a page is in use exactly
+when a full page that is not free maps to it. That makes moving pages from a request to
+the tree a full-pool-only change and an SWA free one ring write (no sort): the order is
+still defined, since SWA pages go back in the order of the full pages freed with them.
+``check_integrity`` catches a double free or a leaked SWA page from the mapping.
 """
 
 from __future__ import annotations
@@ -23,7 +23,61 @@ from tpcache.cache.allocator import FREE, HELD, PageAllocator
 from tpcache.cache.errors import AllocatorError, IntegrityError, OutOfCapacity
 
 _EMPTY = np.zeros(0, dtype=np.int64)
-IN_USE = HELD  # the SWA pool's tag of a page that is not free
+
+
+class SwaPool:
+    """The free SWA pages: a FIFO ring, ``0..n-1`` at start; frees append in the order
+    given. Owned by ``PairedAllocator``; ``in_use_sum`` (the id sum of the pages not
+    free) is its cheap fingerprint of which pages are in use."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self._fifo = np.empty(num_pages, dtype=np.int64)
+        self.reset()
+
+    def reset(self) -> None:
+        self._fifo[:] = np.arange(self.num_pages, dtype=np.int64)
+        self._head = 0
+        self.num_free = self.num_pages
+        self.in_use_sum = 0
+
+    def take(self, n: int) -> np.ndarray:
+        """The first ``n`` free pages; a view of the ring when it can be (valid until the
+        next ``give``): callers store it at once. Raises ``OutOfCapacity``, taking nothing."""
+        if n > self.num_free:
+            raise OutOfCapacity(f"asked for {n} SWA pages, {self.num_free} free")
+        cap, h = self.num_pages, self._head
+        if h + n <= cap:
+            pages = self._fifo[h : h + n]
+        else:
+            pages = np.concatenate((self._fifo[h:], self._fifo[: h + n - cap]))
+        self._head = (h + n) % cap
+        self.num_free -= n
+        self.in_use_sum += int(np.add.reduce(pages))
+        return pages
+
+    def give(self, pages: np.ndarray) -> None:
+        """Append ``pages`` (in use until now; the caller checked) to the ring, in order."""
+        n = pages.size
+        if n == 0:
+            return
+        cap = self.num_pages
+        tail = (self._head + self.num_free) % cap
+        if tail + n <= cap:
+            self._fifo[tail : tail + n] = pages
+        else:
+            k = cap - tail
+            self._fifo[tail:] = pages[:k]
+            self._fifo[: n - k] = pages[k:]
+        self.num_free += n
+        self.in_use_sum -= int(np.add.reduce(pages))
+
+    def free_pages(self) -> np.ndarray:
+        """The free pages in FIFO order (a copy)."""
+        return self._fifo[(self._head + np.arange(self.num_free)) % self.num_pages]
+
+    def fingerprint(self) -> tuple[int, ...]:
+        return (self.num_free, self.in_use_sum, self._head)
 
 
 class PairedAllocator:
@@ -37,13 +91,14 @@ class PairedAllocator:
     """
 
     def __init__(self, num_pages: int, num_swa_pages: int, page_size: int) -> None:
-        if num_swa_pages > num_pages:
+        if not 1 <= num_swa_pages <= num_pages:
             raise AllocatorError(
-                f"the SWA pool ({num_swa_pages} pages) may not exceed the full pool ({num_pages})"
+                f"the SWA pool ({num_swa_pages} pages) must have 1 to {num_pages} pages"
+                " (the full pool's)"
             )
         self.page_size = page_size
         self.full = PageAllocator(num_pages, page_size)
-        self.swa = PageAllocator(num_swa_pages, page_size)
+        self.swa = SwaPool(num_swa_pages)
         self._swa_of = np.full(num_pages, -1, dtype=np.int64)
 
     # ---- queries --------------------------------------------------------------------
@@ -55,7 +110,7 @@ class PairedAllocator:
     def swa_of(self, pages: np.ndarray) -> np.ndarray:
         """The SWA pages of full ``pages``; raises ``AllocatorError`` if one has none."""
         swa = self._swa_of[pages]
-        if swa.size and int(swa.min()) < 0:
+        if swa.size and np.minimum.reduce(swa) < 0:
             bad = int(pages[int(np.argmin(swa))])
             raise AllocatorError(f"full page {bad} has no SWA page")
         return swa
@@ -76,13 +131,20 @@ class PairedAllocator:
         ``copy=False`` as in ``PageAllocator.alloc`` (a view valid until the next free).
         Raises ``OutOfCapacity`` (taking nothing) if either pool has fewer than ``n`` free.
         """
+        return self.alloc_pair(n, tag, copy=copy)[0]
+
+    def alloc_pair(
+        self, n: int, tag: int = HELD, *, copy: bool = True
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """As ``alloc``, and the SWA pages paired with them (a view unless ``copy``)."""
         if n > self.swa.num_free and n <= self.full.num_free:
             raise OutOfCapacity(
                 f"asked for {n} pages: {self.full.num_free} full and {self.swa.num_free} SWA free"
             )
         pages = self.full.alloc(n, tag, copy=copy)  # raises for n < 0 or too few full pages
-        self._swa_of[pages] = self.swa.alloc(n, IN_USE, copy=False)
-        return pages
+        swa = self.swa.take(n)
+        self._swa_of[pages] = swa
+        return pages, (swa.copy() if copy else swa)
 
     def free(self, pages: np.ndarray, owner: int = HELD, *, checked: bool = True) -> None:
         """Free full ``pages`` (tagged ``owner``) and the SWA pages they still have."""
@@ -93,7 +155,7 @@ class PairedAllocator:
         swa = self._swa_of[pages]
         self._swa_of[pages] = -1
         self.full.free(pages, owner, checked=False)
-        self.swa.free(swa[swa >= 0], IN_USE, checked=False)
+        self.swa.give(swa if np.minimum.reduce(swa) >= 0 else swa[swa >= 0])
 
     def free_swa(self, pages: np.ndarray, owner: int, *, checked: bool = True) -> None:
         """Free only the SWA pages of full ``pages``; the full pages stay ``owner``'s.
@@ -105,7 +167,7 @@ class PairedAllocator:
     def release(
         self, pages: np.ndarray, swa_only: np.ndarray, owner: int, *, checked: bool = True
     ) -> None:
-        """Free ``pages`` whole and the SWA part of ``swa_only``, as one free group per pool."""
+        """Free ``pages`` whole and the SWA part of ``swa_only``: one free group per pool."""
         if not swa_only.size:
             self.free(pages, owner, checked=checked)
             return
@@ -116,7 +178,7 @@ class PairedAllocator:
         self._swa_of[pages] = -1
         self._swa_of[swa_only] = -1
         self.full.free(pages, owner, checked=False)
-        self.swa.free(swa[swa >= 0], IN_USE, checked=False)
+        self.swa.give(swa[swa >= 0])
 
     def retag(self, pages: np.ndarray, old: int, new: int, *, checked: bool = True) -> None:
         """Move full ``pages`` from owner ``old`` to ``new`` (their SWA pages follow)."""
@@ -147,10 +209,10 @@ class PairedAllocator:
         return int(((self._swa_of >= 0) & (self.full._tags == tag)).sum())
 
     def check_integrity(self) -> None:
-        """Both pools, and: each SWA page in use is mapped from exactly one full page that
-        is not free, and no other SWA page is in use. Raises ``IntegrityError``."""
+        """The full pool, and: the SWA pages in use are exactly those mapped from full
+        pages, each from one that is not free; free and in-use SWA pages add up to the
+        pool. Raises ``IntegrityError``."""
         self.full.check_integrity()
-        self.swa.check_integrity()
         mapped = np.flatnonzero(self._swa_of >= 0)
         swa = self._swa_of[mapped]
         if np.unique(swa).size != swa.size:
@@ -161,11 +223,17 @@ class PairedAllocator:
         if (full_tags == FREE).any():
             p = int(mapped[int(np.argmax(full_tags == FREE))])
             raise IntegrityError(f"free full page {p} still maps to an SWA page")
-        if (self.swa.tags_of(swa) != IN_USE).any():
-            raise IntegrityError("an SWA page mapped from a full page is free in the SWA pool")
-        in_use = self.swa.count(IN_USE)
-        if in_use != swa.size or self.swa.num_free + in_use != self.swa.num_pages:
+        free = self.swa.free_pages()
+        if np.unique(free).size != free.size:
+            raise IntegrityError("an SWA page is twice in the free FIFO (a double free)")
+        if np.intersect1d(free, swa).size:
+            raise IntegrityError("an SWA page is both free and mapped from a full page")
+        if free.size + swa.size != self.swa.num_pages:
             raise IntegrityError(
-                f"{in_use} SWA pages are in use but {swa.size} are mapped from full pages"
-                " (a leaked or lost SWA page)"
+                f"{free.size} SWA pages are free and {swa.size} mapped from full pages, of"
+                f" {self.swa.num_pages} (a leaked or lost SWA page)"
+            )
+        if int(swa.sum()) != self.swa.in_use_sum:
+            raise IntegrityError(
+                f"SWA in-use id sum {self.swa.in_use_sum} != recomputed {int(swa.sum())}"
             )

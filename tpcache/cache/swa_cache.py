@@ -99,17 +99,8 @@ class HybridCache:
         node = path[-1] if path else tree.root
         handle = SwaHandle(node.id, tree.mark_of(tree.boundary(node)))
         pages = np.concatenate([p.pages for p in path]) if path else _EMPTY
-        return SwaMatchResult(pos, pages, handle, self.page_size, self._swa_tail(path, pages))
-
-    def _swa_tail(self, path: list[SwaNode], row: np.ndarray) -> np.ndarray:
-        """SWA pages of ``row`` (the path's pages, then maybe the request's own) from the
-        end of the path's last tombstone on: all of them have SWA KV."""
-        skip = 0
-        for i in range(len(path) - 1, -1, -1):
-            if path[i].tombstone:
-                skip = sum(p.pages.size for p in path[: i + 1])
-                break
-        return self.alloc.swa_of(row[skip:])
+        swa = self.alloc.swa_of(pages[max(0, pos - self.window) // self.page_size :])
+        return SwaMatchResult(pos, pages, handle, self.page_size, swa)
 
     def insert(self, tokens: TokenLike, slots: TokenLike, priority: int = 0) -> int:
         """Cache the whole pages of ``tokens`` held at ``slots``; returns tokens already cached.
@@ -248,14 +239,20 @@ class HybridCache:
         tree.lock(node, top)
         tree.touch(path)
         try:
-            pages = self._take_pages(need, evict)
+            pages, own_swa = self._take_pages(need, evict)
         except OutOfCapacity:
             tree.unlock(node, top)
             raise
         row = np.concatenate([*(p.pages for p in path), pages])
-        self.reqs.add(rid, key, row, key.size, pos // ps, node, prio)
+        k, first = pos // ps, max(0, pos - self.window) // ps
+        swa = (
+            np.concatenate((self.alloc.swa_of(row[first:k]), own_swa))
+            if k > first
+            else own_swa.copy()
+        )
+        self.reqs.add(rid, key, row, key.size, k, node, prio)
         self._tops[rid] = tree.mark_of(top)
-        return SwaAdmitResult(pos, row, key.size, ps, self._swa_tail(path, row))
+        return SwaAdmitResult(pos, row, key.size, ps, swa)
 
     def extend(self, rid: RequestId, n: int, *, evict: bool | HybridEvictor = True) -> np.ndarray:
         """``n`` more slots for ``rid`` (decode or a prefill chunk); returns their full ids."""
@@ -271,7 +268,7 @@ class HybridCache:
         need = -(-(req.num_tokens + n) // ps) - req.pages.size
         self._check_room(need, [], None, 0, evict)
         if need or callable(evict):
-            req.pages = np.concatenate((req.pages, self._take_pages(need, evict)))
+            req.pages = np.concatenate((req.pages, self._take_pages(need, evict)[0]))
         start = req.num_tokens
         req.num_tokens += n
         first = start // ps
@@ -380,14 +377,15 @@ class HybridCache:
                 f" SWA {swa_free} free + {swa_ev} evictable"
             )
 
-    def _take_pages(self, need: int, evict: bool | HybridEvictor) -> np.ndarray:
+    def _take_pages(self, need: int, evict: bool | HybridEvictor) -> tuple[np.ndarray, np.ndarray]:
+        """``need`` full pages and their SWA pages: views, valid until the next free."""
         short_full = max(0, need - self.alloc.full.num_free)
         short_swa = max(0, need - self.alloc.swa.num_free)
         if callable(evict):
             evict(short_full, short_swa)  # called even when nothing is short
         elif (short_full or short_swa) and evict:
             self.tree.evict(short_full, short_swa)
-        return self.alloc.alloc(need, HELD, copy=False)  # callers copy it into the row
+        return self.alloc.alloc_pair(need, HELD, copy=False)  # callers copy them at once
 
     # ---- whole-cache --------------------------------------------------------------------------
     def reset(self) -> None:

@@ -92,14 +92,14 @@ class SwaHandle(Handle):
 
 @dataclass(frozen=True)
 class SwaMatchResult(MatchResult):
-    """A window-valid cached prefix. ``swa_pages``: the SWA pages of its trailing pages
-    that have SWA KV (from the last tombstone on, at least the last window)."""
+    """A window-valid cached prefix. ``swa_pages``: the SWA pages of its last window
+    (the pages from token ``swa_start`` on), what an SWA layer attends to after it."""
 
     swa_pages: np.ndarray
 
     @property
     def swa_start(self) -> int:
-        """Token index where SWA KV coverage of the prefix begins."""
+        """Token index where ``swa_pages`` begin."""
         return self.prefix_len - self.swa_pages.size * self.page_size
 
     @property
@@ -109,8 +109,8 @@ class SwaMatchResult(MatchResult):
 
 @dataclass(frozen=True)
 class SwaAdmitResult(AdmitResult):
-    """An admitted request. ``swa_pages``: SWA pages of the row's trailing pages that have
-    SWA KV (the request's own pages and the matched pages after the last tombstone)."""
+    """An admitted request. ``swa_pages``: SWA pages of the row from token ``swa_start``
+    on: the matched prefix's last window, then every page of the request's own."""
 
     swa_pages: np.ndarray
 

@@ -22,6 +22,7 @@ import numpy as np
 from tpcache.cache.keys import TokenLike, as_tokens
 from tpcache.coordinator.core import Coordinator
 from tpcache.workers.context import ForwardError, build_forward
+from tpcache.workers.lockstep import is_hybrid
 from tpcache.workers.ops import decode_forward_result, encode, unpack_slots
 
 
@@ -71,7 +72,7 @@ class ModelEngine:
         c.hit_tokens += got.prefix_len
         c.prefix_lens.append(got.prefix_len)
         mirror = self.coord.mirror
-        if hasattr(mirror, "swa_slots") and got.prefix_len:
+        if is_hybrid(mirror) and got.prefix_len:
             matched = got.slots[: got.prefix_len : mirror.page_size] // mirror.page_size
             c.tombstoned_hit_pages += int((~mirror.alloc.has_swa(matched)).sum())
         return got.prefix_len, self.forward(rid, toks[got.prefix_len :])

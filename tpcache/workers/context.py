@@ -13,16 +13,13 @@ import numpy as np
 import torch
 
 from tpcache.cache.keys import as_tokens, pages_to_slots
+from tpcache.workers.lockstep import is_hybrid
 from tpcache.workers.model import Context
 from tpcache.workers.ops import Forward, pack_slots, pack_tokens, unpack_slots, unpack_tokens
 
 
 class ForwardError(RuntimeError):
     """A forward was refused (on every rank together) or could not run."""
-
-
-def _is_hybrid(cache) -> bool:
-    return hasattr(cache, "swa_slots")
 
 
 def row_slots(cache, rid) -> np.ndarray:
@@ -44,7 +41,7 @@ def build_forward(cache, rid, tokens) -> Forward:
         raise ForwardError(
             f"{toks.size} new tokens for request {rid!r}, but it holds only {slots.size} slots"
         )
-    if not _is_hybrid(cache):
+    if not is_hybrid(cache):
         return Forward(rid, pack_tokens(toks), start, pack_slots(slots))
     swa_start = max(0, start - cache.window)
     swa = cache.swa_slots(slots[swa_start:])

@@ -81,7 +81,7 @@ class ModelSpec:
 
     def check_tokens(self, tokens: torch.Tensor) -> None:
         """Raises ValueError unless every token id is in ``[0, vocab)``."""
-        if tokens.numel() and not (0 <= int(tokens.min()) and int(tokens.max()) < self.vocab):
+        if tokens.numel() and not (int(tokens.min()) >= 0 and int(tokens.max()) < self.vocab):
             raise ValueError(
                 f"token ids span [{int(tokens.min())}, {int(tokens.max())}], "
                 f"outside the vocab [0, {self.vocab})"
@@ -189,8 +189,11 @@ def layer_placement(spec: ModelSpec, hybrid: bool) -> list[LayerKV]:
 class RankModel:
     """One rank's shard of the model, on the rank's device, in the pool's dtype.
 
-    Mixed precision as serving engines run it: weights, activations and KV in the pool's
-    dtype; the residual stream and the all-reduced partial sums in float32.
+    Mixed precision: weights, activations and KV in the pool's dtype; the residual
+    stream, the row-parallel products (Wo, down: their weights rounded to the dtype, then
+    held in float32) and their all-reduce in float32. So TP changes only the order of a
+    float32 sum, and a bf16 run differs from its bf16 reference by little more than
+    that: the cache, not the TP rounding, decides whether they agree.
 
     ``forward`` changes the pools (it writes the new tokens' K and V) and nothing else.
     It enters ``2 * num_layers`` all-reduces, in layer order, on every rank alike.
@@ -209,10 +212,7 @@ class RankModel:
         self.heads = spec.heads // tp
         self.placement = layer_placement(spec, hybrid)
         # Owned by this object; never written after construction.
-        self.w = {
-            k: v.to(device=device, dtype=self.dtype)
-            for k, v in shard_weights(spec, rank, tp).items()
-        }
+        self.w = _cast(shard_weights(spec, rank, tp), self.dtype, device)
 
     @property
     def pool_layers(self) -> tuple[int, int]:
@@ -262,10 +262,20 @@ class RankModel:
             v_ctx = vbuf.index_select(0, read)
             k_pos = torch.arange(lo, end, device=dev)
             a = attend(q, k_ctx, v_ctx, q_pos, k_pos, where.window)
-            x = x + all_reduce((a @ w[f"{i}.wo"]).float())  # row-parallel: sum over heads
+            x = x + all_reduce(a.float() @ w[f"{i}.wo"])  # row-parallel: sum over heads
             h = rms_norm(x, w[f"{i}.norm2"], spec.eps).to(dt)
-            x = x + all_reduce((F.gelu(h @ w[f"{i}.up"]) @ w[f"{i}.down"]).float())
+            x = x + all_reduce(F.gelu(h @ w[f"{i}.up"]).float() @ w[f"{i}.down"])
         return (rms_norm(x, w["norm"], spec.eps).to(dt) @ w["head"]).float()
+
+
+def _cast(weights: dict[str, torch.Tensor], dt: torch.dtype, device) -> dict[str, torch.Tensor]:
+    """Weights rounded to ``dt`` on ``device``; the row-parallel ones (Wo, down) then held
+    in float32, as the float32 sums they feed are."""
+    out = {}
+    for name, t in weights.items():
+        t = t.to(device=device, dtype=dt)
+        out[name] = t.float() if name.endswith((".wo", ".down")) else t
+    return out
 
 
 def reference_logits(
@@ -280,7 +290,7 @@ def reference_logits(
     as ``RankModel`` (weights and activations in ``dtype``, residual in float32).
     Changes nothing."""
     dt = _DTYPES[dtype]
-    w = {k: v.to(device=device, dtype=dt) for k, v in full_weights(spec).items()}
+    w = _cast(full_weights(spec), dt, device)
     toks = torch.as_tensor(tokens, dtype=torch.int64, device=device)
     spec.check_tokens(toks)
     t = int(toks.numel())
@@ -292,15 +302,7 @@ def reference_logits(
         q = rotary((h @ w[f"{i}.wq"]).view(t, spec.heads, -1), pos, spec.rope_base)
         k = rotary((h @ w[f"{i}.wk"]).view(t, spec.heads, -1), pos, spec.rope_base)
         v = (h @ w[f"{i}.wv"]).view(t, spec.heads, -1)
-        x = x + (attend(q, k, v, pos, pos, window) @ w[f"{i}.wo"]).float()
+        x = x + attend(q, k, v, pos, pos, window).float() @ w[f"{i}.wo"]
         h = rms_norm(x, w[f"{i}.norm2"], spec.eps).to(dt)
-        x = x + (F.gelu(h @ w[f"{i}.up"]) @ w[f"{i}.down"]).float()
+        x = x + F.gelu(h @ w[f"{i}.up"]).float() @ w[f"{i}.down"]
     return (rms_norm(x, w["norm"], spec.eps).to(dt) @ w["head"]).float()
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """``max |got - want| / max |want|`` (0 for two empty tensors)."""
-    if want.numel() == 0:
-        return 0.0
-    scale = float(want.abs().max())
-    return float((got.float() - want.float()).abs().max()) / max(scale, 1e-30)
