@@ -21,10 +21,16 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from tpcache.cache.keys import TokenLike, as_tokens
+from tpcache.cache.keys import TokenLike, as_tokens, pages_to_slots
 from tpcache.cache.radix import RadixCache
 from tpcache.coordinator.api import CoordinatorUnavailable, RequestLost
-from tpcache.workers.lockstep import DivergenceError, LockstepError, RankFailure, eviction_marks
+from tpcache.workers.lockstep import (
+    DivergenceError,
+    LockstepError,
+    RankFailure,
+    admit_result,
+    eviction_marks,
+)
 from tpcache.workers.ops import (
     Abort,
     Admit,
@@ -93,8 +99,17 @@ class CoordinatorConfig:
 
 @dataclass(frozen=True)
 class Admission:
+    """An admitted request: its cached prefix length and (``slots``) the slot ids of its
+    whole prompt, expanded from its pages only when asked for."""
+
     prefix_len: int
-    slots: np.ndarray
+    pages: np.ndarray
+    num_tokens: int
+    page_size: int
+
+    @property
+    def slots(self) -> np.ndarray:
+        return pages_to_slots(self.pages, self.page_size, self.num_tokens)
 
 
 @dataclass
@@ -166,14 +181,13 @@ class Coordinator:
             got = self.mirror.admit(request_id, key, priority)
             full1, swa1 = eviction_marks(self.mirror)
             evicted = full1 - full0
-            slots = got.slots
             op = Admit(request_id, pack_tokens(key), priority, evicted, swa1 - swa0)
-            self._emit(op, OpResult(got.prefix_len, int(slots.size), int(slots.sum()), evicted))
+            self._emit(op, admit_result(got, evicted))
             c = self.counters
             c.queries += 1
             c.query_tokens += int(key.size)
             c.hit_tokens += got.prefix_len
-            return Admission(got.prefix_len, slots)
+            return Admission(got.prefix_len, got.pages, got.num_tokens, got.page_size)
 
         return self._run(run)
 

@@ -199,7 +199,8 @@ class Client:
     def admit(self, request_id: Any, tokens: TokenLike, priority: int = 0) -> Admission:
         r = self._call(api.AdmitCall(request_id, _ints(tokens), priority))
         assert isinstance(r, api.AdmitReply)
-        return Admission(r.prefix_len, np.asarray(r.slots, dtype=np.int64))
+        slots = np.asarray(r.slots, dtype=np.int64)
+        return Admission(r.prefix_len, slots, slots.size, 1)
 
     def extend(self, request_id: Any, n: int) -> np.ndarray:
         r = self._call(api.ExtendCall(request_id, n))

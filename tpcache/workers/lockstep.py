@@ -103,6 +103,17 @@ class RankFailure(LockstepError):
     """An op failed on at least one rank during ``step``."""
 
 
+def admit_result(got, evicted_pages: int) -> OpResult:
+    """The ``OpResult`` of an admit, from its pages: the slot-id sum without expanding
+    the prompt's slots (slot = page * size + offset, the last page possibly partial)."""
+    ps, n, pages = got.page_size, got.num_tokens, got.pages
+    full, rest = divmod(n, ps)
+    total = ps * ps * int(pages[:full].sum()) + full * (ps * (ps - 1) // 2)
+    if rest:
+        total += rest * ps * int(pages[full]) + rest * (rest - 1) // 2
+    return OpResult(got.prefix_len, n, total, evicted_pages)
+
+
 def op_may_evict(op: Op) -> bool:
     """Whether ``op`` enters the evictable-size agreement (decided by the batch alone)."""
     if isinstance(op, Evict):
@@ -126,8 +137,7 @@ def apply_op(cache, op: Op, evict_fn: Callable[[int, int], int]) -> OpResult:
                     evicted[0] = evict_fn(evict_pages, evict_swa_pages)
 
             got = cache.admit(rid, unpack_tokens(tokens), priority, evict=evictor)
-            slots = got.slots
-            return OpResult(got.prefix_len, int(slots.size), int(slots.sum()), evicted[0])
+            return admit_result(got, evicted[0])
         case Extend(rid, n, evict_pages, evict_swa_pages):
             evicted = [0]
 
