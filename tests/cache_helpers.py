@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from tpcache.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from tpcache.cache.hashing import block_hashes
 from tpcache.cache.radix import RadixCache
@@ -71,7 +69,3 @@ def fold_events(index: BlockIndex, events: list[KVEvent], page_size: int) -> Non
                 index.clear()
             case _:
                 raise AssertionError(f"unexpected event {ev!r}")
-
-
-def page_slots(pages: list[int], page_size: int) -> list[int]:
-    return (np.asarray(pages, dtype=np.int64)[:, None] * page_size + np.arange(page_size)).ravel().tolist()

@@ -35,7 +35,17 @@ def random_ops(seed: int, ps: int, n: int) -> list[Op]:
     ops: list[Op] = []
     for _ in range(n):
         kind = rng.choices(
-            ["admit", "extend", "unfinished", "finish", "abort", "evict", "match", "insert", "reset"],
+            [
+                "admit",
+                "extend",
+                "unfinished",
+                "finish",
+                "abort",
+                "evict",
+                "match",
+                "insert",
+                "reset",
+            ],
             weights=[8, 6, 3, 6, 1, 2, 3, 2, 0.2],
         )[0]
         rid = rng.choice(rids)
@@ -72,7 +82,9 @@ def apply(cache: RadixCache, op: Op) -> object:
             case ("unfinished", rid, more):
                 req = cache.reqs.get(rid)
                 known = req.tokens.tolist()
-                return cache.cache_unfinished(rid, (known + more)[: max(len(known), req.num_tokens)])
+                return cache.cache_unfinished(
+                    rid, (known + more)[: max(len(known), req.num_tokens)]
+                )
             case ("finish", rid, out):
                 return cache.finish(rid, out)
             case ("abort", rid):
@@ -167,7 +179,12 @@ def test_digest_sees_what_differs_between_two_caches() -> None:
         "an access": lambda c: c.match_prefix([1, 2, 3, 4]),
         "an eviction": lambda c: c.evict(1),
         "lent slots": lambda c: c.alloc_slots(1),
-        "other slots, same content": lambda c: (c.reset(), c.alloc_slots(1), c.admit("a", [1, 2, 3, 4]), c.finish("a")),
+        "other slots, same content": lambda c: (
+            c.reset(),
+            c.alloc_slots(1),
+            c.admit("a", [1, 2, 3, 4]),
+            c.finish("a"),
+        ),
     }
     seen = {base}
     for name, change in variants.items():

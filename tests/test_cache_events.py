@@ -84,9 +84,7 @@ def test_hashes_are_the_same_in_a_fresh_process_with_another_hash_seed() -> None
         ).stdout
         for seed in ("1", "2")
     ]
-    here = "".join(
-        f"{_hashes(list(range(5, 5 + 4 * ps)), ps)}\n" for ps in (1, 3, 4, 16)
-    )
+    here = "".join(f"{_hashes(list(range(5, 5 + 4 * ps)), ps)}\n" for ps in (1, 3, 4, 16))
     assert outs[0] == outs[1] == here
 
 

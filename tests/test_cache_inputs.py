@@ -129,7 +129,7 @@ def test_slots_of_a_running_request_cannot_be_inserted_or_freed_by_a_caller() ->
 
 
 def test_bad_handles_locks_and_requests() -> None:
-    c, loose = _busy_cache()
+    c, _ = _busy_cache()
     h = c.match_prefix(P).handle  # ends where "run" holds its lock
     free_h = c.match_prefix([500]).handle  # the root: the empty match
     before = (snapshot(c), tree_nodes(c))

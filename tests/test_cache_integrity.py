@@ -31,19 +31,19 @@ def _busy(page_size: int = 1) -> RadixCache:
     return c
 
 
-def _node_with(c: RadixCache, pred: Callable[[object], bool]):  # noqa: ANN202
+def _node_with(c: RadixCache, pred: Callable[[object], bool]):
     return next(n for n in c.tree.walk() if pred(n))
 
 
-def _leaf(c: RadixCache):  # noqa: ANN202
+def _leaf(c: RadixCache):
     return _node_with(c, lambda n: not n.children and n.lock == 0)
 
 
-def _inner(c: RadixCache):  # noqa: ANN202
+def _inner(c: RadixCache):
     return _node_with(c, lambda n: n.children)
 
 
-def _chain_node(c: RadixCache):  # noqa: ANN202
+def _chain_node(c: RadixCache):
     return _node_with(c, lambda n: n.pages.size >= 2)
 
 

@@ -350,7 +350,7 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 SETTINGS = settings(
-    max_examples=100,
+    max_examples=150,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

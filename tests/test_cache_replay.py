@@ -76,10 +76,18 @@ def test_cli_replay_json_prints_the_required_keys() -> None:
         timeout=300,
     )
     out = json.loads(proc.stdout)
-    required = (
-        "requests prompt_tokens matched_tokens hit_rate evicted_tokens cache_ops_s "
-        "match_us_median insert_us_median evict_us_median peak_rss_mb"
-    ).split()
+    required = [
+        "requests",
+        "prompt_tokens",
+        "matched_tokens",
+        "hit_rate",
+        "evicted_tokens",
+        "cache_ops_s",
+        "match_us_median",
+        "insert_us_median",
+        "evict_us_median",
+        "peak_rss_mb",
+    ]
     assert set(required) <= set(out)
     assert out["requests"] == 50
     assert out["matched_tokens"] == ideal_matched_tokens(load_trace(TRACE, 50), 16)

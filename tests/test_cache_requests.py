@@ -68,7 +68,11 @@ def test_admit_extend_finish_page4() -> None:
     c = _cache(64, 4)
     p = list(range(100, 114))  # 14 tokens
     got = c.admit("a", p[:10])
-    assert (got.prefix_len, got.pages.tolist(), got.slots.tolist()) == (0, [0, 1, 2], list(range(10)))
+    assert (got.prefix_len, got.pages.tolist(), got.slots.tolist()) == (
+        0,
+        [0, 1, 2],
+        list(range(10)),
+    )
     assert _sizes(c) == (52, 0, 0, 12)
     assert c.extend("a", 1).tolist() == [10]  # still in page 2
     assert c.extend("a", 2).tolist() == [11, 12]  # page 3 starts at slot 12

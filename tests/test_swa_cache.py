@@ -11,7 +11,7 @@ from tpcache.cache.errors import LockError, OutOfCapacity
 from tpcache.cache.events import BlockRemoved, BlockStored
 from tpcache.cache.hashing import block_hashes
 from tpcache.cache.swa_config import SwaEvictResult
-from tpcache.cache.swa_tree import StaleBoundary
+from tpcache.cache.swa_node import StaleBoundary
 
 R = lambda a, b: list(range(a, b + 1))  # noqa: E731  (inclusive token ranges read best here)
 
@@ -80,21 +80,23 @@ def test_no_match_ends_at_a_tombstone_or_less_than_a_window_after_it(tokens: lis
 
 
 def _chain(b: int):
-    """A(4) T1(2) B(b) T2(2) C(2) D(2), T1 and T2 tombstones, D locked; window 4.
+    """A(4) T1(2) B(b) T2(2) C(2) D(2), T1 and T2 tombstones, A and D locked; window 4.
 
-    The splits are made in an order that gives T2 then T1 the smallest ids, so with every
-    node on the same tick the SWA order takes exactly them.
+    FIFO orders by insertion tick, then id: three turns of a conversation store A+T1,
+    B+T2, C+D; splitting each gives the upper half the higher id, so the SWA order is
+    T1, A, T2, B, D, C, and with A and C+D SWA-locked it takes exactly T1 and T2.
     """
     a, t1, t2, cc = 4, 2, 2, 2
     s = R(1, a + t1 + b + t2 + cc + 2)
-    c = hybrid(64, 64, window=4)
-    run(c, "s", s)
-    for cut in (a + t1 + b + t2, a + t1, a, a + t1 + b, a + t1 + b + t2 + cc):
+    c = hybrid(64, 64, window=4, policy="fifo")
+    for rid, end in (("a", a + t1), ("b", a + t1 + b + t2), ("c", len(s))):
+        run(c, rid, s[:end])
+    for cut in (a, a + t1 + b, a + t1 + b + t2 + cc):
         assert c.match_prefix([*s[:cut], 99]).prefix_len == cut
+    c.lock(c.match_prefix(s[:a]).handle)  # SWA-locks A: a whole window
     hd = c.match_prefix(s).handle
     c.lock(hd)  # SWA-locks D and C: four tokens
-    assert c.evict(0, 2) == SwaEvictResult(0, 0, 2, 1)  # T2
-    assert c.evict(0, 2) == SwaEvictResult(0, 0, 2, 1)  # T1
+    assert c.evict(0, 4) == SwaEvictResult(0, 0, 4, 2)  # T1, then T2
     tombs = [(n.key.tolist(), n.tombstone) for n in c.tree.walk()]
     assert [t for _, t in tombs] == [False, True, False, True, False, False]
     c.check_integrity()
@@ -163,7 +165,7 @@ def test_deleting_a_leaf_cascades_through_parents_that_can_no_longer_be_matched(
     he = c.match_prefix([*R(1, 8), 20, 21]).handle
     c.lock(hc)
     c.lock(he)
-    assert c.evict(0, 1) == SwaEvictResult(0, 0, 2, 1)  # T: the oldest id of the newest tick
+    assert c.evict(0, 1) == SwaEvictResult(0, 0, 2, 1)  # T: its SWA KV was used longest ago
     c.unlock(hc)
     c.unlock(he)
     assert view(c) == [

@@ -67,13 +67,13 @@ def _add_swa_options(p: argparse.ArgumentParser) -> None:
 
 def _cmd_replay(args: argparse.Namespace) -> int:
     from tpcache.cache.errors import CacheError
-    from tpcache.cache.policies import POLICIES
+    from tpcache.cache.policies import CACHE_POLICIES
     from tpcache.replay import ReplayOptions, replay, terminal_progress
     from tpcache.trace import TraceError, load_trace
 
-    if args.policy not in POLICIES:
+    if args.policy not in CACHE_POLICIES:
         print(
-            f"tpcache replay: unknown policy {args.policy!r}; known: {', '.join(POLICIES)}",
+            f"tpcache replay: unknown policy {args.policy!r}; known: {', '.join(CACHE_POLICIES)}",
             file=sys.stderr,
         )
         return 2

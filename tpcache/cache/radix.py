@@ -25,8 +25,8 @@ from tpcache.cache.errors import (
 from tpcache.cache.events import AllBlocksCleared, KVEvent
 from tpcache.cache.hashing import fmix64_int
 from tpcache.cache.keys import TokenLike, as_slots, as_tokens, pages_to_slots, slots_to_pages
-from tpcache.cache.policies import POLICIES, policy_key
-from tpcache.cache.reqtable import Req, ReqTable, RequestId
+from tpcache.cache.policies import CACHE_POLICIES, check_policy_params, make_policy
+from tpcache.cache.reqtable import ReqTable, RequestId
 from tpcache.cache.tree import Node, RadixTree
 
 _MASK = (1 << 64) - 1
@@ -45,6 +45,7 @@ class CacheConfig:
     record_events: bool = False
     max_request_tokens: int | None = None  # None: the whole capacity
     medium: str = "GPU"
+    policy_params: object = None  # the policy's parameter record (e.g. ResightParams), or None
 
     def __post_init__(self) -> None:
         if not isinstance(self.page_size, int) or self.page_size < 1:
@@ -54,8 +55,11 @@ class CacheConfig:
                 f"capacity_tokens must be an int >= page_size ({self.page_size}), "
                 f"got {self.capacity_tokens!r}"
             )
-        if self.policy not in POLICIES:
-            raise CacheError(f"unknown policy {self.policy!r}; known: {', '.join(POLICIES)}")
+        if self.policy not in CACHE_POLICIES:
+            raise CacheError(
+                f"unknown policy {self.policy!r}; known: {', '.join(CACHE_POLICIES)}"
+            )
+        check_policy_params(self.policy, self.policy_params)
         if self.max_request_tokens is not None and self.max_request_tokens < 1:
             raise CacheError(f"max_request_tokens must be >= 1, got {self.max_request_tokens}")
 
@@ -132,11 +136,13 @@ class RadixCache:
         self.config = config
         self.page_size = config.page_size
         self.alloc = PageAllocator(config.num_pages, config.page_size)
+        key_fn, hooks = make_policy(config.policy, config.num_pages, config.policy_params)
         self.tree = RadixTree(
             self.alloc,
-            policy_key(config.policy),
+            key_fn,
             record_events=config.record_events,
             medium=config.medium,
+            hooks=hooks,
         )
         self.reqs = ReqTable()
         # lock() calls not yet undone, per handle (node id). Owned here: a handle's unlock

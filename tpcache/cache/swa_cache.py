@@ -4,25 +4,30 @@ It offers the operations and result records of ``RadixCache`` (match, insert, lo
 unlock of a handle, evict, admit/extend/cache_unfinished/finish/abort, reset, sizes,
 digest, events, ``check_integrity``), so workers drive either through the same calls.
 What differs: two pools (full and SWA) joined by a paired allocator; tombstones (full KV
-without SWA KV); window-aware matching; two-level locks; ``evict(full, swa)``.
+without SWA KV); window-aware matching; two-level locks; ``evict(full, swa)``; results
+that also carry SWA pages.
 
 Decisions:
-- A running request holds full *and* SWA slots for all its own tokens until it ends
-  (no freeing of SWA KV that slid out of its window while it runs), so a request may
-  not exceed the SWA pool and every HELD page has an SWA page.
+- A running request holds full and SWA slots for all its own tokens until it ends (see
+  ``swa_requests.py``): no request-side freeing of SWA KV that slid out of its window.
 - Insert over a tombstone revives it by moving the newcomer's SWA pages onto the
   tombstone's full pages; the newcomer's full pages are freed as duplicates. Full pages,
   block hashes and events stay as they are (a block is stored once and removed once,
-  when its full KV goes), and requests that hold the tombstone's full pages are safe.
+  when its full KV goes; losing SWA KV is no event), and requests that hold the
+  tombstone's full pages are safe.
+- Every leaf stays a valid match end: a leaf that a tombstone left less than a window
+  behind is deleted (it could never be matched), cascading upward (``swa_evict.py``).
 - The SWA lock boundary is a mark on the top node of the lock's window, kept in the
   handle (``SwaHandle.swa_boundary``) and, for requests, in the cache; a split moves it
   to the upper half. An unlock whose mark is not on the handle's path raises
   ``StaleBoundary`` and changes nothing.
+
+Files: ``swa_config`` (config and records), ``swa_allocator`` (the two pools),
+``swa_node``/``swa_tree``/``swa_locks``/``swa_evict`` (the tree), ``swa_requests`` (the
+request lifecycle), ``swa_check`` (the full walks of ``check_integrity``).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import numpy as np
 
@@ -32,9 +37,7 @@ from tpcache.cache.errors import (
     CacheError,
     IntegrityError,
     InvalidSlots,
-    InvalidTokens,
     LockError,
-    OutOfCapacity,
     UnknownHandle,
 )
 from tpcache.cache.events import AllBlocksCleared, KVEvent
@@ -42,28 +45,35 @@ from tpcache.cache.hashing import fmix64_int
 from tpcache.cache.keys import TokenLike, as_slots, as_tokens, pages_to_slots, slots_to_pages
 from tpcache.cache.policies import policy_key
 from tpcache.cache.radix import CacheSizes
-from tpcache.cache.reqtable import Req, ReqTable, RequestId
+from tpcache.cache.reqtable import ReqTable, RequestId
 from tpcache.cache.swa_allocator import PairedAllocator
-from tpcache.cache.swa_check import check_tree
+from tpcache.cache.swa_check import check_locks, check_requests, check_tree
 from tpcache.cache.swa_config import (
     HybridConfig,
     HybridSizes,
-    SwaAdmitResult,
     SwaEvictResult,
     SwaHandle,
     SwaMatchResult,
 )
-from tpcache.cache.swa_tree import SwaNode, SwaTree
+from tpcache.cache.swa_evict import swa_policy_key
+from tpcache.cache.swa_node import StaleBoundary, SwaNode
+from tpcache.cache.swa_requests import HybridEvictor, RequestLifecycle, as_priority
+from tpcache.cache.swa_tree import SwaTree
 
 _MASK = (1 << 64) - 1
 _EMPTY = np.zeros(0, dtype=np.int64)
 
-# Called with the local shortfalls in pages (full, SWA); evicts what it decides.
-HybridEvictor = Callable[[int, int], object]
 
+class HybridCache(RequestLifecycle):
+    """A paged radix prefix cache over a full and an SWA pool, with its request table.
 
-class HybridCache:
-    """A paged radix prefix cache over a full and an SWA pool, with its request table."""
+    The tree (``tree``), the paired allocator (``alloc``) and the request table
+    (``reqs``) are owned here and changed only through these methods; so are the lock
+    records (``_tops``: each request's SWA boundary mark; ``_handle_locks``: the
+    ``lock()`` calls of each handle not yet undone), which ``check_integrity`` uses to
+    recount every node's full and SWA lock. Logical clock, per-cache ids and marks and
+    the two FIFOs make every decision the same in every process.
+    """
 
     def __init__(self, config: HybridConfig) -> None:
         self.config = config
@@ -74,6 +84,7 @@ class HybridCache:
             self.alloc,
             policy_key(config.policy),
             config.sliding_window,
+            swa_key_fn=swa_policy_key(config.policy),
             record_events=config.record_events,
             medium=config.medium,
         )
@@ -114,7 +125,7 @@ class HybridCache:
         slot_ids = as_slots(slots, key.size, self._slot_limit)
         n = key.size // self.page_size * self.page_size
         pages = slots_to_pages(slot_ids[:n], self.page_size)
-        have, _, _ = self.tree.insert(key[:n], pages, _as_priority(priority), owner=LENT)
+        have, _, _ = self.tree.insert(key[:n], pages, as_priority(priority), owner=LENT)
         return have
 
     @property
@@ -204,189 +215,6 @@ class HybridCache:
             )
         return node
 
-    # ---- request lifecycle ------------------------------------------------------------------
-    def admit(
-        self,
-        rid: RequestId,
-        tokens: TokenLike,
-        priority: int = 0,
-        *,
-        evict: bool | HybridEvictor = True,
-    ) -> SwaAdmitResult:
-        """Start request ``rid``: match its prompt (window-valid, at most ``len - 1``
-        tokens), lock the match, evict the shortfall of either pool (if ``evict``) and
-        allocate the rest (full and SWA pages).
-
-        ``evict`` may be a ``HybridEvictor``, called once after the lock with the local
-        (full, SWA) shortfalls in pages; then ``OutOfCapacity`` can come after the match
-        and the lock is released again. Otherwise raises before changing anything:
-        ``DuplicateRequest``, ``InvalidTokens``, ``OutOfCapacity``.
-        """
-        self.reqs.check_new(rid)
-        key = as_tokens(tokens, copy=True)  # the row keeps it
-        prio = _as_priority(priority)
-        limit = self.config.request_limit
-        if key.size > limit:
-            raise InvalidTokens(f"prompt of {key.size} tokens exceeds the limit {limit}")
-        ps = self.page_size
-        tree = self.tree
-        path, pos, partial, common = tree.match_walk(key, (key.size - 1) // ps * ps)
-        need = -(-key.size // ps) - (pos + common) // ps
-        self._check_room(need, path, partial, common, evict)
-        path, pos = tree.take_match(path, pos, partial, common)
-        node = path[-1] if path else tree.root
-        top = tree.boundary(node)
-        tree.lock(node, top)
-        tree.touch(path)
-        try:
-            pages, own_swa = self._take_pages(need, evict)
-        except OutOfCapacity:
-            tree.unlock(node, top)
-            raise
-        row = np.concatenate([*(p.pages for p in path), pages])
-        k, first = pos // ps, max(0, pos - self.window) // ps
-        swa = (
-            np.concatenate((self.alloc.swa_of(row[first:k]), own_swa))
-            if k > first
-            else own_swa.copy()
-        )
-        self.reqs.add(rid, key, row, key.size, k, node, prio)
-        self._tops[rid] = tree.mark_of(top)
-        return SwaAdmitResult(pos, row, key.size, ps, swa)
-
-    def extend(self, rid: RequestId, n: int, *, evict: bool | HybridEvictor = True) -> np.ndarray:
-        """``n`` more slots for ``rid`` (decode or a prefill chunk); returns their full ids."""
-        req = self.reqs.get(rid)
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise CacheError(f"extend needs an int >= 0, got {n!r}")
-        limit = self.config.request_limit
-        if req.num_tokens + n > limit:
-            raise InvalidTokens(
-                f"request {rid!r} would hold {req.num_tokens + n} tokens, limit {limit}"
-            )
-        ps = self.page_size
-        need = -(-(req.num_tokens + n) // ps) - req.pages.size
-        self._check_room(need, [], None, 0, evict)
-        if need or callable(evict):
-            req.pages = np.concatenate((req.pages, self._take_pages(need, evict)[0]))
-        start = req.num_tokens
-        req.num_tokens += n
-        first = start // ps
-        return pages_to_slots(req.pages[first:], ps)[start - first * ps : start - first * ps + n]
-
-    def cache_unfinished(self, rid: RequestId, tokens: TokenLike) -> int:
-        """Cache the whole pages of a running request's tokens so far (chunked prefill).
-
-        As ``RadixCache.cache_unfinished``; the request's locks (full and SWA, with a
-        new boundary) move to the new last node. Returns the cached length.
-        """
-        req = self.reqs.get(rid)
-        key = as_tokens(tokens, copy=True)  # the row keeps it
-        _check_extends(rid, req.tokens, key, req.num_tokens)
-        n = key.size // self.page_size * self.page_size
-        _, tree_pages, node = self._insert_own(req, key[:n])
-        req.pages[: tree_pages.size] = tree_pages
-        tree = self.tree
-        top = tree.boundary(node)
-        tree.lock(node, top)
-        tree.unlock(req.node, tree.find_top(req.node, self._tops[rid]))
-        req.node = node
-        req.cached_pages = tree_pages.size
-        req.tokens = key
-        self._tops[rid] = tree.mark_of(top)
-        return n
-
-    def finish(self, rid: RequestId, output_tokens: TokenLike = ()) -> int:
-        """End ``rid``: cache the whole pages of its tokens plus ``output_tokens`` that have
-        KV, free duplicates and the partial tail, unlock. Returns the cached length."""
-        req = self.reqs.get(rid)
-        out = as_tokens(output_tokens, allow_empty=True)
-        seq = np.concatenate((req.tokens, out)) if out.size else req.tokens
-        ps = self.page_size
-        n = min(seq.size, req.num_tokens) // ps * ps
-        self._insert_own(req, seq[:n], want_pages=False)
-        self.alloc.free(req.pages[n // ps :], HELD, checked=False)
-        self._end(req)
-        return n
-
-    def abort(self, rid: RequestId) -> None:
-        """End ``rid`` without caching anything: free its own pages and unlock."""
-        req = self.reqs.get(rid)
-        self.alloc.free(req.pages[req.cached_pages :], HELD, checked=False)
-        self._end(req)
-
-    def _end(self, req: Req) -> None:
-        mark = self._tops.pop(req.rid)
-        self.tree.unlock(req.node, self.tree.find_top(req.node, mark))
-        self.reqs.remove(req.rid)
-
-    def _insert_own(
-        self, req: Req, key: np.ndarray, *, want_pages: bool = True
-    ) -> tuple[int, np.ndarray | None, SwaNode]:
-        # The row's prefix is the locked path to req.node, so the walk starts there.
-        return self.tree.insert(
-            key,
-            req.pages[: key.size // self.page_size],
-            req.priority,
-            start=req.node,
-            start_pos=req.cached_pages * self.page_size,
-            trusted=True,
-            want_pages=want_pages,
-        )
-
-    def pages_short(self, num_pages: int) -> int:
-        """How many more pages than are free ``num_pages`` would need in the fuller pool."""
-        return max(0, num_pages - self.alloc.num_free)
-
-    def _check_room(
-        self,
-        need: int,
-        path: list[SwaNode],
-        partial: SwaNode | None,
-        common: int,
-        evict: bool | HybridEvictor,
-    ) -> None:
-        full_free, swa_free = self.alloc.full.num_free, self.alloc.swa.num_free
-        if (need <= full_free and need <= swa_free) or callable(evict):
-            return
-        if not evict:
-            raise OutOfCapacity(
-                f"need {need} pages, {full_free} full and {swa_free} SWA free"
-                " (eviction not allowed here)"
-            )
-        t, ps = self.tree, self.page_size
-        # Pages about to be locked stop being evictable: the whole path (full) and its
-        # last window (SWA); a partial node's matched part becomes the end node.
-        pinned = sum(p.pages.size for p in path if p.lock == 0)
-        swa_pinned = 0
-        acc = 0
-        if partial is not None:
-            pinned += common // ps if partial.lock == 0 else 0
-            swa_pinned += common // ps if partial.swa_lock == 0 else 0
-            acc = common
-        for p in reversed(path):
-            if acc >= self.window:
-                break
-            acc += p.key.size
-            swa_pinned += p.pages.size if p.swa_lock == 0 else 0
-        full_ev = t.cached_pages - t.protected_pages - pinned
-        swa_ev = t.swa_pages - t.swa_protected - swa_pinned
-        if need > full_free + full_ev or need > swa_free + swa_ev:
-            raise OutOfCapacity(
-                f"need {need} pages of {ps}: full {full_free} free + {full_ev} evictable,"
-                f" SWA {swa_free} free + {swa_ev} evictable"
-            )
-
-    def _take_pages(self, need: int, evict: bool | HybridEvictor) -> tuple[np.ndarray, np.ndarray]:
-        """``need`` full pages and their SWA pages: views, valid until the next free."""
-        short_full = max(0, need - self.alloc.full.num_free)
-        short_swa = max(0, need - self.alloc.swa.num_free)
-        if callable(evict):
-            evict(short_full, short_swa)  # called even when nothing is short
-        elif (short_full or short_swa) and evict:
-            self.tree.evict(short_full, short_swa)
-        return self.alloc.alloc_pair(need, HELD, copy=False)  # callers copy them at once
-
     # ---- whole-cache --------------------------------------------------------------------------
     def reset(self) -> None:
         """Drop every cached prefix and running request; announce ``AllBlocksCleared``."""
@@ -459,73 +287,8 @@ class HybridCache:
         self.alloc.check_integrity()
         check_tree(self.tree)
         self.reqs.check_integrity(self.tree, self.alloc.full)  # type: ignore[arg-type]
-        self._check_rows()
-        self._check_locks()
-
-    def _check_rows(self) -> None:
-        rows = self.reqs.held_pages()
-        a = self.alloc
-        if rows != a.full.count(HELD):
-            raise IntegrityError(
-                f"request rows hold {rows} pages, but {a.full.count(HELD)} pages are tagged held"
-            )
-        for tag, name in ((HELD, "held"), (LENT, "lent")):
-            if a.swa_count(tag) != a.full.count(tag):
-                raise IntegrityError(
-                    f"{a.full.count(tag)} full pages are {name} but {a.swa_count(tag)} of"
-                    " them have SWA pages"
-                )
-        if list(self._tops) != self.reqs.ids():
-            raise IntegrityError("lock boundaries and running requests differ")
-        for rid in self.reqs.ids():
-            req = self.reqs.get(rid)
-            if not a.has_swa(req.pages[req.cached_pages :]).all():
-                raise IntegrityError(f"request {rid!r} holds a page without SWA KV")
-
-    def _check_locks(self) -> None:
-        # Every node's full and SWA lock counts are exactly those of the requests and
-        # handle locks at or below it (SWA: up to each one's boundary).
-        holders = [(self.reqs.get(rid).node, self._tops[rid], 1) for rid in self.reqs.ids()]
-        for (node_id, mark), count in self._handle_locks.items():
-            node = self.tree.nodes.get(node_id)
-            if node is None:
-                raise IntegrityError(f"handle {node_id} holds {count} locks on a node that is gone")
-            holders.append((node, mark, count))
-        full: dict[int, int] = {}
-        swa: dict[int, int] = {}
-        root = self.tree.root
-        for node, mark, count in holders:
-            try:
-                top = self.tree.find_top(node, mark)
-            except CacheError as exc:
-                raise IntegrityError(f"a lock on node {node.id}: {exc}") from None
-            in_window = True
-            while node is not root:
-                full[node.id] = full.get(node.id, 0) + count
-                if in_window:
-                    swa[node.id] = swa.get(node.id, 0) + count
-                    in_window = node is not top
-                node = node.parent  # type: ignore[assignment]
-        for node in self.tree.walk():
-            want = (full.get(node.id, 0), swa.get(node.id, 0))
-            if (node.lock, node.swa_lock) != want:
-                raise IntegrityError(
-                    f"node {node.id} has locks (full, SWA) {(node.lock, node.swa_lock)}, but"
-                    f" requests and handles hold {want}"
-                )
+        check_requests(self.tree, self.reqs, self._tops)
+        check_locks(self.tree, self.reqs, self._tops, self._handle_locks)
 
 
-def _check_extends(rid: RequestId, known: np.ndarray, key: np.ndarray, limit: int) -> None:
-    if key.size < known.size or not np.array_equal(key[: known.size], known):
-        raise InvalidTokens(f"tokens for {rid!r} do not extend the {known.size} tokens it has")
-    if key.size > limit:
-        raise InvalidTokens(f"{key.size} tokens for {rid!r}, but it holds KV for only {limit}")
-
-
-def _as_priority(priority: object) -> int:
-    if not isinstance(priority, int) or isinstance(priority, bool):
-        raise CacheError(f"priority must be an int, got {priority!r}")
-    return priority
-
-
-__all__ = ["HybridCache", "HybridEvictor"]
+__all__ = ["HybridCache", "HybridEvictor", "StaleBoundary"]

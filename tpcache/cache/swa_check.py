@@ -1,4 +1,5 @@
-"""The full walk of ``check_integrity()`` for the hybrid tree (tests and idle time)."""
+"""The full walks of ``HybridCache.check_integrity()`` (tests and idle time): the tree,
+the request rows, and every lock against its holders."""
 
 from __future__ import annotations
 
@@ -6,13 +7,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tpcache.cache.allocator import CACHED
-from tpcache.cache.errors import IntegrityError
+from tpcache.cache.allocator import CACHED, HELD, LENT
+from tpcache.cache.errors import CacheError, IntegrityError
 from tpcache.cache.hashing import ROOT_STATE
 from tpcache.cache.tree import page_terms
 
 if TYPE_CHECKING:
-    from tpcache.cache.swa_tree import SwaNode, SwaTree
+    from tpcache.cache.reqtable import ReqTable, RequestId
+    from tpcache.cache.swa_node import SwaNode
+    from tpcache.cache.swa_tree import SwaTree
 
 _MASK = (1 << 64) - 1
 
@@ -51,7 +54,8 @@ def check_tree(tree: SwaTree) -> None:
         ):
             raise IntegrityError(f"unlocked leaf {node.id} is not in the full eviction order")
         if node.swa_lock == 0 and not node.tombstone:
-            if node.swa_queued != tree.key_fn(node) or (node.swa_queued, node.id) not in swa_live:
+            k = tree.swa_key_fn(node)
+            if node.swa_queued != k or (k, node.id) not in swa_live:
                 raise IntegrityError(f"node {node.id} with SWA KV is not in the SWA eviction order")
         elif node.swa_queued is not None:
             raise IntegrityError(f"node {node.id} is in the SWA eviction order but may not be")
@@ -143,3 +147,60 @@ def _check_node(tree: SwaTree, node: SwaNode) -> None:
         raise IntegrityError(
             f"leaf {node.id} follows a tombstone by less than the window ({tree.window})"
         )
+
+
+def check_requests(tree: SwaTree, reqs: ReqTable, tops: dict[RequestId, int]) -> None:
+    """Held pages are the rows' own; every held or lent full page has its SWA page; each
+    running request has a lock boundary."""
+    rows = reqs.held_pages()
+    a = tree.alloc
+    if rows != a.full.count(HELD):
+        raise IntegrityError(
+            f"request rows hold {rows} pages, but {a.full.count(HELD)} pages are tagged held"
+        )
+    for tag, name in ((HELD, "held"), (LENT, "lent")):
+        if a.swa_count(tag) != a.full.count(tag):
+            raise IntegrityError(
+                f"{a.full.count(tag)} full pages are {name} but {a.swa_count(tag)} of"
+                " them have SWA pages"
+            )
+    if list(tops) != reqs.ids():
+        raise IntegrityError("lock boundaries and running requests differ")
+
+
+def check_locks(
+    tree: SwaTree,
+    reqs: ReqTable,
+    tops: dict[RequestId, int],
+    handle_locks: dict[tuple[int, int], int],
+) -> None:
+    """Every node's full and SWA lock counts are exactly those of the requests and handle
+    locks at or below it (SWA: up to each one's boundary)."""
+    holders = [(reqs.get(rid).node, tops[rid], 1) for rid in reqs.ids()]
+    for (node_id, mark), count in handle_locks.items():
+        node = tree.nodes.get(node_id)
+        if node is None:
+            raise IntegrityError(f"handle {node_id} holds {count} locks on a node that is gone")
+        holders.append((node, mark, count))
+    full: dict[int, int] = {}
+    swa: dict[int, int] = {}
+    root = tree.root
+    for node, mark, count in holders:
+        try:
+            top = tree.find_top(node, mark)
+        except CacheError as exc:
+            raise IntegrityError(f"a lock on node {node.id}: {exc}") from None
+        in_window = True
+        while node is not root:
+            full[node.id] = full.get(node.id, 0) + count
+            if in_window:
+                swa[node.id] = swa.get(node.id, 0) + count
+                in_window = node is not top
+            node = node.parent  # type: ignore[assignment]
+    for node in tree.walk():
+        want = (full.get(node.id, 0), swa.get(node.id, 0))
+        if (node.lock, node.swa_lock) != want:
+            raise IntegrityError(
+                f"node {node.id} has locks (full, SWA) {(node.lock, node.swa_lock)}, but"
+                f" requests and handles hold {want}"
+            )

@@ -8,6 +8,11 @@
   a window after it could no longer be matched, so they go with it (they are never
   locked: a lock on one would SWA-lock the tombstoned node too).
 
+The SWA order has its own recency: a node's SWA KV is used when the node lies in the
+last window of a match or an insert (``swa_access``, ``swa_hits``), not whenever a path
+runs through it, so a shared prefix far from where requests end loses its SWA KV first
+and keeps its full KV. ``swa_policy_key`` gives the policy's SWA key.
+
 Both are lazy heaps ordered by the policy key: an entry is used only if it is still the
 node's live key (``queued`` / ``swa_queued``) and the node is still a candidate; a node
 whose key changes is pushed again. A heap is rebuilt only when stale entries outnumber
@@ -30,11 +35,29 @@ import numpy as np
 from tpcache.cache.allocator import CACHED
 from tpcache.cache.events import BlockRemoved
 from tpcache.cache.hashing import block_hashes
+from tpcache.cache.policies import KeyFn
 
 if TYPE_CHECKING:
-    from tpcache.cache.swa_tree import SwaNode, SwaTree
+    from tpcache.cache.swa_node import SwaNode
+    from tpcache.cache.swa_tree import SwaTree
 
 _MASK = (1 << 64) - 1
+
+# The policies of ``policies.py`` with the SWA recency in place of the node's recency.
+SWA_POLICY_KEYS: dict[str, KeyFn] = {
+    "lru": lambda n: (n.swa_access, n.id),
+    "mru": lambda n: (-n.swa_access, n.id),
+    "fifo": lambda n: (n.created, n.id),
+    "filo": lambda n: (-n.created, n.id),
+    "lfu": lambda n: (n.swa_hits, n.swa_access, n.id),
+    "priority": lambda n: (n.priority, n.swa_access, n.id),
+}
+
+
+def swa_policy_key(name: str) -> KeyFn | None:
+    """The SWA order's key of policy ``name``; ``None`` for a policy it does not know
+    (the full order's key then serves for both)."""
+    return SWA_POLICY_KEYS.get(name)
 
 
 class _Freed:
@@ -69,7 +92,7 @@ class SwaEvictor:
     def _queue_swa(self: SwaTree, node: SwaNode) -> None:
         if node.swa_lock or node.tombstone or not node.alive:
             return
-        k = self.key_fn(node)
+        k = self.swa_key_fn(node)
         if node.swa_queued == k:
             return
         node.swa_queued = k
@@ -79,14 +102,14 @@ class SwaEvictor:
 
     def _rebuild_heaps(self: SwaTree) -> None:
         heap, swa_heap = [], []
-        key_fn = self.key_fn
+        key_fn, swa_key_fn = self.key_fn, self.swa_key_fn
         for node in self.nodes.values():
             node.queued = node.swa_queued = None
             if node.lock == 0 and not node.children:
                 node.queued = key_fn(node)
                 heap.append((node.queued, node))
             if node.swa_lock == 0 and not node.tombstone:
-                node.swa_queued = key_fn(node)
+                node.swa_queued = swa_key_fn(node)
                 swa_heap.append((node.swa_queued, node))
         heapq.heapify(heap)
         heapq.heapify(swa_heap)

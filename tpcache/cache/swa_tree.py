@@ -2,22 +2,22 @@
 
 Nodes hold runs of whole pages as in ``tree.py`` (int32 tokens kept as bytes, compared
 with one ``memcmp`` per node; one int64 full page id and one hash chain state per
-page); their SWA pages are found through the paired allocator's full -> SWA mapping. A node whose SWA KV was dropped is a *tombstone*: its full KV
-stays, so a match may run through it, but a match may end only where the last
-``window`` tokens before the end point have SWA KV (or where the path has no tombstone
-at all). The count of tokens since the last tombstone restarts at every tombstone.
+page); their SWA pages are found through the paired allocator's full -> SWA mapping.
+A node whose SWA KV was dropped is a *tombstone*: its full KV stays, so a match may run
+through it, but a match may end only where the last ``window`` tokens before the end
+point have SWA KV (or where the path has no tombstone at all). The count of tokens
+since the last tombstone restarts at every tombstone.
 
 Invariant kept after every operation: every leaf is a valid match end (so no tombstone
 is a leaf, and a branch's last window stays matchable). A leaf that would break it is
 deleted, cascading upward; see ``SwaEvictor``.
 
-Locks are two-level: a full lock from a node to the root, an SWA lock from the node up
-to its *boundary*, the node where the last ``window`` tokens begin. The boundary is
-remembered by a mark (a per-cache counter, 0 = none) that a split moves to the upper
-half, so an unlock stops where its lock stopped. ``swa_lock <= lock`` on every node.
+Locks are two-level (``swa_locks.py``): full KV from a node to the root, SWA KV of the
+last ``window`` tokens of its path.
 
 This module is internal: ``HybridCache`` is the public face and hands out handles,
-never nodes. Eviction lives in ``swa_evict.py``, the full walk in ``swa_check.py``.
+never nodes. Nodes are in ``swa_node.py``, eviction in ``swa_evict.py``, locks in
+``swa_locks.py``, the full walk of ``check_integrity`` in ``swa_check.py``.
 """
 
 from __future__ import annotations
@@ -25,85 +25,22 @@ from __future__ import annotations
 import numpy as np
 
 from tpcache.cache.allocator import CACHED, HELD
-from tpcache.cache.errors import InvalidSlots, LockError
+from tpcache.cache.errors import InvalidSlots
 from tpcache.cache.events import BlockStored, KVEvent
 from tpcache.cache.hashing import ROOT_STATE, PageHasher, block_hashes
 from tpcache.cache.policies import KeyFn
 from tpcache.cache.swa_allocator import PairedAllocator
 from tpcache.cache.swa_evict import SwaEvictor
+from tpcache.cache.swa_locks import SwaLocks
+from tpcache.cache.swa_node import ROOT_MARK, SwaNode
 from tpcache.cache.tree import page_terms
 
 _EMPTY_PAGES = np.zeros(0, dtype=np.int64)
 _EMPTY_STATES = np.zeros(0, dtype=np.uint64)
 _MASK = (1 << 64) - 1
-ROOT_MARK = 1  # the root's boundary mark: an SWA lock that runs up the whole path
 
 
-class StaleBoundary(LockError):
-    """An SWA lock boundary that no longer names a node on the handle's path."""
-
-
-class SwaNode:
-    """One run of cached pages of the hybrid tree. Owned and mutated only by ``SwaTree``."""
-
-    __slots__ = (
-        "alive",
-        "children",
-        "created",
-        "hits",
-        "id",
-        "kb",
-        "last_access",
-        "lock",
-        "mark",
-        "ntok",
-        "pages",
-        "parent",
-        "priority",
-        "queued",
-        "states",
-        "swa_lock",
-        "swa_queued",
-        "term",
-        "tombstone",
-    )
-
-    def __init__(
-        self,
-        node_id: int,
-        parent: SwaNode | None,
-        key: bytes,
-        pages: np.ndarray,
-        states: np.ndarray,
-        tick: int,
-    ) -> None:
-        self.id = node_id
-        self.parent = parent
-        self.children: dict[bytes, SwaNode] = {}
-        self.kb = key  # the int32 tokens, as bytes
-        self.ntok = len(key) >> 2  # how many tokens
-        self.pages = pages  # int64 full pages; their SWA pages via the allocator's mapping
-        self.states = states
-        self.term = 0  # this node's share of the tree's digest_sum (page_terms)
-        self.lock = 0  # locks whose path runs through this node (full KV in use)
-        self.swa_lock = 0  # locks whose last window covers this node (SWA KV in use)
-        self.tombstone = False  # SWA KV dropped; full KV kept
-        self.mark = 0  # boundary mark of SWA locks that stop here; 0: none given out
-        self.last_access = tick
-        self.created = tick
-        self.hits = 0
-        self.priority = 0
-        self.queued: tuple[int, ...] | None = None  # live key in the full (leaf) heap
-        self.swa_queued: tuple[int, ...] | None = None  # live key in the SWA heap
-        self.alive = True
-
-    @property
-    def key(self) -> np.ndarray:
-        """The node's tokens: a read-only int32 view of ``kb`` (no copy)."""
-        return np.frombuffer(self.kb, dtype=np.int32)
-
-
-class SwaTree(SwaEvictor):
+class SwaTree(SwaEvictor, SwaLocks):
     """Radix tree over whole pages with tombstones, two-level locks and two eviction orders.
 
     The tree owns its nodes and counters; the paired allocator owns page tags and the
@@ -117,13 +54,19 @@ class SwaTree(SwaEvictor):
         key_fn: KeyFn,
         window: int,
         *,
+        swa_key_fn: KeyFn | None = None,
         record_events: bool = False,
         medium: str = "GPU",
     ) -> None:
         self.alloc = alloc
         self.ps = alloc.page_size
         self.window = window
-        self.key_fn = key_fn
+        self.key_fn = key_fn  # the full order's key
+        # The SWA order's key (``swa_evict.swa_policy_key``): it reads the SWA recency, so
+        # a touch requeues only a path's last window. Without one the full key serves,
+        # and a touch requeues the whole path.
+        self.swa_key_fn = swa_key_fn or key_fn
+        self._swa_keyed_by_path = swa_key_fn is None
         self.hasher = PageHasher(self.ps)
         self.record_events = record_events
         self.medium = medium
@@ -259,6 +202,8 @@ class SwaTree(SwaEvictor):
         )
         upper.last_access = child.last_access
         upper.hits = child.hits
+        upper.swa_access = child.swa_access
+        upper.swa_hits = child.swa_hits
         upper.priority = child.priority
         upper.lock = child.lock
         upper.swa_lock = child.swa_lock
@@ -290,16 +235,34 @@ class SwaTree(SwaEvictor):
         return path, pos
 
     def touch(self, path: list[SwaNode]) -> None:
-        """A match used ``path``: advance the clock, count a hit on each node, requeue."""
+        """A match used ``path``: advance the clock, count a hit on each node (the full
+        order) and on the nodes of its last window (the SWA order), requeue them."""
         self.tick += 1
         tick = self.tick
+        every = self._swa_keyed_by_path
         for node in path:
             node.last_access = tick
             node.hits += 1
-            if not node.swa_lock and not node.tombstone:
+            if every and not node.swa_lock and not node.tombstone:
                 self._queue_swa(node)
         if path:
             self._queue(path[-1])
+            self._touch_window(path[-1], tick, hit=True)
+
+    def _touch_window(self, node: SwaNode, tick: int, hit: bool) -> None:
+        """Mark the SWA KV of the last ``window`` tokens ending at ``node`` as used."""
+        w, root = self.window, self.root
+        acc = 0
+        while node is not root:
+            node.swa_access = tick
+            if hit:
+                node.swa_hits += 1
+            if not node.swa_lock and not node.tombstone:
+                self._queue_swa(node)
+            acc += node.ntok
+            if acc >= w:
+                return
+            node = node.parent  # type: ignore[assignment]
 
     # ---- insert -------------------------------------------------------------------------
     def insert(
@@ -379,12 +342,15 @@ class SwaTree(SwaEvictor):
         tick = self.tick
         node = end
         root = self.root
+        every = self._swa_keyed_by_path
         while node is not root:
             # Touch the whole path: a request's locked prefix is being used too.
             node.last_access = tick
             if priority > node.priority:
                 node.priority = priority
-            if not node.swa_lock and not node.tombstone:
+                if not node.swa_lock and not node.tombstone:
+                    self._queue_swa(node)
+            elif every and not node.swa_lock and not node.tombstone:
                 self._queue_swa(node)
             node = node.parent  # type: ignore[assignment]
         if dups.size:
@@ -393,6 +359,8 @@ class SwaTree(SwaEvictor):
             end = self._add_child(end, key[have:], fresh.copy(), priority, owner)
         else:
             self._queue(end)
+        if end is not root:
+            self._touch_window(end, tick, hit=False)
         if not want_pages:
             return have, None, end
         parts = [pages[:k0], known] if k0 else [known]
@@ -485,95 +453,6 @@ class SwaTree(SwaEvictor):
         self._queue(node)
         self._queue_swa(node)
         return node
-
-    # ---- locks --------------------------------------------------------------------------
-    def boundary(self, node: SwaNode) -> SwaNode:
-        """The node where the last ``window`` tokens ending at ``node`` begin (the path's
-        top node if it is shorter; the root for the root)."""
-        root, w = self.root, self.window
-        acc = 0
-        while node is not root:
-            acc += node.ntok
-            if acc >= w or node.parent is root:
-                return node
-            node = node.parent  # type: ignore[assignment]
-        return root
-
-    def mark_of(self, node: SwaNode) -> int:
-        """The boundary mark of ``node``, giving it one if it has none."""
-        if node.mark == 0:
-            node.mark = self._next_mark
-            self._next_mark += 1
-        return node.mark
-
-    def find_top(self, node: SwaNode, mark: int) -> SwaNode:
-        """The node with ``mark`` on the path from ``node`` up; ``StaleBoundary`` if none."""
-        cur: SwaNode | None = node
-        while cur is not None:
-            if cur.mark == mark:
-                return cur
-            cur = cur.parent
-        raise StaleBoundary(f"boundary mark {mark} is not on the path of node {node.id}")
-
-    def check_lockable(self, node: SwaNode, top: SwaNode) -> None:
-        """Raise ``LockError`` if the SWA part ``node..top`` has a tombstone."""
-        cur = node
-        while cur is not self.root:
-            if cur.tombstone:
-                raise LockError(
-                    f"node {cur.id} in the last window of node {node.id} lost its SWA KV"
-                )
-            if cur is top:
-                return
-            cur = cur.parent  # type: ignore[assignment]
-
-    def check_unlockable(self, node: SwaNode, top: SwaNode) -> None:
-        """Raise ``LockError`` unless ``node..root`` is locked and ``node..top`` SWA-locked."""
-        if node is self.root:
-            return
-        if node.lock <= 0:
-            raise LockError(f"node {node.id} is not locked")
-        cur = node
-        while cur is not self.root:
-            if cur.swa_lock <= 0:
-                raise LockError(f"node {cur.id} is not SWA-locked (unlock of node {node.id})")
-            if cur is top:
-                return
-            cur = cur.parent  # type: ignore[assignment]
-
-    def lock(self, node: SwaNode, top: SwaNode) -> None:
-        """Full-lock ``node`` up to the root and SWA-lock it up to ``top`` (inclusive)."""
-        root = self.root
-        swa = True
-        while node is not root:
-            if node.lock == 0:
-                self.protected_pages += node.pages.size
-            node.lock += 1
-            if swa:
-                if node.swa_lock == 0:
-                    self.swa_protected += node.pages.size
-                    node.swa_queued = None
-                node.swa_lock += 1
-                swa = node is not top
-            node = node.parent  # type: ignore[assignment]
-
-    def unlock(self, node: SwaNode, top: SwaNode) -> None:
-        """Undo one ``lock(node, top)``; callers check with ``check_unlockable`` first."""
-        root = self.root
-        swa = True
-        while node is not root:
-            node.lock -= 1
-            if node.lock == 0:
-                self.protected_pages -= node.pages.size
-                if not node.children:
-                    self._queue(node)
-            if swa:
-                node.swa_lock -= 1
-                if node.swa_lock == 0:
-                    self.swa_protected -= node.pages.size
-                    self._queue_swa(node)
-                swa = node is not top
-            node = node.parent  # type: ignore[assignment]
 
     def _new_id(self) -> int:
         i = self._next_id

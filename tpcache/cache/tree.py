@@ -26,7 +26,7 @@ from tpcache.cache.allocator import CACHED, HELD, PageAllocator
 from tpcache.cache.errors import IntegrityError, InvalidSlots, LockError
 from tpcache.cache.events import BlockRemoved, BlockStored, KVEvent
 from tpcache.cache.hashing import ROOT_STATE, PageHasher, block_hashes
-from tpcache.cache.policies import KeyFn
+from tpcache.cache.policies import KeyFn, PolicyHooks
 
 _EMPTY_PAGES = np.zeros(0, dtype=np.int64)
 _EMPTY_STATES = np.zeros(0, dtype=np.uint64)
@@ -47,6 +47,7 @@ class Node:
 
     __slots__ = (
         "alive",
+        "bonus",
         "children",
         "created",
         "hits",
@@ -83,6 +84,7 @@ class Node:
         self.created = tick
         self.hits = 0
         self.priority = 0
+        self.bonus = 0  # written by a stateful policy (PolicyHooks) only: its key's extra ticks
         self.queued: tuple[int, ...] | None = None  # key of this node's live heap entry
         self.alive = True
 
@@ -110,10 +112,13 @@ class RadixTree:
         *,
         record_events: bool = False,
         medium: str = "GPU",
+        hooks: PolicyHooks | None = None,
     ) -> None:
         self.alloc = alloc
         self.ps = alloc.page_size
         self.key_fn = key_fn
+        # A stateful policy's state, told of every match, new leaf, eviction and clear.
+        self.hooks = hooks
         self.hasher = PageHasher(self.ps)
         self.record_events = record_events
         self.medium = medium
@@ -136,6 +141,8 @@ class RadixTree:
         self.protected_pages = 0
         self.digest_sum = 0
         self._heap: list[tuple[tuple[int, ...], Node]] = []
+        if self.hooks is not None:
+            self.hooks.reset()
 
     # ---- lookup -------------------------------------------------------------------------
     def descend(
@@ -200,6 +207,7 @@ class RadixTree:
         upper.last_access = child.last_access
         upper.hits = child.hits
         upper.priority = child.priority
+        upper.bonus = child.bonus
         upper.lock = child.lock
         upper.term = page_terms(upper.states, upper.pages)
         child.term = (child.term - upper.term) & _MASK
@@ -226,6 +234,8 @@ class RadixTree:
             pos += common
         self.tick += 1
         tick = self.tick
+        if self.hooks is not None:
+            self.hooks.on_match(path, tick)
         for node in path:
             node.last_access = tick
             node.hits += 1
@@ -333,6 +343,8 @@ class RadixTree:
                     medium=self.medium,
                 )
             )
+        if self.hooks is not None:
+            node = self.hooks.on_insert(self, node)  # may split off an upper node
         self._queue(node)
         return node
 
@@ -394,6 +406,7 @@ class RadixTree:
         terms = 0
         count = 0
         pb = 4 * self.ps
+        gone: list[Node] | None = [] if self.hooks is not None else None
         # Read self._heap each round: queueing a parent may rebuild it into a new list.
         while count < num_pages and self._heap:
             k, node = heapq.heappop(self._heap)
@@ -410,6 +423,8 @@ class RadixTree:
             count += node.pages.size
             freed_pages.append(node.pages)
             terms += node.term
+            if gone is not None:
+                gone.append(node)
             if self.record_events:
                 self.events.append(
                     BlockRemoved(
@@ -423,6 +438,8 @@ class RadixTree:
             self.cached_pages -= pages.size
             self.digest_sum = (self.digest_sum - terms) & _MASK
             self.alloc.free(pages, CACHED, checked=False)
+        if gone:
+            self.hooks.on_evict(gone)  # type: ignore[union-attr]
         self.evicted_pages += count
         self.evict_seconds.append(time.perf_counter() - started)
         if len(self.evict_seconds) > 20_000:
@@ -519,3 +536,5 @@ class RadixTree:
             raise IntegrityError(
                 f"tree digest {self.digest_sum:#x} != recomputed {digest & _MASK:#x}"
             )
+        if self.hooks is not None:
+            self.hooks.check_integrity()

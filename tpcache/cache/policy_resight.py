@@ -1,0 +1,184 @@
+"""``resight``: pages seen before live longer, by an amount learned from the traffic.
+
+Why: in real prefix-cache traffic most pages are written once and never read again
+(the last turn of every conversation, one-off prompts, generated tails), while a page
+that was used again is much more likely to be used again still. Under LRU the
+one-offs push out conversations that return minutes later. So pages are split into
+classes by how often they have been seen (class ``min(sightings, classes - 1)``: 0 for
+a page cached for the first time), and each class gets its own lifetime.
+
+How: the eviction key is ``last_access + bonus`` (ties by node id), where the bonus is
+the extra lifetime of the page's class over the shortest-lived class, fixed when the
+page is used. A page that leaves the cache is remembered in a ghost list (block hash,
+tick of last use, class; ``ghost_factor`` x the capacity in pages), so a page cached
+again is known as seen before, and its reuse gap is measured even though it was
+evicted. ``LifetimeModel`` turns the measured gaps into the per-class lifetimes that
+maximise hits in the capacity (re-solved every quarter capacity of page visits). With
+little room it finds that first-seen pages are worth nothing and gives them no
+lifetime (an admission filter in effect: they fill only the room re-seen pages leave);
+with much room it keeps them nearly as long as the rest (close to LRU).
+
+Rules it keeps: a logical clock only (ticks of the tree), integer statistics, so every
+TP rank evicts the same nodes; eviction stays leaf-only, through the tree's heap, and
+costs O(log n) per node; per op it adds O(nodes touched) Python steps and O(pages)
+vectorised numpy work. It sees only block hashes, accesses, sizes and ticks, never
+whether a token came from a prompt or an output.
+
+Parameters (``ResightParams``): ``ghost_factor`` (default 8: the ghost must remember
+pages for as long as re-seen pages may live, and those are a fraction of all that is
+written), ``classes`` (default 2: first seen vs seen before).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from tpcache.cache.errors import CacheError, IntegrityError
+from tpcache.cache.ghost import GhostTable
+from tpcache.cache.lifetimes import _LOWER, LifetimeModel
+
+if TYPE_CHECKING:
+    from tpcache.cache.tree import Node, RadixTree
+
+NAME = "resight"
+_EDGES = _LOWER.tolist()
+
+
+class InvalidPolicyParams(CacheError, ValueError):
+    """Parameters of an eviction policy that are out of range or of the wrong type."""
+
+
+@dataclass(frozen=True)
+class ResightParams:
+    """Parameters of ``resight``; the defaults need no tuning per trace.
+
+    ``ghost_factor``: ghost entries per cache page (a number > 0, at most 64).
+    ``classes``: sighting classes (an int 2..3; 3 splits "seen twice or more" off).
+    """
+
+    ghost_factor: float = 8.0
+    classes: int = 2
+
+    def __post_init__(self) -> None:
+        g = self.ghost_factor
+        if isinstance(g, bool) or not isinstance(g, int | float) or not 0 < g <= 64:
+            raise InvalidPolicyParams(f"ghost_factor must be a number in (0, 64], got {g!r}")
+        c = self.classes
+        if isinstance(c, bool) or not isinstance(c, int) or not 2 <= c <= 3:
+            raise InvalidPolicyParams(f"classes must be an int in [2, 3], got {c!r}")
+
+
+def resight_key(n: Node) -> tuple[int, ...]:
+    """The eviction key: the tick the page's class lifetime runs out, then the node id."""
+    return (n.last_access + n.bonus, n.id)
+
+
+class ResightPolicy:
+    """The state of ``resight`` for one tree: the ghost, the model and the class bonuses.
+
+    Owned by the ``RadixTree`` it is given to, which calls ``on_match`` before it touches
+    a matched path, ``on_insert`` for every new leaf (before queueing it), ``on_evict``
+    with the nodes one eviction removed, and ``reset`` when it is cleared. It writes only
+    the ``hits`` (its sighting count) and ``bonus`` of the nodes it is handed, and splits
+    a new leaf where the pages it had seen before end.
+    """
+
+    def __init__(self, capacity_pages: int, params: ResightParams | None = None) -> None:
+        self.params = params or ResightParams()
+        self.k = self.params.classes
+        self.ghost = GhostTable(max(1, int(self.params.ghost_factor * capacity_pages)))
+        self.model = LifetimeModel(self.k, capacity_pages, halve_every=self.ghost.capacity)
+        self.solve_every = max(1, capacity_pages // 4)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything (the tree was cleared)."""
+        self.ghost.clear()
+        self.model.clear()
+        self.bonus = [0] * self.k  # ticks of extra lifetime per class
+        self.lifetimes: list[int] | None = None  # the model's last answer, None: LRU
+        self._tick = 0
+        self._since_solve = 0
+
+    # ---- hooks ------------------------------------------------------------------------
+    def on_match(self, path: list[Node], tick: int) -> None:
+        """Each node of ``path`` is used at ``tick`` (its ``last_access`` still the old)."""
+        self._advance(tick)
+        top = self.k - 1
+        model = self.model
+        for node in path:
+            n = node.pages.size
+            gap = tick - node.last_access
+            b = bisect.bisect_right(_EDGES, gap) - 1
+            c = min(node.hits, top)
+            model.reuses[c, b] += n
+            model.gap_sum[c, b] += gap * n
+            c = min(node.hits + 1, top)
+            node.bonus = self.bonus[c]
+            self._visit(c, n)
+
+    def on_insert(self, tree: RadixTree, node: Node) -> Node:
+        """A new leaf: pages the ghost remembers at its start form an upper node of a
+        higher class. Returns the leaf (the lower part when split)."""
+        self._advance(tree.tick)
+        n = node.pages.size
+        found, ticks, classes = self.ghost.take(node.states)
+        m = 0
+        if found.any():
+            self.model.reuse_many(classes[found], tree.tick - ticks[found])
+            m = n if found.all() else int(found.argmin())
+        if m:
+            c = min(int(classes[:m].min()) + 1, self.k - 1)
+            upper = node if m == n else tree.split(node, m * tree.ps)
+            upper.hits = c
+            upper.bonus = self.bonus[c]
+            self._visit(c, m)
+        if m < n:
+            node.bonus = self.bonus[0]
+            self._visit(0, n - m)
+        return node
+
+    def on_evict(self, nodes: list[Node]) -> None:
+        """``nodes`` left the cache: remember their pages in the ghost."""
+        if not nodes:
+            return
+        top = self.k - 1
+        sizes = [nd.pages.size for nd in nodes]
+        states = np.concatenate([nd.states for nd in nodes]) if len(nodes) > 1 else nodes[0].states
+        ticks = np.repeat(np.array([nd.last_access for nd in nodes], dtype=np.int64), sizes)
+        classes = np.repeat(np.array([min(nd.hits, top) for nd in nodes], dtype=np.int64), sizes)
+        self.ghost.put(states, ticks, classes)
+
+    # ---- learning ---------------------------------------------------------------------
+    def _advance(self, tick: int) -> None:
+        if tick > self._tick:
+            self.model.advance(tick - self._tick)
+            self._tick = tick
+
+    def _visit(self, cls: int, pages: int) -> None:
+        self.model.visit(cls, pages)
+        self._since_solve += pages
+        if self._since_solve >= self.solve_every:
+            self._since_solve = 0
+            self._solve()
+
+    def _solve(self) -> None:
+        lifetimes = self.model.solve()
+        if lifetimes is None:
+            self.lifetimes = None
+            self.bonus = [0] * self.k
+            return
+        self.lifetimes = lifetimes.tolist()
+        low = min(self.lifetimes)
+        self.bonus = [t - low for t in self.lifetimes]
+
+    def check_integrity(self) -> None:
+        """Raise ``IntegrityError`` if the ghost, the model or the bonuses are broken."""
+        self.ghost.check_integrity()
+        self.model.check_integrity()
+        if len(self.bonus) != self.k or min(self.bonus) != 0:
+            raise IntegrityError(f"resight: bonuses {self.bonus} (one per class, least 0)")
