@@ -1,96 +1,90 @@
-"""A ghost list: which pages were in the cache lately, keyed by block hash, with no KV.
+"""A ghost list: runs of pages that left the cache lately, kept as block hashes, no KV.
 
-A policy asks it whether a page it is about to cache was seen before and when. It is
-a set-associative table of ``sets x WAYS`` entries in numpy arrays: a page's set comes
-from the low bits of its mixed block hash, and a full set drops the entry with the
-oldest tick (the page least recently used when it left the cache). So lookups and
-stores are O(1) vectorised work per page, memory is fixed (16 bytes an entry), and the
-content depends only on the order of the calls: the same in every process.
+A policy asks it whether pages it is about to cache were seen before, when they were
+last used and in which class. Pages leave the cache a node at a time, and come back as
+the pages after a cached prefix, so the ghost keeps whole runs: an evicted node's chain
+states (the node's own array, no copy), keyed by the chain state of its first page,
+with its last-use tick and class. A lookup walks runs from the first new page: one dict
+probe per run and one vectorised compare of chain states (equal states mean equal
+prefixes). So the work per op is O(runs touched) Python steps, not a step per page. A
+run that comes back only in part keeps its remainder, keyed by the remainder's first
+page. A page inside a run is found only by a lookup that reaches the run's start.
 
-Entries: ``tag`` (the mixed block hash, 0 = empty slot) and ``val`` (``tick * 4 +
-class`` of the page when it was last used; -1 = empty). Owned by this class alone.
+Bounded by pages: when it holds more than ``capacity`` pages, the runs stored longest
+ago go first. Iteration order is insertion order (an ``OrderedDict``), so the content
+depends only on the order of the calls: the same in every process. Fields are owned by
+this class alone.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import numpy as np
 
 from tpcache.cache.errors import IntegrityError
-from tpcache.cache.hashing import fmix64
-
-WAYS = 4
-CLASS_BITS = 2  # val = tick << CLASS_BITS | class
-_CLASS_MASK = (1 << CLASS_BITS) - 1
 
 
 class GhostTable:
-    """Remembers up to about ``entries`` pages (rounded up to whole sets of ``WAYS``)."""
+    """Remembers up to ``capacity`` pages of evicted runs."""
 
-    def __init__(self, entries: int) -> None:
-        sets = 1
-        while sets * WAYS < entries:
-            sets *= 2
-        self.sets = sets
-        self._tag = np.zeros((sets, WAYS), dtype=np.uint64)
-        self._val = np.full((sets, WAYS), -1, dtype=np.int64)
-
-    @property
-    def capacity(self) -> int:
-        return self.sets * WAYS
-
-    def __len__(self) -> int:
-        return int((self._val >= 0).sum())
+    def __init__(self, capacity: int) -> None:
+        assert capacity >= 1
+        self.capacity = capacity
+        self.clear()
 
     def clear(self) -> None:
-        self._tag[:] = 0
-        self._val[:] = -1
+        # first page's chain state -> (states of the run, tick of last use, class)
+        self._runs: OrderedDict[int, tuple[np.ndarray, int, int]] = OrderedDict()
+        self.pages = 0
 
-    def _tags(self, states: np.ndarray) -> np.ndarray:
-        tags = fmix64(states)
-        tags[tags == 0] = 1  # 0 marks an empty slot
-        return tags
+    def __len__(self) -> int:
+        return self.pages
 
-    def take(self, states: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Look up the pages with chain ``states`` and forget those found (they are being
-        cached again). Returns (found mask, their ticks, their classes); ticks and classes
-        are 0 where not found."""
-        tags = self._tags(states)
-        rows = (tags & np.uint64(self.sets - 1)).astype(np.int64)
-        eq = self._tag[rows] == tags[:, None]
-        found = eq.any(axis=1)
-        way = eq.argmax(axis=1)
-        val = np.where(found, self._val[rows, way], 0)
-        if found.any():
-            r, w = rows[found], way[found]
-            self._tag[r, w] = 0
-            self._val[r, w] = -1
-        return found, val >> CLASS_BITS, val & _CLASS_MASK
+    def put(self, states: np.ndarray, tick: int, cls: int) -> None:
+        """Remember a run of pages (chain ``states``) last used at ``tick``."""
+        if not states.size:
+            return
+        key = int(states[0])
+        old = self._runs.pop(key, None)
+        if old is not None:
+            self.pages -= old[0].size
+        self._runs[key] = (states, tick, cls)
+        self.pages += states.size
+        while self.pages > self.capacity:
+            _, (gone, _, _) = self._runs.popitem(last=False)
+            self.pages -= gone.size
 
-    def put(self, states: np.ndarray, ticks: np.ndarray, classes: np.ndarray) -> None:
-        """Remember pages that leave the cache, with the tick of their last use and their
-        class (0..3). A page already remembered is updated in place; otherwise the entry
-        with the oldest tick of its set goes. Pages are stored in order, so with two in
-        one set the later one's choice sees the earlier one's store."""
-        tags = self._tags(states)
-        rows = (tags & np.uint64(self.sets - 1)).astype(np.int64)
-        vals = (ticks.astype(np.int64) << CLASS_BITS) | classes.astype(np.int64)
-        todo = np.arange(tags.size)
-        while todo.size:
-            # One store per set per round, so the fancy-indexed writes never collide.
-            _, first = np.unique(rows[todo], return_index=True)
-            first.sort()
-            now, todo = todo[first], np.delete(todo, first)
-            r, t = rows[now], tags[now]
-            eq = self._tag[r] == t[:, None]
-            way = np.where(eq.any(axis=1), eq.argmax(axis=1), self._val[r].argmin(axis=1))
-            self._tag[r, way] = t
-            self._val[r, way] = vals[now]
+    def take(self, states: np.ndarray) -> list[tuple[int, int, int]]:
+        """How many leading pages of ``states`` were remembered, run by run: a list of
+        (pages, tick, class), in order. Those pages are forgotten (cached again)."""
+        out: list[tuple[int, int, int]] = []
+        pos, n = 0, states.size
+        runs = self._runs
+        while pos < n:
+            run = runs.pop(int(states[pos]), None)
+            if run is None:
+                break
+            have, tick, cls = run
+            self.pages -= have.size
+            m = min(have.size, n - pos)
+            eq = have[:m] == states[pos : pos + m]
+            same = m if eq.all() else int(eq.argmin())
+            out.append((same, tick, cls))
+            if same < have.size:  # the rest of the run stays remembered
+                self.put(have[same:], tick, cls)
+                break
+            pos += same
+        return out
 
     def check_integrity(self) -> None:
-        """Raise ``IntegrityError`` unless empty slots agree and no set holds a tag twice."""
-        empty_tag, empty_val = self._tag == 0, self._val < 0
-        if (empty_tag != empty_val).any():
-            raise IntegrityError("ghost: a slot is empty in its tag but not its value, or back")
-        srt = np.sort(self._tag, axis=1)
-        if ((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] != 0)).any():
-            raise IntegrityError("ghost: a set holds the same page twice")
+        """Raise ``IntegrityError`` unless the page count and the keys are right."""
+        total = 0
+        for key, (states, tick, cls) in self._runs.items():
+            if not states.size or int(states[0]) != key or tick < 0 or cls < 0:
+                raise IntegrityError(f"ghost: run {key:#x} is empty or misfiled")
+            total += states.size
+        if total != self.pages or total > self.capacity:
+            raise IntegrityError(
+                f"ghost: runs hold {total} pages, counter {self.pages}, capacity {self.capacity}"
+            )

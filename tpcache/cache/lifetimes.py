@@ -17,6 +17,8 @@ forgets old traffic); the results are the same on every machine.
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 from tpcache.cache.errors import IntegrityError
@@ -27,9 +29,7 @@ _LOWER = np.array(
 )[:NUM_BINS]
 
 
-def gap_bins(gaps: np.ndarray) -> np.ndarray:
-    """Half-octave bin of each gap (int64 >= 0): the last lower edge <= gap."""
-    return np.minimum(np.searchsorted(_LOWER, gaps, side="right") - 1, NUM_BINS - 1)
+_EDGES = _LOWER.tolist()
 
 
 class LifetimeModel:
@@ -70,17 +70,9 @@ class LifetimeModel:
 
     def reuse(self, cls: int, gap: int, pages: int) -> None:
         """``pages`` pages of class ``cls`` are used again ``gap`` ticks after their last use."""
-        b = int(gap_bins(np.array([gap], dtype=np.int64))[0])
+        b = bisect.bisect_right(_EDGES, gap) - 1
         self.reuses[cls, b] += pages
         self.gap_sum[cls, b] += gap * pages
-
-    def reuse_many(self, classes: np.ndarray, gaps: np.ndarray) -> None:
-        """One page per entry: class ``classes[i]`` reused at ``gaps[i]`` ticks."""
-        if gaps.size:
-            flat = classes.astype(np.int64) * NUM_BINS + gap_bins(gaps)
-            size = self.k * NUM_BINS
-            self.reuses += np.bincount(flat, minlength=size).reshape(self.k, NUM_BINS)
-            np.add.at(self.gap_sum.reshape(-1), flat, gaps.astype(np.int64))
 
     def curves(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per class and lifetime ``T = lower edge of bin j``: pages hit (reused at a gap
@@ -95,31 +87,41 @@ class LifetimeModel:
     def solve(self) -> np.ndarray | None:
         """Lifetimes (ticks, one per class) that maximise hits in ``capacity * ticks``
         page-ticks, or ``None`` if every lifetime fits (nothing to choose) or there is no
-        data yet. Ties go to the shorter lifetimes of the lower classes."""
+        data yet. The classes but the last take lifetimes from the bin edges (every
+        combination is tried); the last class gets the rest of the room, interpolated
+        inside its bin (gaps spread evenly in a bin). Ties go to the shorter lifetimes
+        of the lower classes."""
         if self.ticks <= 0 or not self.visits.any():
             return None
         hits, room, lifetimes = self.curves()
         budget = self.capacity * self.ticks
         if int(room[:, -1].sum()) <= budget:
             return None
-        # Every combination of the first k-1 classes (a grid of NUM_BINS**(k-1)), and the
-        # longest lifetime of the last class that still fits (room grows with T).
         grid_hits = np.zeros(1, dtype=np.int64)
         grid_room = np.zeros(1, dtype=np.int64)
         for c in range(self.k - 1):
             grid_hits = (grid_hits[:, None] + hits[c][None, :]).reshape(-1)
             grid_room = (grid_room[:, None] + room[c][None, :]).reshape(-1)
         left = budget - grid_room
-        last = np.searchsorted(room[-1], left, side="right") - 1  # -1: does not fit
-        ok = last >= 0
-        total = np.where(ok, grid_hits + hits[-1][np.maximum(last, 0)], -1)
+        # The last class: the last edge whose room fits (room grows with T), plus the
+        # fraction of the next bin that the rest of the room pays for.
+        last_room, last_hits = room[-1], hits[-1]
+        j = np.searchsorted(last_room, left, side="right") - 1  # -1: does not fit
+        ok = j >= 0
+        j = np.clip(j, 0, NUM_BINS - 2)
+        span = last_room[j + 1] - last_room[j]
+        frac = np.where(ok & (span > 0), (left - last_room[j]) / np.maximum(span, 1), 0.0)
+        frac = np.minimum(frac, 1.0)
+        extra = np.floor(frac * (last_hits[j + 1] - last_hits[j])).astype(np.int64)
+        total = np.where(ok, grid_hits + last_hits[j] + extra, -1)
         best = int(np.argmax(total))
         out = np.empty(self.k, dtype=np.int64)
         rest = best
         for c in range(self.k - 2, -1, -1):
             out[c] = lifetimes[rest % NUM_BINS]
             rest //= NUM_BINS
-        out[-1] = lifetimes[max(int(last[best]), 0)]
+        width = lifetimes[j[best] + 1] - lifetimes[j[best]]
+        out[-1] = lifetimes[j[best]] + int(np.floor(frac[best] * width))
         return out
 
     def check_integrity(self) -> None:

@@ -31,21 +31,17 @@ written), ``classes`` (default 2: first seen vs seen before).
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from tpcache.cache.errors import CacheError, IntegrityError
 from tpcache.cache.ghost import GhostTable
-from tpcache.cache.lifetimes import _LOWER, LifetimeModel
+from tpcache.cache.lifetimes import LifetimeModel
 
 if TYPE_CHECKING:
     from tpcache.cache.tree import Node, RadixTree
 
 NAME = "resight"
-_EDGES = _LOWER.tolist()
 
 
 class InvalidPolicyParams(CacheError, ValueError):
@@ -112,11 +108,7 @@ class ResightPolicy:
         model = self.model
         for node in path:
             n = node.pages.size
-            gap = tick - node.last_access
-            b = bisect.bisect_right(_EDGES, gap) - 1
-            c = min(node.hits, top)
-            model.reuses[c, b] += n
-            model.gap_sum[c, b] += gap * n
+            model.reuse(min(node.hits, top), tick - node.last_access, n)
             c = min(node.hits + 1, top)
             node.bonus = self.bonus[c]
             self._visit(c, n)
@@ -124,15 +116,15 @@ class ResightPolicy:
     def on_insert(self, tree: RadixTree, node: Node) -> Node:
         """A new leaf: pages the ghost remembers at its start form an upper node of a
         higher class. Returns the leaf (the lower part when split)."""
-        self._advance(tree.tick)
+        tick = tree.tick
+        self._advance(tick)
         n = node.pages.size
-        found, ticks, classes = self.ghost.take(node.states)
-        m = 0
-        if found.any():
-            self.model.reuse_many(classes[found], tree.tick - ticks[found])
-            m = n if found.all() else int(found.argmin())
+        m, c = 0, self.k - 1
+        for pages, last, cls in self.ghost.take(node.states):
+            self.model.reuse(cls, tick - last, pages)
+            m += pages
+            c = min(c, cls + 1)
         if m:
-            c = min(int(classes[:m].min()) + 1, self.k - 1)
             upper = node if m == n else tree.split(node, m * tree.ps)
             upper.hits = c
             upper.bonus = self.bonus[c]
@@ -144,14 +136,10 @@ class ResightPolicy:
 
     def on_evict(self, nodes: list[Node]) -> None:
         """``nodes`` left the cache: remember their pages in the ghost."""
-        if not nodes:
-            return
         top = self.k - 1
-        sizes = [nd.pages.size for nd in nodes]
-        states = np.concatenate([nd.states for nd in nodes]) if len(nodes) > 1 else nodes[0].states
-        ticks = np.repeat(np.array([nd.last_access for nd in nodes], dtype=np.int64), sizes)
-        classes = np.repeat(np.array([min(nd.hits, top) for nd in nodes], dtype=np.int64), sizes)
-        self.ghost.put(states, ticks, classes)
+        put = self.ghost.put
+        for nd in nodes:
+            put(nd.states, nd.last_access, min(nd.hits, top))
 
     # ---- learning ---------------------------------------------------------------------
     def _advance(self, tick: int) -> None:

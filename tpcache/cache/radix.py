@@ -56,9 +56,7 @@ class CacheConfig:
                 f"got {self.capacity_tokens!r}"
             )
         if self.policy not in CACHE_POLICIES:
-            raise CacheError(
-                f"unknown policy {self.policy!r}; known: {', '.join(CACHE_POLICIES)}"
-            )
+            raise CacheError(f"unknown policy {self.policy!r}; known: {', '.join(CACHE_POLICIES)}")
         check_policy_params(self.policy, self.policy_params)
         if self.max_request_tokens is not None and self.max_request_tokens < 1:
             raise CacheError(f"max_request_tokens must be >= 1, got {self.max_request_tokens}")
