@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tpcache.cache.errors import CacheError
-from tpcache.cache.policies import POLICIES
+from tpcache.cache.policies import CACHE_POLICIES
 from tpcache.cache.radix import CacheConfig, RadixCache
 
 Op = tuple
@@ -121,7 +121,7 @@ def run(seed: int, ps: int, policy: str, n: int) -> list[list[object]]:
 
 
 @pytest.mark.parametrize("ps", [1, 4, 16])
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", CACHE_POLICIES)
 def test_two_caches_fed_the_same_ops_agree_at_every_step(policy: str, ps: int) -> None:
     seed = random.randrange(2**32)
     print(f"seed={seed} policy={policy} page_size={ps}")

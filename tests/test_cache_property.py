@@ -26,7 +26,7 @@ from tpcache.cache.errors import (
     UnknownHandle,
     UnknownRequest,
 )
-from tpcache.cache.policies import POLICIES
+from tpcache.cache.policies import CACHE_POLICIES
 from tpcache.cache.radix import CacheConfig, RadixCache
 
 CAPACITY_PAGES = 10
@@ -68,7 +68,7 @@ class CacheMachine(RuleBasedStateMachine):
     @initialize(data=st.data())
     def setup(self, data: st.DataObject) -> None:
         self.ps = data.draw(st.sampled_from(self.page_sizes), label="page_size")
-        self.policy = data.draw(st.sampled_from(POLICIES), label="policy")
+        self.policy = data.draw(st.sampled_from(CACHE_POLICIES), label="policy")
         self.cache = RadixCache(
             CacheConfig(CAPACITY_PAGES * self.ps, self.ps, self.policy, record_events=True)
         )

@@ -71,8 +71,8 @@ class GhostTable:
             eq = have[:m] == states[pos : pos + m]
             same = m if eq.all() else int(eq.argmin())
             out.append((same, tick, cls))
-            if same < have.size:  # the rest of the run stays remembered
-                self.put(have[same:], tick, cls)
+            if same < have.size:  # the rest of the run stays remembered (a copy: no pin)
+                self.put(have[same:].copy(), tick, cls)
                 break
             pos += same
         return out

@@ -23,12 +23,7 @@ from typing import Any, Protocol
 
 from tpcache.cache.errors import CacheError
 from tpcache.cache.policy_resight import NAME as RESIGHT
-from tpcache.cache.policy_resight import (
-    InvalidPolicyParams,
-    ResightParams,
-    ResightPolicy,
-    resight_key,
-)
+from tpcache.cache.policy_resight import InvalidPolicyParams, ResightParams, ResightPolicy
 
 
 class PolicyNode(Protocol):
@@ -90,8 +85,9 @@ def policy_key(name: str) -> KeyFn:
 class PolicyHooks(Protocol):
     """What a tree tells a stateful policy (see ``ResightPolicy`` for the contract)."""
 
+    def attach(self, tree: Any) -> None: ...
     def on_match(self, path: list[Any], tick: int) -> None: ...
-    def on_insert(self, tree: Any, node: Any) -> Any: ...
+    def on_insert(self, node: Any) -> Any: ...
     def on_evict(self, nodes: list[Any]) -> None: ...
     def reset(self) -> None: ...
     def check_integrity(self) -> None: ...
@@ -125,5 +121,6 @@ def make_policy(
         raise CacheError(f"unknown policy {name!r}; known: {', '.join(CACHE_POLICIES)}")
     check_policy_params(name, params)
     if name == RESIGHT:
-        return resight_key, ResightPolicy(capacity_pages, params)  # type: ignore[arg-type]
+        policy = ResightPolicy(capacity_pages, params)  # type: ignore[arg-type]
+        return policy.key, policy
     return POLICY_KEYS[name], None

@@ -1,32 +1,34 @@
 """``resight``: pages seen before live longer, by an amount learned from the traffic.
 
-Why: in real prefix-cache traffic most pages are written once and never read again
-(the last turn of every conversation, one-off prompts, generated tails), while a page
-that was used again is much more likely to be used again still. Under LRU the
-one-offs push out conversations that return minutes later. So pages are split into
-classes by how often they have been seen (class ``min(sightings, classes - 1)``: 0 for
-a page cached for the first time), and each class gets its own lifetime.
+Why: in prefix-cache traffic most pages are written once and never read again (the
+last turn of every conversation, one-off prompts, generated tails), while a page that
+was used again is likelier to be used again still. Under LRU the one-offs push out
+conversations that come back minutes later. So pages fall into classes by how often
+they were seen (``min(sightings, classes - 1)``: 0 for a page cached for the first
+time), and each class gets its own lifetime.
 
-How: the eviction key is ``last_access + bonus`` (ties by node id), where the bonus is
-the extra lifetime of the page's class over the shortest-lived class, fixed when the
-page is used. A page that leaves the cache is remembered in a ghost list (block hash,
-tick of last use, class; ``ghost_factor`` x the capacity in pages), so a page cached
-again is known as seen before, and its reuse gap is measured even though it was
-evicted. ``LifetimeModel`` turns the measured gaps into the per-class lifetimes that
-maximise hits in the capacity (re-solved every quarter capacity of page visits). With
-little room it finds that first-seen pages are worth nothing and gives them no
-lifetime (an admission filter in effect: they fill only the room re-seen pages leave);
-with much room it keeps them nearly as long as the rest (close to LRU).
+How: the eviction key is ``last_access + bonus[class]`` (ties by node id): the bonus is
+how much longer the class lives than the shortest-lived one. A node that leaves the
+cache is remembered in a ghost (its pages' block hashes, tick of last use and class;
+``ghost_factor`` x the capacity in pages), so pages cached again are known as seen
+before (the new leaf is split where they end) and their reuse gaps are measured even
+though they were evicted. ``LifetimeModel`` turns the measured gaps into the lifetimes
+that maximise hits in the capacity, re-solved after every quarter capacity of page
+visits. With little room it gives first-seen pages no lifetime (an admission filter in
+effect: they fill only the room re-seen pages leave); with much room it keeps one
+lifetime for all (plain LRU) unless the classes clearly differ.
 
-Rules it keeps: a logical clock only (ticks of the tree), integer statistics, so every
-TP rank evicts the same nodes; eviction stays leaf-only, through the tree's heap, and
-costs O(log n) per node; per op it adds O(nodes touched) Python steps and O(pages)
-vectorised numpy work. It sees only block hashes, accesses, sizes and ticks, never
-whether a token came from a prompt or an output.
+Rules it keeps: a logical clock only (ticks of the tree) and statistics that come out
+the same on every machine, so every TP rank evicts the same nodes; eviction stays
+leaf-only, through the tree's heap, O(log n) per node; per op it adds O(nodes touched)
+Python steps, O(pages) vectorised work and, per quarter capacity of visits, one solve
+of about a millisecond (and, when the bonuses move by more than an eighth, a rebuild of
+the heap). It sees only block hashes, accesses, sizes and ticks, never whether a token
+came from a prompt or an output.
 
 Parameters (``ResightParams``): ``ghost_factor`` (default 8: the ghost must remember
-pages for as long as re-seen pages may live, and those are a fraction of all that is
-written), ``classes`` (default 2: first seen vs seen before).
+pages for as long as re-seen pages may live, and those are a small part of all that is
+written), ``classes`` (default 2: first seen, seen before).
 """
 
 from __future__ import annotations
@@ -68,19 +70,17 @@ class ResightParams:
             raise InvalidPolicyParams(f"classes must be an int in [2, 3], got {c!r}")
 
 
-def resight_key(n: Node) -> tuple[int, ...]:
-    """The eviction key: the tick the page's class lifetime runs out, then the node id."""
-    return (n.last_access + n.bonus, n.id)
-
-
 class ResightPolicy:
     """The state of ``resight`` for one tree: the ghost, the model and the class bonuses.
 
-    Owned by the ``RadixTree`` it is given to, which calls ``on_match`` before it touches
-    a matched path, ``on_insert`` for every new leaf (before queueing it), ``on_evict``
-    with the nodes one eviction removed, and ``reset`` when it is cleared. It writes only
-    the ``hits`` (its sighting count) and ``bonus`` of the nodes it is handed, and splits
-    a new leaf where the pages it had seen before end.
+    Owned by the ``RadixTree`` it is attached to, which calls ``on_match`` before it
+    touches a matched path, ``on_insert`` for every new leaf (before queueing it),
+    ``on_evict`` with the nodes one eviction removed, and ``reset`` when it is cleared.
+    It writes only the ``hits`` of nodes (a page re-admitted from the ghost counts its
+    earlier sightings there), splits a new leaf where the pages it had seen before end,
+    and, when the bonuses change, has the tree recompute every key (``rekey``), so that
+    pages of one class always leave in LRU order. Bonuses change only when the model's
+    answer moves by more than an eighth, so that is rare.
     """
 
     def __init__(self, capacity_pages: int, params: ResightParams | None = None) -> None:
@@ -89,33 +89,49 @@ class ResightPolicy:
         self.ghost = GhostTable(max(1, int(self.params.ghost_factor * capacity_pages)))
         self.model = LifetimeModel(self.k, capacity_pages, halve_every=self.ghost.capacity)
         self.solve_every = max(1, capacity_pages // 4)
+        self.tree: RadixTree | None = None
+        self.rekeys = 0  # statistics only: how often the bonuses changed
         self.reset()
+
+    def attach(self, tree: RadixTree) -> None:
+        self.tree = tree
 
     def reset(self) -> None:
         """Forget everything (the tree was cleared)."""
         self.ghost.clear()
         self.model.clear()
-        self.bonus = [0] * self.k  # ticks of extra lifetime per class
+        self.bonus = [0] * self.k  # ticks of extra lifetime per class (least is 0)
         self.lifetimes: list[int] | None = None  # the model's last answer, None: LRU
         self._tick = 0
         self._since_solve = 0
 
+    def key(self, n: Node) -> tuple[int, ...]:
+        """The eviction key: the tick the node's class lifetime runs out, then its id."""
+        return (n.last_access + self.bonus[min(n.hits, self.k - 1)], n.id)
+
     # ---- hooks ------------------------------------------------------------------------
     def on_match(self, path: list[Node], tick: int) -> None:
         """Each node of ``path`` is used at ``tick`` (its ``last_access`` still the old)."""
+        if not path:
+            return
         self._advance(tick)
         top = self.k - 1
-        model = self.model
+        reuse = self.model.reuse
+        seen = [0] * self.k  # pages per class after this use
         for node in path:
             n = node.pages.size
-            model.reuse(min(node.hits, top), tick - node.last_access, n)
-            c = min(node.hits + 1, top)
-            node.bonus = self.bonus[c]
-            self._visit(c, n)
+            c = node.hits if node.hits < top else top
+            reuse(c, tick - node.last_access, n)
+            seen[c + 1 if c < top else top] += n
+        for c, n in enumerate(seen):
+            if n:
+                self._visit(c, n)
 
-    def on_insert(self, tree: RadixTree, node: Node) -> Node:
+    def on_insert(self, node: Node) -> Node:
         """A new leaf: pages the ghost remembers at its start form an upper node of a
         higher class. Returns the leaf (the lower part when split)."""
+        tree = self.tree
+        assert tree is not None
         tick = tree.tick
         self._advance(tick)
         n = node.pages.size
@@ -127,10 +143,8 @@ class ResightPolicy:
         if m:
             upper = node if m == n else tree.split(node, m * tree.ps)
             upper.hits = c
-            upper.bonus = self.bonus[c]
             self._visit(c, m)
         if m < n:
-            node.bonus = self.bonus[0]
             self._visit(0, n - m)
         return node
 
@@ -156,13 +170,17 @@ class ResightPolicy:
 
     def _solve(self) -> None:
         lifetimes = self.model.solve()
-        if lifetimes is None:
-            self.lifetimes = None
-            self.bonus = [0] * self.k
-            return
-        self.lifetimes = lifetimes.tolist()
-        low = min(self.lifetimes)
-        self.bonus = [t - low for t in self.lifetimes]
+        self.lifetimes = None if lifetimes is None else lifetimes.tolist()
+        if self.lifetimes is None:
+            bonus = [0] * self.k
+        else:
+            low = min(self.lifetimes)
+            bonus = [t - low for t in self.lifetimes]
+        if any(abs(b - a) * 8 > max(a, b) for a, b in zip(self.bonus, bonus, strict=True)):
+            self.bonus = bonus
+            self.rekeys += 1
+            if self.tree is not None:
+                self.tree.rekey()
 
     def check_integrity(self) -> None:
         """Raise ``IntegrityError`` if the ghost, the model or the bonuses are broken."""

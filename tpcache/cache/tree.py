@@ -47,7 +47,6 @@ class Node:
 
     __slots__ = (
         "alive",
-        "bonus",
         "children",
         "created",
         "hits",
@@ -84,7 +83,6 @@ class Node:
         self.created = tick
         self.hits = 0
         self.priority = 0
-        self.bonus = 0  # written by a stateful policy (PolicyHooks) only: its key's extra ticks
         self.queued: tuple[int, ...] | None = None  # key of this node's live heap entry
         self.alive = True
 
@@ -119,6 +117,8 @@ class RadixTree:
         self.key_fn = key_fn
         # A stateful policy's state, told of every match, new leaf, eviction and clear.
         self.hooks = hooks
+        if hooks is not None:
+            hooks.attach(self)
         self.hasher = PageHasher(self.ps)
         self.record_events = record_events
         self.medium = medium
@@ -207,7 +207,6 @@ class RadixTree:
         upper.last_access = child.last_access
         upper.hits = child.hits
         upper.priority = child.priority
-        upper.bonus = child.bonus
         upper.lock = child.lock
         upper.term = page_terms(upper.states, upper.pages)
         child.term = (child.term - upper.term) & _MASK
@@ -314,7 +313,7 @@ class RadixTree:
             return have, None, end
         parts = [pages[:k0], known] if k0 else [known]
         if have < n:
-            parts.append(end.pages)
+            parts.append(fresh)  # the new leaf's pages (a policy may have split it)
         return have, np.concatenate(parts), end
 
     def _add_child(
@@ -344,7 +343,7 @@ class RadixTree:
                 )
             )
         if self.hooks is not None:
-            node = self.hooks.on_insert(self, node)  # may split off an upper node
+            node = self.hooks.on_insert(node)  # may split off an upper node
         self._queue(node)
         return node
 
@@ -384,6 +383,10 @@ class RadixTree:
         heapq.heappush(self._heap, (k, node))
         if len(self._heap) > 2 * len(self.nodes) + 1024:
             self._rebuild_heap()
+
+    def rekey(self) -> None:
+        """Recompute every candidate's key: a stateful policy's key function changed."""
+        self._rebuild_heap()
 
     def _rebuild_heap(self) -> None:
         heap = []
