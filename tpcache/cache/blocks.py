@@ -12,6 +12,8 @@ def cached_blocks(cache) -> dict[int, tuple[int | None, tuple[int, ...]]]:
     cache whose ``tree`` has ``walk()`` and nodes with ``key`` and ``states``.
     """
     ps = cache.page_size
+    if hasattr(cache.tree, "ensure_hashed"):
+        cache.tree.ensure_hashed()
     out: dict[int, tuple[int | None, tuple[int, ...]]] = {}
     root = cache.tree.root
     for node in cache.tree.walk():

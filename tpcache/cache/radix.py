@@ -435,6 +435,7 @@ class RadixCache:
         and a reset cache shares a fresh one's (node ids, which keep growing across a
         reset, are left out); any difference changes it (whp). Costs O(1)."""
         t = self.tree
+        t.ensure_hashed()
         x = fmix64_int(t.digest_sum ^ 0x5A17)
         for v in (*self.alloc.fingerprint(), t.tick, len(t.nodes)):
             x = fmix64_int(x ^ (v & _MASK))

@@ -68,7 +68,7 @@ class Node:
         parent: Node | None,
         key: bytes | np.ndarray,
         pages: np.ndarray,
-        states: np.ndarray,
+        states: np.ndarray | None,  # None until hashed (RadixTree.ensure_hashed)
         tick: int,
     ) -> None:
         self.id = node_id
@@ -140,6 +140,8 @@ class RadixTree:
         self.cached_pages = 0
         self.protected_pages = 0
         self.digest_sum = 0
+        # Nodes whose block hashes are not computed yet (see ``ensure_hashed``).
+        self._unhashed: list[Node] = []
         self._heap: list[tuple[tuple[int, ...], Node]] = []
         if self.hooks is not None:
             self.hooks.reset()
@@ -196,23 +198,27 @@ class RadixTree:
         cut = at // ps
         parent = child.parent
         assert parent is not None and 0 < at < len(child.kb) // 4 and at % ps == 0
+        hashed = child.states is not None
         upper = Node(
             self._new_id(),
             parent,
             child.kb[: 4 * at],
             child.pages[:cut].copy(),
-            child.states[:cut].copy(),
+            child.states[:cut].copy() if hashed else None,
             child.created,
         )
         upper.last_access = child.last_access
         upper.hits = child.hits
         upper.priority = child.priority
         upper.lock = child.lock
-        upper.term = page_terms(upper.states, upper.pages)
-        child.term = (child.term - upper.term) & _MASK
+        if hashed:
+            upper.term = page_terms(upper.states, upper.pages)
+            child.term = (child.term - upper.term) & _MASK
+            child.states = child.states[cut:].copy()
+        else:
+            self._unhashed.append(upper)
         child.kb = child.kb[4 * at :]
         child.pages = child.pages[cut:].copy()
-        child.states = child.states[cut:].copy()
         pb = 4 * ps
         parent.children[upper.kb[:pb]] = upper
         upper.children[child.kb[:pb]] = child
@@ -321,16 +327,22 @@ class RadixTree:
     ) -> Node:
         """A new leaf under ``parent``: ``key`` (int32, copied into the node), ``pages``
         (the node's own array from now on), tagged ``owner`` until now."""
-        parent_state = int(parent.states[-1]) if parent.states.size else ROOT_STATE
-        states = self.hasher.chain(key, parent_state)
-        node = Node(self._new_id(), parent, key.tobytes(), pages, states, self.tick)
+        node = Node(self._new_id(), parent, key.tobytes(), pages, None, self.tick)
         node.priority = priority
-        node.term = page_terms(states, pages)
         parent.children[node.kb[: 4 * self.ps]] = node
         self.nodes[node.id] = node
         self.alloc.retag(pages, owner, CACHED, checked=False)
         self.cached_pages += pages.size
-        self.digest_sum = (self.digest_sum + node.term) & _MASK
+        if self.record_events or self.hooks is not None:
+            # Events and stateful policies need the block hashes now.
+            self._hash(node)
+        else:
+            self._unhashed.append(node)
+            if len(self._unhashed) > 2 * len(self.nodes) + 1024:
+                # Drop evicted nodes, so a cache nobody asks for a digest keeps no dead
+                # node alive (amortised O(1) per insert).
+                self._unhashed = [n for n in self._unhashed if n.alive and n.states is None]
+        states = node.states
         if self.record_events:
             parent_hash = int(block_hashes(parent.states[-1:])[0]) if parent.states.size else None
             self.events.append(
@@ -346,6 +358,31 @@ class RadixTree:
             node = self.hooks.on_insert(node)  # may split off an upper node
         self._queue(node)
         return node
+
+    def ensure_hashed(self) -> None:
+        """Compute the block hashes (and digest terms) of every node that lacks them.
+
+        Hashing is deferred until a digest, the events or a check needs it: a cache whose
+        digest nobody asks for (a single-process replay) never pays for it. Each node is
+        hashed once, parents first, so the total cost is the same as hashing at insert.
+        """
+        pending, self._unhashed = self._unhashed, []
+        for node in pending:
+            if node.alive and node.states is None:
+                self._hash(node)
+
+    def _hash(self, node: Node) -> None:
+        chain = []
+        while node is not self.root and node.states is None:
+            chain.append(node)
+            node = node.parent  # type: ignore[assignment]
+        for n in reversed(chain):
+            parent = n.parent
+            assert parent is not None
+            parent_state = int(parent.states[-1]) if parent.states.size else ROOT_STATE
+            n.states = self.hasher.chain(np.frombuffer(n.kb, dtype=np.int32), parent_state)
+            n.term = page_terms(n.states, n.pages)
+            self.digest_sum = (self.digest_sum + n.term) & _MASK
 
     # ---- locks --------------------------------------------------------------------------
     def lock(self, node: Node) -> None:
@@ -468,6 +505,7 @@ class RadixTree:
 
     def check_integrity(self) -> None:
         """Walk the whole tree and recount; raise ``IntegrityError`` naming what broke."""
+        self.ensure_hashed()
         ps = self.ps
         nodes = self.walk()
         if len(nodes) + 1 != len(self.nodes):
