@@ -40,3 +40,20 @@ def test_no_digest_keeps_no_dead_nodes():
     drive(cache, random.Random(7), 3000)
     assert cache.tree.evicted_pages > 1000
     assert len(cache.tree._unhashed) <= 2 * len(cache.tree.nodes) + 1025
+
+
+def test_hybrid_lazy_and_eager_hashing_agree():
+    from tpcache.cache.swa_cache import HybridCache
+    from tpcache.cache.swa_config import HybridConfig
+
+    seed = 99
+    print(f"seed={seed}")
+    lazy = HybridCache(HybridConfig(512, 256, 16, 4))
+    eager = HybridCache(HybridConfig(512, 256, 16, 4, record_events=True))
+    rng_a, rng_b = random.Random(seed), random.Random(seed)
+    for _ in range(4):
+        drive(lazy, rng_a, 20)
+        drive(eager, rng_b, 20)
+        assert lazy.digest() == eager.digest()
+    assert cached_blocks(lazy) == cached_blocks(eager)
+    lazy.check_integrity()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tpcache.cache.hashing import block_hashes
+from tpcache.cache.tree import hash_pending
 
 
 def cached_blocks(cache) -> dict[int, tuple[int | None, tuple[int, ...]]]:
@@ -12,8 +13,7 @@ def cached_blocks(cache) -> dict[int, tuple[int | None, tuple[int, ...]]]:
     cache whose ``tree`` has ``walk()`` and nodes with ``key`` and ``states``.
     """
     ps = cache.page_size
-    if hasattr(cache.tree, "ensure_hashed"):
-        cache.tree.ensure_hashed()
+    hash_pending(cache.tree)
     out: dict[int, tuple[int | None, tuple[int, ...]]] = {}
     root = cache.tree.root
     for node in cache.tree.walk():

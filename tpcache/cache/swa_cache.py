@@ -59,6 +59,7 @@ from tpcache.cache.swa_evict import swa_policy_key
 from tpcache.cache.swa_node import StaleBoundary, SwaNode
 from tpcache.cache.swa_requests import HybridEvictor, RequestLifecycle, as_priority
 from tpcache.cache.swa_tree import SwaTree
+from tpcache.cache.tree import hash_pending
 
 _MASK = (1 << 64) - 1
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -261,8 +262,9 @@ class HybridCache(RequestLifecycle):
         ownership, locks, requests, node count, the policy tick and FIFO positions), over
         both pools, with the SWA locks and tombstones. SWA pages enter through the SWA
         pool's owner counts and id sums (which node holds which SWA page is left out:
-        it would cost a lookup per change). Costs O(1)."""
+        it would cost a lookup per change). Costs O(1) beyond hashing what waits."""
         t = self.tree
+        hash_pending(t)
         x = fmix64_int(t.digest_sum ^ 0x5A17)
         for v in (*self.alloc.fingerprint(), t.tick, len(t.nodes)):
             x = fmix64_int(x ^ (v & _MASK))
@@ -276,6 +278,7 @@ class HybridCache(RequestLifecycle):
 
         Raises ``IntegrityError`` with the numbers. Costs a full walk: for tests and idle.
         """
+        hash_pending(self.tree)
         s = self.sizes()
         for name, p in (("full", s.full), ("SWA", s.swa)):
             total = p.free + p.evictable + p.protected + p.held

@@ -46,7 +46,7 @@ class SwaNode:
         parent: SwaNode | None,
         key: bytes,
         pages: np.ndarray,
-        states: np.ndarray,
+        states: np.ndarray | None,  # None until hashed (tree.hash_pending)
         tick: int,
     ) -> None:
         self.id = node_id

@@ -27,13 +27,13 @@ import numpy as np
 from tpcache.cache.allocator import CACHED, HELD
 from tpcache.cache.errors import InvalidSlots
 from tpcache.cache.events import BlockStored, KVEvent
-from tpcache.cache.hashing import ROOT_STATE, PageHasher, block_hashes
+from tpcache.cache.hashing import PageHasher, block_hashes
 from tpcache.cache.policies import KeyFn
 from tpcache.cache.swa_allocator import PairedAllocator
 from tpcache.cache.swa_evict import SwaEvictor
 from tpcache.cache.swa_locks import SwaLocks
 from tpcache.cache.swa_node import ROOT_MARK, SwaNode
-from tpcache.cache.tree import page_terms
+from tpcache.cache.tree import defer_hash, page_terms
 
 _EMPTY_PAGES = np.zeros(0, dtype=np.int64)
 _EMPTY_STATES = np.zeros(0, dtype=np.uint64)
@@ -94,6 +94,7 @@ class SwaTree(SwaEvictor, SwaLocks):
         self.tombstones = 0  # tombstone nodes
         self.tombstone_pages = 0  # their full pages
         self.digest_sum = 0
+        self._unhashed: list[SwaNode] = []  # nodes whose block hashes wait (hash_pending)
         self._heap: list[tuple[tuple[int, ...], SwaNode]] = []
         self._swa_heap: list[tuple[tuple[int, ...], SwaNode]] = []
 
@@ -197,7 +198,7 @@ class SwaTree(SwaEvictor, SwaLocks):
             parent,
             child.kb[: 4 * at],
             child.pages[:cut].copy(),
-            child.states[:cut].copy(),
+            child.states[:cut].copy() if child.states is not None else None,
             child.created,
         )
         upper.last_access = child.last_access
@@ -211,12 +212,15 @@ class SwaTree(SwaEvictor, SwaLocks):
         if child.tombstone:
             self.tombstones += 1
         upper.mark, child.mark = child.mark, 0
-        upper.term = page_terms(upper.states, upper.pages)
-        child.term = (child.term - upper.term) & _MASK
+        if child.states is not None:
+            upper.term = page_terms(upper.states, upper.pages)
+            child.term = (child.term - upper.term) & _MASK
+            child.states = child.states[cut:].copy()
+        else:
+            self._unhashed.append(upper)
         child.kb = child.kb[4 * at :]
         child.ntok -= at
         child.pages = child.pages[cut:].copy()
-        child.states = child.states[cut:].copy()
         pb = 4 * ps
         parent.children[upper.kb[:pb]] = upper
         upper.children[child.kb[:pb]] = child
@@ -428,17 +432,15 @@ class SwaTree(SwaEvictor, SwaLocks):
     ) -> SwaNode:
         """A new leaf under ``parent``: ``key`` (int32, copied into the node), ``pages``
         (the node's own array from now on), tagged ``owner`` until now."""
-        parent_state = int(parent.states[-1]) if parent.states.size else ROOT_STATE
-        states = self.hasher.chain(key, parent_state)
-        node = SwaNode(self._new_id(), parent, key.tobytes(), pages, states, self.tick)
+        node = SwaNode(self._new_id(), parent, key.tobytes(), pages, None, self.tick)
         node.priority = priority
-        node.term = page_terms(states, pages)
         parent.children[node.kb[: 4 * self.ps]] = node
         self.nodes[node.id] = node
         self.alloc.retag(pages, owner, CACHED, checked=False)
         self.cached_pages += pages.size
         self.swa_pages += pages.size
-        self.digest_sum = (self.digest_sum + node.term) & _MASK
+        defer_hash(self, node, now=self.record_events)  # events need the hashes now
+        states = node.states
         if self.record_events:
             parent_hash = int(block_hashes(parent.states[-1:])[0]) if parent.states.size else None
             self.events.append(

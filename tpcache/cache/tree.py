@@ -42,6 +42,41 @@ def page_terms(states: np.ndarray, pages: np.ndarray) -> int:
     return (int(states @ p) + _K * int(np.add.reduce(states))) & _MASK
 
 
+def defer_hash(tree, node, now: bool) -> None:
+    """Hash ``node`` now, or remember it for ``hash_pending`` (any tree with ``root``,
+    ``hasher``, ``nodes``, ``digest_sum`` and ``_unhashed``)."""
+    if now:
+        hash_node(tree, node)
+        return
+    tree._unhashed.append(node)
+    if len(tree._unhashed) > 2 * len(tree.nodes) + 1024:
+        # Drop evicted nodes, so a cache nobody asks for a digest keeps no dead node
+        # alive (amortised O(1) per insert).
+        tree._unhashed = [n for n in tree._unhashed if n.alive and n.states is None]
+
+
+def hash_pending(tree) -> None:
+    """Hash every node still waiting (parents first); see ``RadixTree.ensure_hashed``."""
+    pending, tree._unhashed = tree._unhashed, []
+    for node in pending:
+        if node.alive and node.states is None:
+            hash_node(tree, node)
+
+
+def hash_node(tree, node) -> None:
+    """Chain states and digest term of ``node`` and of its unhashed ancestors."""
+    chain = []
+    while node is not tree.root and node.states is None:
+        chain.append(node)
+        node = node.parent
+    for n in reversed(chain):
+        parent = n.parent
+        parent_state = int(parent.states[-1]) if parent.states.size else ROOT_STATE
+        n.states = tree.hasher.chain(np.frombuffer(n.kb, dtype=np.int32), parent_state)
+        n.term = page_terms(n.states, n.pages)
+        tree.digest_sum = (tree.digest_sum + n.term) & _MASK
+
+
 class Node:
     """One run of cached pages. Owned and mutated only by its ``RadixTree``."""
 
@@ -333,15 +368,8 @@ class RadixTree:
         self.nodes[node.id] = node
         self.alloc.retag(pages, owner, CACHED, checked=False)
         self.cached_pages += pages.size
-        if self.record_events or self.hooks is not None:
-            # Events and stateful policies need the block hashes now.
-            self._hash(node)
-        else:
-            self._unhashed.append(node)
-            if len(self._unhashed) > 2 * len(self.nodes) + 1024:
-                # Drop evicted nodes, so a cache nobody asks for a digest keeps no dead
-                # node alive (amortised O(1) per insert).
-                self._unhashed = [n for n in self._unhashed if n.alive and n.states is None]
+        # Events and stateful policies need the block hashes now; else they wait.
+        defer_hash(self, node, now=self.record_events or self.hooks is not None)
         states = node.states
         if self.record_events:
             parent_hash = int(block_hashes(parent.states[-1:])[0]) if parent.states.size else None
@@ -366,23 +394,7 @@ class RadixTree:
         digest nobody asks for (a single-process replay) never pays for it. Each node is
         hashed once, parents first, so the total cost is the same as hashing at insert.
         """
-        pending, self._unhashed = self._unhashed, []
-        for node in pending:
-            if node.alive and node.states is None:
-                self._hash(node)
-
-    def _hash(self, node: Node) -> None:
-        chain = []
-        while node is not self.root and node.states is None:
-            chain.append(node)
-            node = node.parent  # type: ignore[assignment]
-        for n in reversed(chain):
-            parent = n.parent
-            assert parent is not None
-            parent_state = int(parent.states[-1]) if parent.states.size else ROOT_STATE
-            n.states = self.hasher.chain(np.frombuffer(n.kb, dtype=np.int32), parent_state)
-            n.term = page_terms(n.states, n.pages)
-            self.digest_sum = (self.digest_sum + n.term) & _MASK
+        hash_pending(self)
 
     # ---- locks --------------------------------------------------------------------------
     def lock(self, node: Node) -> None:
