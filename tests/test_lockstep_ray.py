@@ -119,16 +119,13 @@ def test_ranks_match_one_in_process_cache(groups, tp):
     coord = groups(tp)
     local = RadixCache(coord.mirror.config)
     calls = workload(seed)
-    outcomes = []
     for i, call in enumerate(calls):
         want = apply_call(local, call)
         got = apply_call(coord, call)
         assert got == want, f"call {i} {call[:2]}: {got} != {want}"
-        outcomes.append(got[0])
         if i % 10 == 0:
             assert coord.mirror.digest() == local.digest()
     coord.sync()
-    assert "error" in outcomes or local.tree.evicted_pages > 0  # the workload really pressed
     assert local.tree.evicted_pages > 0
     digests = coord.ranks.call("digest")
     assert digests == [local.digest()] * tp

@@ -33,7 +33,7 @@ from tpcache.cache.swa_allocator import PairedAllocator
 from tpcache.cache.swa_evict import SwaEvictor
 from tpcache.cache.swa_locks import SwaLocks
 from tpcache.cache.swa_node import ROOT_MARK, SwaNode
-from tpcache.cache.tree import defer_hash, page_terms
+from tpcache.cache.tree import defer_hash, descend, page_terms
 
 _EMPTY_PAGES = np.zeros(0, dtype=np.int64)
 _EMPTY_STATES = np.zeros(0, dtype=np.uint64)
@@ -108,33 +108,7 @@ class SwaTree(SwaEvictor, SwaLocks):
         matched to the last of them, the partly matched node and its common tokens).
         ``key`` is a C-contiguous int32 array.
         """
-        if node is None:
-            node = self.root
-        path: list[SwaNode] = []
-        if pos >= n:
-            return path, pos, None, 0
-        mv = memoryview(key).cast("B")  # byte offsets below: 4 per token, no copy
-        b, end, pb = 4 * pos, 4 * n, 4 * self.ps
-        while b < end:
-            child = node.children.get(mv[b : b + pb].tobytes())
-            if child is None:
-                break
-            kb = child.kb
-            m = len(kb)
-            if b + m <= end:
-                if kb.startswith(mv[b : b + m]):  # equal: same length
-                    path.append(child)
-                    b += m
-                    node = child
-                    continue
-            elif kb.startswith(mv[b:end]):
-                return path, b >> 2, child, (end - b) >> 2
-            pos = b >> 2
-            ck = child.key
-            m = min(ck.size, n - pos)
-            common = int((key[pos : pos + m] == ck[:m]).argmin()) // self.ps * self.ps
-            return path, pos, child, common
-        return path, b >> 2, None, 0
+        return descend(self.root if node is None else node, self.ps, key, n, pos)
 
     def match_walk(self, key: np.ndarray, n: int) -> tuple[list[SwaNode], int, SwaNode | None, int]:
         """The longest *window-valid* cached prefix of ``key[:n]``, changing nothing.

@@ -42,6 +42,37 @@ def page_terms(states: np.ndarray, pages: np.ndarray) -> int:
     return (int(states @ p) + _K * int(np.add.reduce(states))) & _MASK
 
 
+def descend(node, ps: int, key: np.ndarray, n: int, pos: int):
+    """The walk behind ``RadixTree.descend`` and ``SwaTree.descend`` (same node layout:
+    ``children`` keyed by first-page bytes, ``kb`` the node's token bytes): one dict
+    probe and one byte comparison per node, a vectorised compare where it diverges."""
+    path = []
+    if pos >= n:
+        return path, pos, None, 0
+    mv = memoryview(key).cast("B")  # byte offsets below: 4 per token, no copy
+    b, end, pb = 4 * pos, 4 * n, 4 * ps
+    while b < end:
+        child = node.children.get(mv[b : b + pb].tobytes())
+        if child is None:
+            break
+        kb = child.kb
+        m = len(kb)
+        if b + m <= end:
+            if kb.startswith(mv[b : b + m]):  # equal: same length
+                path.append(child)
+                b += m
+                node = child
+                continue
+        elif kb.startswith(mv[b:end]):
+            return path, b // 4, child, (end - b) // 4
+        pos = b // 4
+        ck = np.frombuffer(kb, dtype=np.int32)
+        m = min(ck.size, n - pos)
+        common = int((key[pos : pos + m] == ck[:m]).argmin()) // ps * ps
+        return path, pos, child, common
+    return path, b // 4, None, 0
+
+
 def defer_hash(tree, node, now: bool) -> None:
     """Hash ``node`` now, or remember it for ``hash_pending`` (any tree with ``root``,
     ``hasher``, ``nodes``, ``digest_sum`` and ``_unhashed``)."""
@@ -192,36 +223,7 @@ class RadixTree:
         last of them, and the node where the match stops part-way with its matched
         token count (``None, 0`` if none). ``key`` is a C-contiguous int32 array.
         """
-        if node is None:
-            node = self.root
-        path: list[Node] = []
-        if pos >= n:
-            return path, pos, None, 0
-        mv = memoryview(key).cast("B")  # byte offsets below: 4 per token, no copy
-        b, end, pb = 4 * pos, 4 * n, 4 * self.ps
-        while b < end:
-            child = node.children.get(mv[b : b + pb].tobytes())
-            if child is None:
-                break
-            kb = child.kb
-            m = len(kb)
-            if b + m <= end:
-                if kb.startswith(mv[b : b + m]):  # equal: same length
-                    path.append(child)
-                    b += m
-                    node = child
-                    continue
-            elif kb.startswith(mv[b:end]):
-                return path, b // 4, child, (end - b) // 4
-            return path, b // 4, child, self._common(key, b // 4, n, child)
-        return path, b // 4, None, 0
-
-    def _common(self, key: np.ndarray, pos: int, n: int, child: Node) -> int:
-        """Tokens (whole pages) that ``key[pos:n]`` shares with ``child``, which differ."""
-        ck = child.key
-        m = min(ck.size, n - pos)
-        eq = key[pos : pos + m] == ck[:m]
-        return int(eq.argmin()) // self.ps * self.ps
+        return descend(self.root if node is None else node, self.ps, key, n, pos)
 
     def split(self, child: Node, at: int) -> Node:
         """Cut ``child`` after ``at`` tokens (whole pages); returns the new upper node.

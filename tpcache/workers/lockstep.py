@@ -121,6 +121,20 @@ def op_may_evict(op: Op) -> bool:
     return isinstance(op, Admit | Extend) and (op.evict_pages > 0 or op.evict_swa_pages > 0)
 
 
+class _OpEvictor:
+    """The ``evict`` callback of one Admit/Extend: evicts what the op log says (not the
+    local shortfall it is called with) and remembers how many full pages went."""
+
+    def __init__(self, op: Admit | Extend, evict_fn: Callable[[int, int], int]) -> None:
+        self.pages, self.swa_pages = op.evict_pages, op.evict_swa_pages
+        self.evict_fn = evict_fn
+        self.evicted = 0
+
+    def __call__(self, *_short: int) -> None:
+        if self.pages or self.swa_pages:
+            self.evicted = self.evict_fn(self.pages, self.swa_pages)
+
+
 def apply_op(cache, op: Op, evict_fn: Callable[[int, int], int]) -> OpResult:
     """Apply one op to ``cache`` (a ``RadixCache`` or hybrid cache); the result to compare.
 
@@ -129,24 +143,14 @@ def apply_op(cache, op: Op, evict_fn: Callable[[int, int], int]) -> OpResult:
     full pages it evicted. The mirror passes a local eviction, ranks an agreed one.
     """
     match op:
-        case Admit(rid, tokens, priority, evict_pages, evict_swa_pages):
-            evicted = [0]
-
-            def evictor(*_short: int) -> None:
-                if evict_pages or evict_swa_pages:
-                    evicted[0] = evict_fn(evict_pages, evict_swa_pages)
-
+        case Admit(rid, tokens, priority):
+            evictor = _OpEvictor(op, evict_fn)
             got = cache.admit(rid, unpack_tokens(tokens), priority, evict=evictor)
-            return admit_result(got, evicted[0])
-        case Extend(rid, n, evict_pages, evict_swa_pages):
-            evicted = [0]
-
-            def evictor(*_short: int) -> None:
-                if evict_pages or evict_swa_pages:
-                    evicted[0] = evict_fn(evict_pages, evict_swa_pages)
-
+            return admit_result(got, evictor.evicted)
+        case Extend(rid, n):
+            evictor = _OpEvictor(op, evict_fn)
             slots = cache.extend(rid, n, evict=evictor)
-            return OpResult(0, int(slots.size), int(slots.sum()), evicted[0])
+            return OpResult(0, int(slots.size), int(slots.sum()), evictor.evicted)
         case CacheUnfinished(rid, tokens):
             n = cache.cache_unfinished(rid, unpack_tokens(tokens))
             return OpResult(prefix_len=n)
