@@ -268,3 +268,24 @@ def test_bad_calls_in_wrong_order_are_typed(fuzz_group):
     assert coord.ranks.call("digest") == [d, d]
     coord.reset()
     coord.sync()
+
+
+def test_idle_rank_death_is_found_by_the_health_check(ray_cluster):
+    import ray
+
+    coord = start_group(config())
+    try:
+        coord.admit("idle", list(range(1, 30)))
+        coord.sync()
+        assert coord.check_health()
+        ray.kill(coord.ranks.actors[0], no_restart=True)
+        t = time.monotonic()
+        with pytest.raises(RankFailure, match="rank 0"):
+            coord.check_health()  # no step in flight: only the ping can see it
+        assert time.monotonic() - t < 30
+        assert coord.stats()["recoveries"] == 1
+        with pytest.raises(RequestLost):
+            coord.finish("idle")
+        check_fresh_group_works(coord)
+    finally:
+        coord.close()
