@@ -156,14 +156,16 @@ def test_coordinator_restart_is_survived(ray_cluster):
         old_pids = ray.get(actor.rank_pids.remote())
         ray.kill(actor, no_restart=False)  # the process dies; Ray restarts the actor
         deadline = time.monotonic() + 120
-        while True:
+        while True:  # ray.kill is asynchronous: wait for the restarted actor's new ranks
             try:
                 client = connect("restart-me", "tpcache-tests")
                 client.stats()
-                break
+                if set(ray.get(client.actor.rank_pids.remote())).isdisjoint(old_pids):
+                    break
             except Exception:
-                assert time.monotonic() < deadline, "coordinator did not come back"
-                time.sleep(1)
+                pass
+            assert time.monotonic() < deadline, "coordinator did not come back"
+            time.sleep(1)
         with pytest.raises(RequestLost, match="restarted"):
             client.finish("held")
         got = client.admit("fresh", list(range(1, 30)))
