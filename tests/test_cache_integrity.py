@@ -149,7 +149,6 @@ PLANTS: dict[str, tuple[Callable[[RadixCache], None], str]] = {
         lambda c: c.alloc._counts.__setitem__(FREE, c.alloc._counts[FREE] + 1),
         "!= capacity",
     ),
-    "allocator id sum": (lambda c: c.alloc._id_sums.__setitem__(HELD, 7), "id sums"),
     "digest sum": (lambda c: setattr(c.tree, "digest_sum", c.tree.digest_sum ^ 1), "digest"),
     "node digest term": (lambda c: setattr(_leaf(c), "term", _leaf(c).term ^ 1), "digest term"),
     "page referenced twice": (_plant_double_reference, "referenced by two tree nodes"),

@@ -23,10 +23,22 @@ TAG_NAMES = ("free", "held", "cached", "lent")
 NUM_TAGS = len(TAG_NAMES)
 
 
-def _id_sum(pages: np.ndarray) -> int:
-    # With the counts, the id sum per owner is a cheap fingerprint of who owns what
-    # (one vectorised op per change; the tree's digest covers cached pages fully).
-    return int(np.add.reduce(pages, dtype=np.int64))
+_MASK = (1 << 64) - 1
+_MIX = 0xD6E8FEB86659FD93  # odd
+
+
+def log_free(log: int, pages: np.ndarray) -> int:
+    """Fold one free group (its size and id sum) into a running 64-bit log.
+
+    With the counts and the FIFO head, the log fingerprints the free FIFO: allocation
+    takes from its head, so two allocators that freed the same groups in the same order
+    hand out the same pages, and a group freed differently changes the log at once.
+    Cheaper than id sums per owner kept on every move (the tree's digest covers which
+    pages are cached; the allocation order covers which a request holds).
+    """
+    n = pages.size
+    total = int(pages[0]) if n == 1 else int(np.add.reduce(pages))
+    return (log * _MIX + total + (n << 40)) & _MASK
 
 
 class PageAllocator:
@@ -46,7 +58,7 @@ class PageAllocator:
         self._tags = np.zeros(num_pages, dtype=np.int8)
         self._fifo = np.empty(num_pages, dtype=np.int64)  # ring buffer of free pages
         self._counts = [0] * NUM_TAGS
-        self._id_sums = [0] * NUM_TAGS  # per owner tag: the sum of its page ids
+        self._free_log = 0  # see log_free
         self.reset()
 
     # ---- queries --------------------------------------------------------------------
@@ -61,8 +73,8 @@ class PageAllocator:
         return self._tags[pages]
 
     def fingerprint(self) -> tuple[int, ...]:
-        """Counts and id sums of the pages of each owner but FREE, and the FIFO's head."""
-        return (*self._counts, *self._id_sums[1:], self._head)
+        """Counts of the pages of each owner, the FIFO's head and the log of free groups."""
+        return (*self._counts, self._head, self._free_log)
 
     # ---- changes --------------------------------------------------------------------
     def reset(self) -> None:
@@ -71,7 +83,7 @@ class PageAllocator:
         self._fifo[:] = np.arange(self.num_pages, dtype=np.int64)
         self._head = 0
         self._counts = [self.num_pages] + [0] * (NUM_TAGS - 1)
-        self._id_sums = [_id_sum(np.arange(self.num_pages))] + [0] * (NUM_TAGS - 1)
+        self._free_log = 0
 
     def alloc(self, n: int, tag: int = HELD, *, copy: bool = True) -> np.ndarray:
         """Take the first ``n`` free pages (int64), tagged ``tag``.
@@ -121,6 +133,7 @@ class PageAllocator:
             self._fifo[tail:] = pages[:k]
             self._fifo[: n - k] = pages[k:]
         self._set(pages, owner, FREE)
+        self._free_log = log_free(self._free_log, pages)
 
     def retag(self, pages: np.ndarray, old: int, new: int, *, checked: bool = True) -> None:
         """Move ``pages`` from owner ``old`` to owner ``new`` (e.g. request -> tree)."""
@@ -156,15 +169,12 @@ class PageAllocator:
     def _set(self, pages: np.ndarray, old: int, new: int) -> None:
         n = pages.size
         if n == 1:  # a request's partial last page, often: no numpy call
-            s = int(pages[0])
-            self._tags[s] = new
+            self._tags[int(pages[0])] = new
         else:
             self._tags[pages] = new
-            s = _id_sum(pages)
-        self._counts[old] -= n
-        self._counts[new] += n
-        self._id_sums[old] -= s
-        self._id_sums[new] += s
+        counts = self._counts
+        counts[old] -= n
+        counts[new] += n
 
     def check_integrity(self) -> None:
         """Recount everything from scratch; raise ``IntegrityError`` with the numbers."""
@@ -183,6 +193,3 @@ class PageAllocator:
             raise IntegrityError(
                 f"page {int(queued[not_free[0]])} is in the free FIFO but not free"
             )
-        sums = [_id_sum(np.flatnonzero(self._tags == t)) for t in range(NUM_TAGS)]
-        if sums != self._id_sums:
-            raise IntegrityError(f"allocator page-id sums {self._id_sums} != recomputed {sums}")

@@ -143,6 +143,7 @@ class RadixCache:
             hooks=hooks,
         )
         self.reqs = ReqTable()
+        self._limit = config.request_limit  # read on every admit and extend
         # lock() calls not yet undone, per handle (node id). Owned here: a handle's unlock
         # must never take a lock that a running request holds on the same node.
         self._handle_locks: dict[int, int] = {}
@@ -262,10 +263,8 @@ class RadixCache:
         self.reqs.check_new(rid)
         key = as_tokens(tokens, copy=True)  # the row keeps it
         prio = _as_priority(priority)
-        if key.size > self.config.request_limit:
-            raise InvalidTokens(
-                f"prompt of {key.size} tokens exceeds the limit {self.config.request_limit}"
-            )
+        if key.size > self._limit:
+            raise InvalidTokens(f"prompt of {key.size} tokens exceeds the limit {self._limit}")
         ps = self.page_size
         n = (key.size - 1) // ps * ps
         path, pos, partial, common = self.tree.descend(key, n)
@@ -288,19 +287,20 @@ class RadixCache:
         req = self.reqs.get(rid)
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise CacheError(f"extend needs an int >= 0, got {n!r}")
-        if req.num_tokens + n > self.config.request_limit:
-            raise InvalidTokens(
-                f"request {rid!r} would hold {req.num_tokens + n} tokens, limit {self.config.request_limit}"
-            )
+        start = req.num_tokens
+        end = start + n
+        if end > self._limit:
+            raise InvalidTokens(f"request {rid!r} would hold {end} tokens, limit {self._limit}")
         ps = self.page_size
-        need = -(-(req.num_tokens + n) // ps) - req.pages.size
-        self._check_room(need, [], None, 0, evict)
+        need = -(-end // ps) - req.pages.size
+        if need > self.alloc.num_free:
+            self._check_room(need, [], None, 0, evict)
         if need or callable(evict):
             req.pages = np.concatenate((req.pages, self._take_pages(need, evict)))
-        start = req.num_tokens
-        req.num_tokens += n
+        req.num_tokens = end
         first = start // ps
-        return pages_to_slots(req.pages[first:], ps)[start - first * ps : start - first * ps + n]
+        skip = start - first * ps
+        return pages_to_slots(req.pages[first:], ps, skip + n)[skip:]
 
     def cache_unfinished(self, rid: RequestId, tokens: TokenLike) -> int:
         """Cache the whole pages of a running request's tokens so far (chunked prefill).

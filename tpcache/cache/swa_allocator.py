@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tpcache.cache.allocator import FREE, HELD, PageAllocator
+from tpcache.cache.allocator import FREE, HELD, PageAllocator, log_free
 from tpcache.cache.errors import AllocatorError, IntegrityError, OutOfCapacity
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -27,8 +27,8 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 
 class SwaPool:
     """The free SWA pages: a FIFO ring, ``0..n-1`` at start; frees append in the order
-    given. Owned by ``PairedAllocator``; ``in_use_sum`` (the id sum of the pages not
-    free) is its cheap fingerprint of which pages are in use."""
+    given. Owned by ``PairedAllocator``; its fingerprint is the free count, the head and
+    the log of free groups (as ``PageAllocator``'s)."""
 
     def __init__(self, num_pages: int) -> None:
         self.num_pages = num_pages
@@ -39,7 +39,7 @@ class SwaPool:
         self._fifo[:] = np.arange(self.num_pages, dtype=np.int64)
         self._head = 0
         self.num_free = self.num_pages
-        self.in_use_sum = 0
+        self._free_log = 0
 
     def take(self, n: int) -> np.ndarray:
         """The first ``n`` free pages; a view of the ring when it can be (valid until the
@@ -53,7 +53,6 @@ class SwaPool:
             pages = np.concatenate((self._fifo[h:], self._fifo[: h + n - cap]))
         self._head = (h + n) % cap
         self.num_free -= n
-        self.in_use_sum += int(np.add.reduce(pages))
         return pages
 
     def give(self, pages: np.ndarray) -> None:
@@ -70,14 +69,14 @@ class SwaPool:
             self._fifo[tail:] = pages[:k]
             self._fifo[: n - k] = pages[k:]
         self.num_free += n
-        self.in_use_sum -= int(np.add.reduce(pages))
+        self._free_log = log_free(self._free_log, pages)
 
     def free_pages(self) -> np.ndarray:
         """The free pages in FIFO order (a copy)."""
         return self._fifo[(self._head + np.arange(self.num_free)) % self.num_pages]
 
     def fingerprint(self) -> tuple[int, ...]:
-        return (self.num_free, self.in_use_sum, self._head)
+        return (self.num_free, self._head, self._free_log)
 
 
 class PairedAllocator:
@@ -232,8 +231,4 @@ class PairedAllocator:
             raise IntegrityError(
                 f"{free.size} SWA pages are free and {swa.size} mapped from full pages, of"
                 f" {self.swa.num_pages} (a leaked or lost SWA page)"
-            )
-        if int(swa.sum()) != self.swa.in_use_sum:
-            raise IntegrityError(
-                f"SWA in-use id sum {self.swa.in_use_sum} != recomputed {int(swa.sum())}"
             )

@@ -90,6 +90,7 @@ class HybridCache(RequestLifecycle):
             medium=config.medium,
         )
         self.reqs = ReqTable()
+        self._limit = config.request_limit  # read on every admit and extend
         self._tops: dict[RequestId, int] = {}  # request -> boundary mark of its SWA lock
         # lock() calls not yet undone, per handle (node id, boundary mark). Owned here: a
         # handle's unlock must never take a lock that a running request holds.

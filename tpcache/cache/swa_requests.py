@@ -52,7 +52,7 @@ class RequestLifecycle:
         self.reqs.check_new(rid)
         key = as_tokens(tokens, copy=True)  # the row keeps it
         prio = as_priority(priority)
-        limit = self.config.request_limit
+        limit = self._limit
         if key.size > limit:
             raise InvalidTokens(f"prompt of {key.size} tokens exceeds the limit {limit}")
         ps = self.page_size
@@ -88,20 +88,21 @@ class RequestLifecycle:
         req = self.reqs.get(rid)
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise CacheError(f"extend needs an int >= 0, got {n!r}")
-        limit = self.config.request_limit
-        if req.num_tokens + n > limit:
-            raise InvalidTokens(
-                f"request {rid!r} would hold {req.num_tokens + n} tokens, limit {limit}"
-            )
+        start = req.num_tokens
+        end = start + n
+        limit = self._limit
+        if end > limit:
+            raise InvalidTokens(f"request {rid!r} would hold {end} tokens, limit {limit}")
         ps = self.page_size
-        need = -(-(req.num_tokens + n) // ps) - req.pages.size
-        self._check_room(need, [], None, 0, evict)
+        need = -(-end // ps) - req.pages.size
+        if need > self.alloc.num_free:
+            self._check_room(need, [], None, 0, evict)
         if need or callable(evict):
             req.pages = np.concatenate((req.pages, self._take_pages(need, evict)[0]))
-        start = req.num_tokens
-        req.num_tokens += n
+        req.num_tokens = end
         first = start // ps
-        return pages_to_slots(req.pages[first:], ps)[start - first * ps : start - first * ps + n]
+        skip = start - first * ps
+        return pages_to_slots(req.pages[first:], ps, skip + n)[skip:]
 
     def cache_unfinished(self: HybridCache, rid: RequestId, tokens: TokenLike) -> int:
         """Cache the whole pages of a running request's tokens so far (chunked prefill).
@@ -130,10 +131,22 @@ class RequestLifecycle:
         KV, free duplicates and the partial tail, unlock. Returns the cached length."""
         req = self.reqs.get(rid)
         out = as_tokens(output_tokens, allow_empty=True)
-        seq = np.concatenate((req.tokens, out)) if out.size else req.tokens
         ps = self.page_size
-        n = min(seq.size, req.num_tokens) // ps * ps
-        self._insert_own(req, seq[:n], want_pages=False)
+        n = min(req.tokens.size + out.size, req.num_tokens) // ps * ps
+        # Only the part after the locked cached prefix is walked and copied (as in
+        # RadixCache.finish): for a long conversation that is a small tail.
+        s0 = req.cached_pages * ps
+        tail = req.tokens[s0:n]
+        if n > req.tokens.size:
+            tail = np.concatenate((tail, out[: n - req.tokens.size]))
+        self.tree.insert(
+            tail,
+            req.pages[s0 // ps : n // ps],
+            req.priority,
+            start=req.node,
+            trusted=True,
+            want_pages=False,
+        )
         self.alloc.free(req.pages[n // ps :], HELD, checked=False)
         self._end(req)
         return n
@@ -150,7 +163,7 @@ class RequestLifecycle:
         self.reqs.remove(req.rid)
 
     def _insert_own(
-        self: HybridCache, req: Req, key: np.ndarray, *, want_pages: bool = True
+        self: HybridCache, req: Req, key: np.ndarray
     ) -> tuple[int, np.ndarray | None, SwaNode]:
         # The row's prefix is the locked path to req.node, so the walk starts there.
         return self.tree.insert(
@@ -160,7 +173,6 @@ class RequestLifecycle:
             start=req.node,
             start_pos=req.cached_pages * self.page_size,
             trusted=True,
-            want_pages=want_pages,
         )
 
     def pages_short(self: HybridCache, num_pages: int) -> int:
