@@ -272,3 +272,25 @@ def test_every_key_type_gives_identical_results(page_size: int) -> None:
     reference = results.pop("list")
     for name, got in results.items():
         assert got == reference, name
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["after the cached prefix", "in the partial last page", "where a cached node diverges"],
+)
+def test_a_negative_token_behind_a_cached_prefix_is_still_refused(where: str) -> None:
+    # int32 keys are scanned for negatives only past the part that matched cached keys
+    # (which were all checked when they came in): the rest must still be scanned.
+    c, _ = _busy_cache()
+    before = (snapshot(c), tree_nodes(c))
+    key = {
+        "after the cached prefix": [*P[:8], -5, 7, 8, 9, 10],
+        "in the partial last page": [*P[:8], 1, -2],
+        "where a cached node diverges": [*P[:4], P[4], -3, P[6], P[7], 1],
+    }[where]
+    arr = np.array(key, dtype=np.int32)
+    for call in (lambda: c.match_prefix(arr), lambda: c.admit("new", arr)):
+        with pytest.raises(InvalidTokens, match=">= 0"):
+            call()
+    assert (snapshot(c), tree_nodes(c)) == before
+    c.check_integrity()

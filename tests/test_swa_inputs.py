@@ -21,6 +21,7 @@ from tpcache.cache.errors import (
 from tpcache.cache.events import AllBlocksCleared
 from tpcache.cache.radix import Handle
 from tpcache.cache.swa_allocator import PairedAllocator
+from tpcache.cache.swa_cache import HybridCache
 from tpcache.cache.swa_config import HybridConfig, InvalidConfig, SwaHandle
 
 R = lambda a, b: list(range(a, b + 1))  # noqa: E731
@@ -228,3 +229,14 @@ def test_paired_allocator_order_mapping_and_partial_frees() -> None:
     a.swa.take(1)  # taken, but no full page maps to it
     with pytest.raises(IntegrityError, match="leaked or lost SWA page"):
         a.check_integrity()
+
+
+def test_hybrid_admit_refuses_a_negative_token_behind_a_cached_prefix() -> None:
+    c = HybridCache(HybridConfig(64, 64, 4, 4))
+    c.admit("a", list(range(1, 13)))
+    c.finish("a")
+    digest = c.digest()
+    with pytest.raises(InvalidTokens, match=">= 0"):
+        c.admit("b", np.array([*range(1, 9), -1, 5], dtype=np.int32))
+    assert c.digest() == digest
+    c.check_integrity()

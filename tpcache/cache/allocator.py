@@ -36,9 +36,12 @@ def log_free(log: int, pages: np.ndarray) -> int:
     Cheaper than id sums per owner kept on every move (the tree's digest covers which
     pages are cached; the allocation order covers which a request holds).
     """
-    n = pages.size
-    total = int(pages[0]) if n == 1 else int(np.add.reduce(pages))
-    return (log * _MIX + total + (n << 40)) & _MASK
+    return log_one_group(log, int(np.add.reduce(pages)), pages.size)
+
+
+def log_one_group(log: int, id_sum: int, n: int) -> int:
+    """``log_free`` of a group given by its id sum and size."""
+    return (log * _MIX + id_sum + (n << 40)) & _MASK
 
 
 class PageAllocator:
@@ -117,6 +120,9 @@ class PageAllocator:
             return
         if pages.dtype != np.int64:
             pages = pages.astype(np.int64)
+        if pages.size == 1 and not checked:
+            self._free_one(int(pages[0]), owner)
+            return
         if pages.size > 1:
             # A free group is often a few ascending runs (pages allocated together):
             # timsort ("stable") sorts those in about linear time, quicksort does not.
@@ -134,6 +140,15 @@ class PageAllocator:
             self._fifo[: n - k] = pages[k:]
         self._set(pages, owner, FREE)
         self._free_log = log_free(self._free_log, pages)
+
+    def _free_one(self, page: int, owner: int) -> None:
+        # A request's partial last page, most often: Python ints, no numpy call.
+        counts = self._counts
+        self._fifo[(self._head + counts[FREE]) % self.num_pages] = page
+        self._tags[page] = FREE
+        counts[owner] -= 1
+        counts[FREE] += 1
+        self._free_log = log_one_group(self._free_log, page, 1)
 
     def retag(self, pages: np.ndarray, old: int, new: int, *, checked: bool = True) -> None:
         """Move ``pages`` from owner ``old`` to owner ``new`` (e.g. request -> tree)."""

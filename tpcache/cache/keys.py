@@ -38,13 +38,18 @@ def _to_numpy(values: TokenLike, what: str, error: type[Exception]) -> np.ndarra
     return arr
 
 
-def as_tokens(tokens: TokenLike, *, allow_empty: bool = False, copy: bool = False) -> np.ndarray:
+def as_tokens(
+    tokens: TokenLike, *, allow_empty: bool = False, copy: bool = False, defer_sign: bool = False
+) -> np.ndarray:
     """Validate token ids and return them as a contiguous int32 array.
 
     A copy is made only if needed, or always with ``copy`` (for keys the cache keeps:
     a caller may reuse its buffer, and a torch tensor's numpy view shares its memory).
     Raises ``InvalidTokens`` for non-integers, wrong shape, negatives, ids above
     ``MAX_TOKEN_ID``, or an empty key when ``allow_empty`` is false.
+
+    ``defer_sign``: an int32 array is not scanned for negatives here; the caller must
+    call ``check_sign`` for the part it did not match against cached keys.
     """
     arr = _to_numpy(tokens, "tokens", InvalidTokens)
     if arr.size == 0:
@@ -56,11 +61,22 @@ def as_tokens(tokens: TokenLike, *, allow_empty: bool = False, copy: bool = Fals
         if lo < 0 or hi > MAX_TOKEN_ID:
             raise InvalidTokens(f"token ids must be in [0, {MAX_TOKEN_ID}], got [{lo}, {hi}]")
         return arr.astype(np.int32)  # a new contiguous array
-    if np.minimum.reduce(arr) < 0:
+    if not defer_sign and np.minimum.reduce(arr) < 0:
         raise InvalidTokens(f"token ids must be >= 0, got {int(arr.min())}")
     if copy or not arr.flags.c_contiguous:
         return arr.copy()
     return arr
+
+
+def check_sign(key: np.ndarray, start: int) -> None:
+    """The scan ``as_tokens(defer_sign=True)`` left out, of ``key[start:]`` only.
+
+    Why only there: ``key[:start]`` compared equal to cached keys, and every cached
+    token was checked when it came in, so a negative id can only be after ``start``. A
+    prompt that is mostly cached (a long conversation) is then not scanned twice.
+    """
+    if start < key.size and np.minimum.reduce(key[start:]) < 0:
+        raise InvalidTokens(f"token ids must be >= 0, got {int(key.min())}")
 
 
 def as_slots(slots: TokenLike, count: int | None, limit: int) -> np.ndarray:

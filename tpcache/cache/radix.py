@@ -24,7 +24,14 @@ from tpcache.cache.errors import (
 )
 from tpcache.cache.events import AllBlocksCleared, KVEvent
 from tpcache.cache.hashing import fmix64_int
-from tpcache.cache.keys import TokenLike, as_slots, as_tokens, pages_to_slots, slots_to_pages
+from tpcache.cache.keys import (
+    TokenLike,
+    as_slots,
+    as_tokens,
+    check_sign,
+    pages_to_slots,
+    slots_to_pages,
+)
 from tpcache.cache.policies import CACHE_POLICIES, check_policy_params, make_policy
 from tpcache.cache.reqtable import ReqTable, RequestId
 from tpcache.cache.tree import Node, RadixTree
@@ -154,9 +161,10 @@ class RadixCache:
 
         May split a node and advances the access clock; never changes slot ownership.
         """
-        key = as_tokens(tokens)
-        path, n = self.tree.match(key, key.size // self.page_size * self.page_size)
-        return self._match_result(path, n)
+        key = as_tokens(tokens, defer_sign=True)
+        found = self.tree.descend(key, key.size // self.page_size * self.page_size)
+        check_sign(key, found[1] + found[3])
+        return self._match_result(*self.tree.take_match(*found))
 
     def _match_result(self, path: list[Node], n: int) -> MatchResult:
         node = path[-1] if path else self.tree.root
@@ -261,13 +269,14 @@ class RadixCache:
         (empty, malformed, longer than the request limit), ``OutOfCapacity``.
         """
         self.reqs.check_new(rid)
-        key = as_tokens(tokens, copy=True)  # the row keeps it
+        key = as_tokens(tokens, copy=True, defer_sign=True)  # the row keeps it
         prio = _as_priority(priority)
         if key.size > self._limit:
             raise InvalidTokens(f"prompt of {key.size} tokens exceeds the limit {self._limit}")
         ps = self.page_size
         n = (key.size - 1) // ps * ps
         path, pos, partial, common = self.tree.descend(key, n)
+        check_sign(key, pos + common)
         need = -(-key.size // ps) - (pos + common) // ps
         self._check_room(need, path, partial, common, evict)
         path, pos = self.tree.take_match(path, pos, partial, common)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tpcache.cache.allocator import FREE, HELD, PageAllocator, log_free
+from tpcache.cache.allocator import FREE, HELD, PageAllocator, log_free, log_one_group
 from tpcache.cache.errors import AllocatorError, IntegrityError, OutOfCapacity
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -70,6 +70,12 @@ class SwaPool:
             self._fifo[: n - k] = pages[k:]
         self.num_free += n
         self._free_log = log_free(self._free_log, pages)
+
+    def give_one(self, page: int) -> None:
+        """``give`` of one page, with Python ints."""
+        self._fifo[(self._head + self.num_free) % self.num_pages] = page
+        self.num_free += 1
+        self._free_log = log_one_group(self._free_log, page, 1)
 
     def free_pages(self) -> np.ndarray:
         """The free pages in FIFO order (a copy)."""
@@ -150,6 +156,14 @@ class PairedAllocator:
         if checked:
             self.full.check_owned(pages, owner)
         if pages.size == 0:
+            return
+        if pages.size == 1:  # a request's partial last page, most often
+            page = int(pages[0])
+            swa_page = int(self._swa_of[page])
+            self._swa_of[page] = -1
+            self.full.free(pages, owner, checked=False)
+            if swa_page >= 0:
+                self.swa.give_one(swa_page)
             return
         swa = self._swa_of[pages]
         self._swa_of[pages] = -1

@@ -17,7 +17,7 @@ import numpy as np
 
 from tpcache.cache.allocator import HELD
 from tpcache.cache.errors import CacheError, InvalidTokens, OutOfCapacity
-from tpcache.cache.keys import TokenLike, as_tokens, pages_to_slots
+from tpcache.cache.keys import TokenLike, as_tokens, check_sign, pages_to_slots
 from tpcache.cache.reqtable import Req, RequestId
 from tpcache.cache.swa_config import SwaAdmitResult
 
@@ -50,7 +50,7 @@ class RequestLifecycle:
         ``DuplicateRequest``, ``InvalidTokens``, ``OutOfCapacity``.
         """
         self.reqs.check_new(rid)
-        key = as_tokens(tokens, copy=True)  # the row keeps it
+        key = as_tokens(tokens, copy=True, defer_sign=True)  # the row keeps it
         prio = as_priority(priority)
         limit = self._limit
         if key.size > limit:
@@ -58,6 +58,7 @@ class RequestLifecycle:
         ps = self.page_size
         tree = self.tree
         path, pos, partial, common = tree.match_walk(key, (key.size - 1) // ps * ps)
+        check_sign(key, pos + common)
         need = -(-key.size // ps) - (pos + common) // ps
         self._check_room(need, path, partial, common, evict)
         path, pos = tree.take_match(path, pos, partial, common)
