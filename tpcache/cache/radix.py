@@ -278,16 +278,20 @@ class RadixCache:
         path, pos, partial, common = self.tree.descend(key, n)
         check_sign(key, pos + common)
         need = -(-key.size // ps) - (pos + common) // ps
-        self._check_room(need, path, partial, common, evict)
-        path, pos = self.tree.take_match(path, pos, partial, common)
-        node = path[-1] if path else self.tree.root
-        self.tree.lock(node)
+        if need > self.alloc.num_free:
+            self._check_room(need, path, partial, common, evict)
+        tree = self.tree
+        path, pos = tree.take_match(path, pos, partial, common)
+        node = path[-1] if path else tree.root
+        tree.lock(node)
         try:
             pages = self._take_pages(need, evict)
         except OutOfCapacity:
-            self.tree.unlock(node)
+            tree.unlock(node)
             raise
-        row = np.concatenate([*(p.pages for p in path), pages])
+        parts = [p.pages for p in path]
+        parts.append(pages)
+        row = np.concatenate(parts)
         self.reqs.add(rid, key, row, key.size, pos // ps, node, prio)
         return AdmitResult(pos, row, key.size, ps)
 
