@@ -112,10 +112,11 @@ class PairedAllocator:
         """Pages a paired allocation can take now: the smaller free count of the pools."""
         return min(self.full.num_free, self.swa.num_free)
 
-    def swa_of(self, pages: np.ndarray) -> np.ndarray:
-        """The SWA pages of full ``pages``; raises ``AllocatorError`` if one has none."""
+    def swa_of(self, pages: np.ndarray, *, checked: bool = True) -> np.ndarray:
+        """The SWA pages of full ``pages``; raises ``AllocatorError`` if one has none
+        (unless ``checked=False``: a caller that knows they all have one)."""
         swa = self._swa_of[pages]
-        if swa.size and np.minimum.reduce(swa) < 0:
+        if checked and swa.size and np.minimum.reduce(swa) < 0:
             bad = int(pages[int(np.argmin(swa))])
             raise AllocatorError(f"full page {bad} has no SWA page")
         return swa

@@ -262,8 +262,8 @@ class HybridCache(RequestLifecycle):
         """64-bit digest as ``RadixCache.digest`` (cached contents and their full pages,
         ownership, locks, requests, node count, the policy tick and FIFO positions), over
         both pools, with the SWA locks and tombstones. SWA pages enter through the SWA
-        pool's owner counts and id sums (which node holds which SWA page is left out:
-        it would cost a lookup per change). Costs O(1) beyond hashing what waits."""
+        pool's free count, head and log of free groups (which node holds which SWA page
+        is left out: it would cost a lookup per change). Costs O(1) beyond hashing what waits."""
         t = self.tree
         hash_pending(t)
         x = fmix64_int(t.digest_sum ^ 0x5A17)

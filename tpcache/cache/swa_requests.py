@@ -73,8 +73,9 @@ class RequestLifecycle:
             raise
         row = np.concatenate([*(p.pages for p in path), pages])
         k, first = pos // ps, max(0, pos - self.window) // ps
+        # The matched window has SWA KV (the match is window-valid), so no check here.
         swa = (
-            np.concatenate((self.alloc.swa_of(row[first:k]), own_swa))
+            np.concatenate((self.alloc.swa_of(row[first:k], checked=False), own_swa))
             if k > first
             else own_swa.copy()
         )
@@ -209,7 +210,7 @@ class RequestLifecycle:
         for p in reversed(path):
             if acc >= self.window:
                 break
-            acc += p.key.size
+            acc += p.ntok
             swa_pinned += p.pages.size if p.swa_lock == 0 else 0
         full_ev = t.cached_pages - t.protected_pages - pinned
         swa_ev = t.swa_pages - t.swa_protected - swa_pinned
