@@ -3,7 +3,17 @@ batches of 1, 8 and 64 requests (admit + finish each), unpipelined and pipelined
 against the floor measured in the same run: one bare Ray round trip to every rank that
 does one bare all-reduce (what a step cannot avoid).
 
-    .venv/bin/python scripts/bench_lockstep.py [--tp 2 4] [--steps 60] [--json]
+    .venv/bin/python scripts/bench_lockstep.py [--tp 2 4] [--steps 60] [--rounds 3] [--json]
+
+Honesty rules it keeps: the floor is sampled inside every round, next to the steps it is
+compared with (the machine is shared: load moves within a minute); every figure is a
+median (latency over steps, rates and CPU over rounds); the unpipelined and pipelined
+runs of a cell alternate within each round. A cell also reports what the step's own
+cache work costs (the coordinator's mirror, and the slowest rank's ops and digest before
+its collective), how many collectives each rank entered per step, and the CPU the driver
+and the ranks burnt per step next to how busy the whole machine was: when the machine is
+saturated, pipelining cannot add steps/s, and these columns show it. The ``evict`` rows
+run the batch-8 workload in a cache so small that every admit evicts.
 """
 
 from __future__ import annotations
@@ -15,105 +25,233 @@ import platform
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import ray
 
-from tpcache.coordinator.core import CoordinatorConfig
+from tpcache.coordinator.core import Coordinator, CoordinatorConfig
 from tpcache.coordinator.service import GroupConfig, start_group
 from tpcache.workers.rank import CacheSpec
 
+_TCK = os.sysconf("SC_CLK_TCK")
 
-def floor_ms(coord, n: int) -> float:
+
+def proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads) so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TCK
+
+
+def machine_ticks() -> tuple[int, int]:
+    """(busy, total) CPU ticks of the whole machine so far (idle and iowait are not busy)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return sum(v) - v[3] - v[4], sum(v)
+
+
+@dataclass
+class Sample:
+    """What one timed run of ``steps`` steps measured."""
+
+    lat_s: list[float]  # per step, from the first call of its batch to its last result
+    mirror_s: list[float]  # per step, the coordinator's calls (its mirror) before sending
+    rate: float  # steps/s over the whole run, the final sync included
+    cpu_ms: float  # driver + ranks CPU per step
+    busy: float  # machine-wide busy fraction during the run
+    collectives: float  # collectives per step per rank
+    rank_ops_ms: float  # median, slowest rank's ops + digest before the step's collective
+
+
+class Cell:
+    def __init__(self, coord: Coordinator, pids: list[int]) -> None:
+        self.coord = coord
+        self.pids = pids
+        self.rid = 0
+
+    def collectives(self) -> int:
+        return sum(i.get("collectives", 0) for i in self.coord.ranks.call("info"))
+
+    def run(self, batch: int, steps: int, pipelined: bool, seed: int) -> Sample:
+        coord = self.coord
+        coord.config = CoordinatorConfig(max_inflight=4 if pipelined else 1)
+        rng = np.random.default_rng(seed)
+        shared = rng.integers(1, 30_000, size=48, dtype=np.int32)
+        tails = rng.integers(1, 30_000, size=(steps, batch, 16), dtype=np.int32)
+        c0 = self.collectives()
+        coord.counters.rank_ops_s.clear()
+        lat, mir = [], []
+        cpu0 = sum(proc_cpu_s(p) for p in self.pids)
+        m0 = machine_ticks()
+        t0 = time.perf_counter()
+        for s in range(steps):
+            t = time.perf_counter()
+            with coord.batch():
+                for tail in tails[s]:
+                    coord.admit(self.rid, np.concatenate((shared, tail)))
+                    coord.finish(self.rid, tail[:4])
+                    self.rid += 1
+                mir.append(time.perf_counter() - t)
+            if not pipelined:
+                coord.sync()
+            lat.append(time.perf_counter() - t)
+        coord.sync()
+        elapsed = time.perf_counter() - t0
+        m1 = machine_ticks()
+        cpu1 = sum(proc_cpu_s(p) for p in self.pids)
+        per_rank = (self.collectives() - c0) / len(self.pids[1:]) / steps
+        ops = list(coord.counters.rank_ops_s)
+        return Sample(
+            lat,
+            mir,
+            steps / elapsed,
+            (cpu1 - cpu0) / steps * 1e3,
+            (m1[0] - m0[0]) / max(1, m1[1] - m0[1]),
+            per_rank,
+            statistics.median(ops) * 1e3 if ops else float("nan"),
+        )
+
+
+def floor_samples(coord: Coordinator, n: int) -> list[float]:
+    """``n`` timings of one bare Ray round trip to all ranks, each doing one all-reduce."""
     actors = coord.ranks.actors
-    samples = []
+    out = []
     for _ in range(n):
         t = time.perf_counter()
         ray.get([a.collective_ping.remote() for a in actors])
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples[n // 10 :]) * 1e3
+        out.append(time.perf_counter() - t)
+    return out
 
 
-def run_steps(coord, batch: int, steps: int, pipelined: bool, seed: int) -> tuple[float, float]:
-    """(median per-step latency ms, steps/s). Unpipelined waits for each step's results."""
-    coord.config = CoordinatorConfig(max_inflight=4 if pipelined else 1)
-    rng = np.random.default_rng(seed)
-    shared = rng.integers(1, 30_000, size=48, dtype=np.int32)
-    lat = []
-    rid = 0
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        t = time.perf_counter()
-        with coord.batch():
-            for _ in range(batch):
-                tail = rng.integers(1, 30_000, size=16, dtype=np.int32)
-                coord.admit(rid, np.concatenate((shared, tail)))
-                coord.finish(rid, tail[:4])
-                rid += 1
-        if not pipelined:
-            coord.sync()
-        lat.append(time.perf_counter() - t)
+def med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def measure(cell: Cell, batch: int, steps: int, rounds: int, tag: str) -> dict:
+    """Rounds of (floor, unpipelined, pipelined); medians over all of them."""
+    floor: list[float] = []
+    unp: list[Sample] = []
+    pip: list[Sample] = []
+    for r in range(rounds):
+        floor += floor_samples(cell.coord, steps)
+        order: list[tuple[bool, list[Sample]]] = [(False, unp), (True, pip)]
+        for pipelined, into in order if r % 2 == 0 else order[::-1]:
+            into.append(cell.run(batch, steps, pipelined, seed=1000 * r + batch))
+            if tag != "evict":
+                cell.coord.reset()
+                cell.coord.sync()
+    lat = med([x for s in unp for x in s.lat_s])
+    fl = med(floor)
+
+    def over(samples: list[Sample], get: Callable[[Sample], float]) -> float:
+        return med([get(s) for s in samples])
+
+    return {
+        "tp": cell.coord.ranks.world_size,
+        "batch": batch,
+        "cache": tag,
+        "floor_ms": round(fl * 1e3, 3),
+        "step_ms_unpipelined": round(lat * 1e3, 3),
+        "overhead_vs_floor": round(lat / fl, 2),
+        "mirror_ms": round(med([x for s in unp for x in s.mirror_s]) * 1e3, 3),
+        "rank_ops_ms": round(over(unp, lambda s: s.rank_ops_ms), 3),
+        "collectives_per_step": round(over(unp, lambda s: s.collectives), 2),
+        "steps_s_unpipelined": round(over(unp, lambda s: s.rate), 1),
+        "steps_s_pipelined": round(over(pip, lambda s: s.rate), 1),
+        "pipelining_gain": round(over(pip, lambda s: s.rate) / over(unp, lambda s: s.rate), 2),
+        "cpu_ms_per_step_unpipelined": round(over(unp, lambda s: s.cpu_ms), 2),
+        "cpu_ms_per_step_pipelined": round(over(pip, lambda s: s.cpu_ms), 2),
+        "machine_busy_unpipelined": round(over(unp, lambda s: s.busy), 2),
+        "machine_busy_pipelined": round(over(pip, lambda s: s.busy), 2),
+    }
+
+
+def group(tp: int, capacity: int) -> tuple[Cell, Coordinator]:
+    cfg = GroupConfig(
+        tp=tp,
+        capacity_tokens=capacity,
+        cache=CacheSpec(page_size=16),
+        kv_heads=tp,
+        num_layers=1,
+        head_dim=4,
+        cpu_budget_bytes=1 << 26,
+    )
+    coord = start_group(cfg)
+    pids = [os.getpid(), *coord.ranks.call("pid")]
+    cell = Cell(coord, pids)
+    cell.run(8, 10, True, 0)  # warm-up
+    coord.reset()
     coord.sync()
-    elapsed = time.perf_counter() - t0
-    return statistics.median(lat) * 1e3, steps / elapsed
+    return cell, coord
+
+
+def machine() -> str:
+    model = platform.processor() or platform.machine()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return f"{platform.node()}: {os.cpu_count()} cpus ({model}), load avg {load}"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-evict", action="store_true", help="skip the evicting-cache rows")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    where = machine()
     tmp = tempfile.mkdtemp(prefix="tpb", dir="/tmp")
     ray.init(num_cpus=4, include_dashboard=False, _temp_dir=tmp, log_to_driver=False)
     rows = []
     for tp in args.tp:
-        cfg = GroupConfig(
-            tp=tp,
-            capacity_tokens=1 << 18,
-            cache=CacheSpec(page_size=16),
-            kv_heads=tp,
-            num_layers=1,
-            head_dim=4,
-            cpu_budget_bytes=1 << 26,
-        )
-        coord = start_group(cfg)
+        cell, coord = group(tp, 1 << 18)
         try:
-            run_steps(coord, 8, 10, True, 0)  # warm-up
-            floor = floor_ms(coord, 200)
-            for batch in (1, 8, 64):
-                lat, sps_unpiped = run_steps(coord, batch, args.steps, False, batch)
-                _, sps_piped = run_steps(coord, batch, args.steps, True, batch + 1)
-                rows.append(
-                    {
-                        "tp": tp,
-                        "batch": batch,
-                        "floor_ms": round(floor, 3),
-                        "step_ms_unpipelined": round(lat, 3),
-                        "overhead_vs_floor": round(lat / floor, 2),
-                        "steps_s_unpipelined": round(sps_unpiped, 1),
-                        "steps_s_pipelined": round(sps_piped, 1),
-                        "pipelining_gain": round(sps_piped / sps_unpiped, 2),
-                    }
-                )
-                coord.reset()
-                coord.sync()
+            for batch in args.batch:
+                rows.append(measure(cell, batch, args.steps, args.rounds, "large"))
         finally:
             coord.close()
-    machine = f"{platform.node()} ({os.cpu_count()} cpus, {platform.machine()})"
+        if not args.no_evict:
+            # 64 pages: the shared prefix stays, each admit evicts an older request's page.
+            cell, coord = group(tp, 64 * 16)
+            try:
+                rows.append(measure(cell, 8, args.steps, args.rounds, "evict"))
+            finally:
+                coord.close()
     if args.json:
-        print(json.dumps({"machine": machine, "rows": rows}))
+        print(
+            json.dumps({"machine": where, "steps": args.steps, "rounds": args.rounds, "rows": rows})
+        )
         return
-    print(f"lockstep benchmark on {machine}; {args.steps} steps per cell, medians")
-    print(
-        f"{'tp':>3} {'batch':>5} {'floor ms':>9} {'step ms':>8} {'x floor':>8} {'steps/s':>8} {'piped/s':>8} {'gain':>5}"
+    print(f"lockstep benchmark on {where}")
+    print(f"{args.steps} steps x {args.rounds} rounds per cell; medians; floor sampled each round")
+    head = (
+        f"{'tp':>2} {'batch':>5} {'cache':>5} {'floor':>6} {'step':>6} {'xflr':>5} {'mirror':>6} "
+        f"{'rkops':>6} {'coll':>4} {'steps/s':>7} {'piped/s':>7} {'gain':>5} "
+        f"{'cpu/st':>6} {'cpu/st_p':>8} {'busy':>4} {'busy_p':>6}"
     )
+    print(head)
     for r in rows:
         print(
-            f"{r['tp']:>3} {r['batch']:>5} {r['floor_ms']:>9.3f} {r['step_ms_unpipelined']:>8.3f} "
-            f"{r['overhead_vs_floor']:>8.2f} {r['steps_s_unpipelined']:>8.1f} {r['steps_s_pipelined']:>8.1f} "
-            f"{r['pipelining_gain']:>5.2f}"
+            f"{r['tp']:>2} {r['batch']:>5} {r['cache']:>5} {r['floor_ms']:>6.2f} "
+            f"{r['step_ms_unpipelined']:>6.2f} {r['overhead_vs_floor']:>5.2f} {r['mirror_ms']:>6.2f} "
+            f"{r['rank_ops_ms']:>6.2f} {r['collectives_per_step']:>4.1f} "
+            f"{r['steps_s_unpipelined']:>7.1f} {r['steps_s_pipelined']:>7.1f} {r['pipelining_gain']:>5.2f} "
+            f"{r['cpu_ms_per_step_unpipelined']:>6.2f} {r['cpu_ms_per_step_pipelined']:>8.2f} "
+            f"{r['machine_busy_unpipelined']:>4.2f} {r['machine_busy_pipelined']:>6.2f}"
         )
+    print(
+        "ms columns: floor, step (unpipelined latency), mirror (coordinator's calls before the "
+        "send), rkops (slowest rank's ops + digest); coll: collectives per rank per step; "
+        "cpu/st: driver + ranks CPU ms per step; busy: whole-machine busy fraction"
+    )
 
 
 if __name__ == "__main__":

@@ -134,6 +134,8 @@ class _Counters:
     rank_failures: int = 0
     recoveries: int = 0
     latencies_s: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
+    # Per step, the slowest rank's time on its ops and digest (before the collective).
+    rank_ops_s: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
 
 
 class Coordinator:
@@ -368,10 +370,13 @@ class Coordinator:
         for obs in self.observers:
             obs.step_done(f.step, latency)
         odd = []
+        ops_s = 0.0
         for out in outs:
             got = decode_result(out)
+            ops_s = max(ops_s, got.ops_us * 1e-6)
             if got.digest != f.digest or got.results != f.expected:
                 odd.append(got.rank)
+        self.counters.rank_ops_s.append(ops_s)
         if odd:
             self.counters.divergences += 1
             self._break(

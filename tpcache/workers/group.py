@@ -131,6 +131,8 @@ class TPGroup:
         # Owned by this object; set once, by the first failure or by destroy().
         self._broken: str | None = None
         self._destroyed = False
+        # Owned by this object: collectives entered so far (a step's cost is counted in them).
+        self.collectives = 0
 
     @classmethod
     def init(cls, spec: GroupSpec, device: torch.device) -> TPGroup:
@@ -340,6 +342,7 @@ class TPGroup:
 
     def _collective(self, op: str, fn: Callable[[], _T]) -> _T:
         self._check_open(op)
+        self.collectives += 1
         try:
             return fn()
         except Exception as exc:

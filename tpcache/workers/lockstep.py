@@ -232,6 +232,7 @@ def apply_step(
             group.all_min([-1] * len(evictable_pages(cache)))
             failure = failure or f"op {type(op).__name__} did not reach its agreement"
     digest = cache.digest()
+    ops_us = (time.perf_counter() - started) * 1e6
     mins, maxs = group.min_max([0 if failure is None else -1, u64_to_i64(digest)])
     if mins[0] < 0:
         where = f"this rank ({rank}): {failure}" if failure else "another rank"
@@ -242,7 +243,9 @@ def apply_step(
             f"cache digests differ across ranks (this rank {digest:#018x}, "
             f"min {i64_to_u64(mins[1]):#018x}, max {i64_to_u64(maxs[1]):#018x})",
         )
-    return StepResult(step.step, rank, digest, results, (time.perf_counter() - started) * 1e6)
+    return StepResult(
+        step.step, rank, digest, results, (time.perf_counter() - started) * 1e6, ops_us
+    )
 
 
 def broadcast_step(group: Agreement, data: bytes | None, src: int = 0) -> Step:

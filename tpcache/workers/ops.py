@@ -83,6 +83,7 @@ class StepResult(msgspec.Struct, frozen=True):
     digest: int  # unsigned 64-bit, after the whole step
     results: list[OpResult]
     apply_us: float = 0.0
+    ops_us: float = 0.0  # of apply_us: the ops and the digest, before the step's collective
 
 
 # ---- the model (tpcache.workers.model): the same structs under Ray and torchrun --------------

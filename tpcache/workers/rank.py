@@ -336,6 +336,7 @@ class RankWorker:
             "held": s.held,
             "pool_bytes": self._pool().nbytes,
             "tokens_computed": self.tokens_computed,
+            "collectives": self.group.collectives if self.group else 0,
         }
 
     def ping(self) -> int:
