@@ -131,6 +131,10 @@ class RayRanks:
         """Results in rank order. The first failure to arrive raises ``RankCallError`` at
         once: a dead or failed rank is reported without waiting for a hung peer."""
         deadline = time.monotonic() + timeout
+        with contextlib.suppress(Exception):
+            # One wait for the whole group: ray.get returns early on the first error (a
+            # failed or dead rank), so only then is each reply looked at to name the rank.
+            return ray.get(refs, timeout=timeout)
         pending = list(refs)
         while pending:
             left = deadline - time.monotonic()
