@@ -163,6 +163,11 @@ def measure(cell: Cell, batch: int, steps: int, rounds: int, tag: str) -> dict:
         "pipelining_gain": round(over(pip, lambda s: s.rate) / over(unp, lambda s: s.rate), 2),
         "cpu_ms_per_step_unpipelined": round(over(unp, lambda s: s.cpu_ms), 2),
         "cpu_ms_per_step_pipelined": round(over(pip, lambda s: s.cpu_ms), 2),
+        # The most pipelining could give if this run owned every core: steps/s can reach
+        # at most cores / (CPU per step), against 1 / latency unpipelined.
+        "gain_bound_all_cores": round(
+            (os.cpu_count() or 1) * lat * 1e3 / over(unp, lambda s: s.cpu_ms), 2
+        ),
         "machine_busy_unpipelined": round(over(unp, lambda s: s.busy), 2),
         "machine_busy_pipelined": round(over(pip, lambda s: s.busy), 2),
     }
@@ -235,7 +240,7 @@ def main() -> None:
     head = (
         f"{'tp':>2} {'batch':>5} {'cache':>5} {'floor':>6} {'step':>6} {'xflr':>5} {'mirror':>6} "
         f"{'rkops':>6} {'coll':>4} {'steps/s':>7} {'piped/s':>7} {'gain':>5} "
-        f"{'cpu/st':>6} {'cpu/st_p':>8} {'busy':>4} {'busy_p':>6}"
+        f"{'cpu/st':>6} {'cpu/st_p':>8} {'gmax':>4} {'busy':>4} {'busy_p':>6}"
     )
     print(head)
     for r in rows:
@@ -245,12 +250,13 @@ def main() -> None:
             f"{r['rank_ops_ms']:>6.2f} {r['collectives_per_step']:>4.1f} "
             f"{r['steps_s_unpipelined']:>7.1f} {r['steps_s_pipelined']:>7.1f} {r['pipelining_gain']:>5.2f} "
             f"{r['cpu_ms_per_step_unpipelined']:>6.2f} {r['cpu_ms_per_step_pipelined']:>8.2f} "
-            f"{r['machine_busy_unpipelined']:>4.2f} {r['machine_busy_pipelined']:>6.2f}"
+            f"{r['gain_bound_all_cores']:>4.2f} {r['machine_busy_unpipelined']:>4.2f} {r['machine_busy_pipelined']:>6.2f}"
         )
     print(
         "ms columns: floor, step (unpipelined latency), mirror (coordinator's calls before the "
         "send), rkops (slowest rank's ops + digest); coll: collectives per rank per step; "
-        "cpu/st: driver + ranks CPU ms per step; busy: whole-machine busy fraction"
+        "cpu/st: driver + ranks CPU ms per step; gmax: cpus * step / cpu/st, the most "
+        "pipelining could gain with every core free; busy: whole-machine busy fraction"
     )
 
 
