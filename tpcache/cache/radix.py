@@ -33,7 +33,7 @@ from tpcache.cache.keys import (
     slots_to_pages,
 )
 from tpcache.cache.policies import CACHE_POLICIES, check_policy_params, make_policy
-from tpcache.cache.reqtable import ReqTable, RequestId
+from tpcache.cache.reqtable import ReqTable, RequestId, finished_tail
 from tpcache.cache.tree import Node, RadixTree
 
 _MASK = (1 << 64) - 1
@@ -343,14 +343,7 @@ class RadixCache:
         req = self.reqs.get(rid)
         out = as_tokens(output_tokens, allow_empty=True)
         ps = self.page_size
-        n = min(req.tokens.size + out.size, req.num_tokens) // ps * ps
-        # Only the part after the row's cached prefix (the locked path to req.node) is
-        # walked and copied: for a long conversation that is a small tail. (Even an empty
-        # tail is inserted: that touches the path, as any finish does.)
-        s0 = req.cached_pages * ps
-        tail = req.tokens[s0:n]
-        if n > req.tokens.size:
-            tail = np.concatenate((tail, out[: n - req.tokens.size]))
+        tail, s0, n = finished_tail(req, out, ps)
         self.tree.insert(
             tail,
             req.pages[s0 // ps : n // ps],

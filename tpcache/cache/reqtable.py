@@ -35,6 +35,23 @@ class Req:
     priority: int
 
 
+def finished_tail(req: Req, out: np.ndarray, page_size: int) -> tuple[np.ndarray, int, int]:
+    """What ``finish`` caches of ``req`` with output ``out``: the tokens after the row's
+    cached prefix, up to the whole pages that have KV; their start and end.
+
+    Only that tail is walked and copied (the prefix is the locked path to ``req.node``):
+    for a long conversation it is a small part. It may be empty (a finish still touches
+    the path).
+    """
+    ps = page_size
+    end = min(req.tokens.size + out.size, req.num_tokens) // ps * ps
+    start = req.cached_pages * ps
+    tail = req.tokens[start:end]
+    if end > req.tokens.size:
+        tail = np.concatenate((tail, out[: end - req.tokens.size]))
+    return tail, start, end
+
+
 def check_request_id(rid: Any) -> RequestId:
     """A request id is an int or a non-empty str of at most 256 chars."""
     if isinstance(rid, bool) or not isinstance(rid, int | str):

@@ -18,7 +18,7 @@ import numpy as np
 from tpcache.cache.allocator import HELD
 from tpcache.cache.errors import CacheError, InvalidTokens, OutOfCapacity
 from tpcache.cache.keys import TokenLike, as_tokens, check_sign, pages_to_slots
-from tpcache.cache.reqtable import Req, RequestId
+from tpcache.cache.reqtable import Req, RequestId, finished_tail
 from tpcache.cache.swa_config import SwaAdmitResult
 
 if TYPE_CHECKING:
@@ -134,13 +134,7 @@ class RequestLifecycle:
         req = self.reqs.get(rid)
         out = as_tokens(output_tokens, allow_empty=True)
         ps = self.page_size
-        n = min(req.tokens.size + out.size, req.num_tokens) // ps * ps
-        # Only the part after the locked cached prefix is walked and copied (as in
-        # RadixCache.finish): for a long conversation that is a small tail.
-        s0 = req.cached_pages * ps
-        tail = req.tokens[s0:n]
-        if n > req.tokens.size:
-            tail = np.concatenate((tail, out[: n - req.tokens.size]))
+        tail, s0, n = finished_tail(req, out, ps)
         self.tree.insert(
             tail,
             req.pages[s0 // ps : n // ps],
