@@ -284,3 +284,26 @@ def test_a_handle_cannot_unlock_a_lock_a_running_request_holds() -> None:
     assert _sizes(c) == (4, 0, 3, 1)
     assert c.evict(8) == EvictResult(0, 0)
     c.check_integrity()
+
+
+@pytest.mark.parametrize("pieces", [1, 3])
+def test_results_never_share_the_trees_arrays(pieces: int) -> None:
+    # A caller that writes into what match_prefix or admit returned must not change
+    # the cache (one node on the path takes a different branch than several).
+    c = RadixCache(CacheConfig(256, 4))
+    prompt = list(range(1, 49))
+    for i in range(1, pieces + 1):
+        c.admit(i, prompt[: 48 * i // pieces])
+        c.finish(i)
+    digest = c.digest()
+    m = c.match_prefix(prompt)
+    assert m.prefix_len == 48
+    m.pages[:] = 0
+    got = c.admit("x", [*prompt, 7])
+    with pytest.raises(ValueError, match="read-only"):
+        got.pages[:] = 0  # the request's own row: shown, not handed over
+    c.abort("x")
+    assert c.digest() != digest  # the match and admit advanced the clock...
+    c.check_integrity()  # ...but every page the tree holds is still its own
+    assert c.match_prefix(prompt).pages.tolist() == got.pages[:12].tolist()
+    assert got.pages[:12].tolist() != [0] * 12

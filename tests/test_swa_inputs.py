@@ -240,3 +240,12 @@ def test_hybrid_admit_refuses_a_negative_token_behind_a_cached_prefix() -> None:
         c.admit("b", np.array([*range(1, 9), -1, 5], dtype=np.int32))
     assert c.digest() == digest
     c.check_integrity()
+
+
+def test_hybrid_admit_result_cannot_write_into_the_request_row() -> None:
+    c = HybridCache(HybridConfig(64, 64, 4, 4))
+    got = c.admit("a", list(range(1, 11)))
+    with pytest.raises(ValueError, match="read-only"):
+        got.pages[:] = 0
+    c.finish("a")
+    c.check_integrity()

@@ -113,6 +113,14 @@ def slots_to_pages(slots: np.ndarray, page_size: int) -> np.ndarray:
     return pages.astype(np.int64, copy=False)
 
 
+def read_only(arr: np.ndarray) -> np.ndarray:
+    """A read-only view of ``arr``: what a result may show of an array the cache keeps
+    using (a request's row), so that a caller cannot write into the cache's state."""
+    view = arr.view()
+    view.flags.writeable = False
+    return view
+
+
 def pages_to_slots(pages: np.ndarray, page_size: int, num_tokens: int | None = None) -> np.ndarray:
     """Slot ids (int64, a new array) of the tokens held in ``pages``, cut to ``num_tokens``
     if given."""

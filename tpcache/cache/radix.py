@@ -30,6 +30,7 @@ from tpcache.cache.keys import (
     as_tokens,
     check_sign,
     pages_to_slots,
+    read_only,
     slots_to_pages,
 )
 from tpcache.cache.policies import CACHE_POLICIES, check_policy_params, make_policy
@@ -168,7 +169,10 @@ class RadixCache:
 
     def _match_result(self, path: list[Node], n: int) -> MatchResult:
         node = path[-1] if path else self.tree.root
-        pages = np.concatenate([p.pages for p in path]) if path else np.zeros(0, np.int64)
+        if len(path) > 1:
+            pages = np.concatenate([p.pages for p in path])
+        else:  # a copy either way: the caller must not get the tree's own array
+            pages = path[0].pages.copy() if path else np.zeros(0, np.int64)
         return MatchResult(n, pages, Handle(node.id), self.page_size)
 
     def insert(self, tokens: TokenLike, slots: TokenLike, priority: int = 0) -> int:
@@ -293,7 +297,7 @@ class RadixCache:
         parts.append(pages)
         row = np.concatenate(parts)
         self.reqs.add(rid, key, row, key.size, pos // ps, node, prio)
-        return AdmitResult(pos, row, key.size, ps)
+        return AdmitResult(pos, read_only(row), key.size, ps)  # the row stays the request's
 
     def extend(self, rid: RequestId, n: int, *, evict: bool | Evictor = True) -> np.ndarray:
         """``n`` more slots for ``rid`` (decode or a prefill chunk); returns their ids."""

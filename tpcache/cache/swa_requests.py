@@ -17,7 +17,7 @@ import numpy as np
 
 from tpcache.cache.allocator import HELD
 from tpcache.cache.errors import CacheError, InvalidTokens, OutOfCapacity
-from tpcache.cache.keys import TokenLike, as_tokens, check_sign, pages_to_slots
+from tpcache.cache.keys import TokenLike, as_tokens, check_sign, pages_to_slots, read_only
 from tpcache.cache.reqtable import Req, RequestId, finished_tail
 from tpcache.cache.swa_config import SwaAdmitResult
 
@@ -81,7 +81,7 @@ class RequestLifecycle:
         )
         self.reqs.add(rid, key, row, key.size, k, node, prio)
         self._tops[rid] = tree.mark_of(top)
-        return SwaAdmitResult(pos, row, key.size, ps, swa)
+        return SwaAdmitResult(pos, read_only(row), key.size, ps, swa)  # row: the request's
 
     def extend(
         self: HybridCache, rid: RequestId, n: int, *, evict: bool | HybridEvictor = True
