@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from cache_helpers import fold_events, tree_block_index
 
+from tpcache.cache import hashing
 from tpcache.cache.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -175,3 +176,25 @@ def test_event_batches_round_trip_in_the_vllm_layout() -> None:
     assert [e["type"] for e in raw[1]] == ["BlockStored", "BlockRemoved", "AllBlocksCleared"]
     assert raw[1][0]["parent_block_hash"] is None and raw[1][0]["block_size"] == 2
     assert all(0 <= h < 2**64 for h in raw[1][0]["block_hashes"])
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+def test_chain_follows_its_recurrence_page_by_page(page_size: int) -> None:
+    # The vectorised chain must equal state[i] = state[i-1] * M + c[i] (mod 2**64),
+    # computed here one page at a time with Python ints from the per-page words.
+    seed = 1000 + page_size
+    print(f"seed={seed}")
+    rng = np.random.default_rng(seed)
+    h = PageHasher(page_size)
+    key = rng.integers(0, 2**31 - 1, 37 * page_size).astype(np.int32)
+    words = h.page_words(key).tolist()
+    state, want = 0x1234_5678_9ABC_DEF0, []
+    parent = state
+    for c in words:
+        state = (state * hashing._M + c) & hashing.MASK64
+        want.append(state)
+    assert h.chain(key, parent).tolist() == want
+    # and in two pieces, the second following the first's last state
+    cut = 11 * page_size
+    first = h.chain(key[:cut], parent)
+    assert h.chain(key[cut:], int(first[-1])).tolist() == want[11:]
