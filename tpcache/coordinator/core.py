@@ -356,7 +356,9 @@ class Coordinator:
         self._inflight.append(
             _InFlight(step, ticket, self.mirror.digest(), expected, time.perf_counter())
         )
-        while self._inflight and self.ranks.ready(self._inflight[0].ticket):
+        # Harvest older steps that are done; the one just sent cannot be (a round trip
+        # takes milliseconds), and asking Ray costs the driver about half a millisecond.
+        while len(self._inflight) > 1 and self.ranks.ready(self._inflight[0].ticket):
             self._collect_one()
 
     def _collect_one(self) -> None:
