@@ -8,26 +8,12 @@ import random
 
 import numpy as np
 import pytest
+from group_helpers import PAGE, group_config
 
-from tpcache.coordinator.service import GroupConfig, start_group
+from tpcache.coordinator.service import start_group
 from tpcache.workers.rank import CacheSpec
 
-PAGE = 4
 SPEC = CacheSpec(page_size=PAGE, policy="lru", max_request_tokens=64)
-
-
-def config(tp: int, capacity: int) -> GroupConfig:
-    return GroupConfig(
-        tp=tp,
-        capacity_tokens=capacity,
-        cache=SPEC,
-        num_layers=1,
-        kv_heads=4,
-        head_dim=4,
-        dtype="float32",
-        cpu_budget_bytes=1 << 22,
-        timeout_s=20.0,
-    )
 
 
 def requests(seed: int, n: int) -> list[list[int]]:
@@ -45,7 +31,11 @@ def requests(seed: int, n: int) -> list[list[int]]:
 def test_collectives_per_step_are_one_plus_the_evicting_ops(ray_cluster, tp: int) -> None:
     seed = 70 + tp
     print(f"seed={seed}")
-    coord = start_group(config(tp, 24 * PAGE))
+    coord = start_group(
+        group_config(
+            tp, capacity_tokens=24 * PAGE, cache=SPEC, num_layers=1, cpu_budget_bytes=1 << 22
+        )
+    )
     ref = SPEC.build(24 * PAGE)
     try:
         before = [info["collectives"] for info in coord.ranks.call("info")]

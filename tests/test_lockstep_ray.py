@@ -11,33 +11,15 @@ import textwrap
 
 import numpy as np
 import pytest
+from group_helpers import group_config
 
 from tpcache.cache import errors
 from tpcache.cache.radix import RadixCache
 from tpcache.coordinator import api
 from tpcache.coordinator.frontend import handle
-from tpcache.coordinator.service import GroupConfig, start_group
+from tpcache.coordinator.service import start_group
 from tpcache.workers.lockstep import DivergenceError
-from tpcache.workers.rank import CacheSpec, expected_token_kv
-
-PAGE = 4
-CAPACITY = 640
-
-
-def group_config(tp: int, **kw) -> GroupConfig:
-    base = dict(
-        tp=tp,
-        capacity_tokens=CAPACITY,
-        cache=CacheSpec(page_size=PAGE, policy="lru", max_request_tokens=256),
-        num_layers=2,
-        kv_heads=4,
-        head_dim=4,
-        dtype="float32",
-        cpu_budget_bytes=1 << 24,
-        timeout_s=20.0,
-    )
-    base.update(kw)
-    return GroupConfig(**base)
+from tpcache.workers.rank import expected_token_kv
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,26 @@ def log_free(log: int, pages: np.ndarray) -> int:
     return log_one_group(log, int(np.add.reduce(pages)), pages.size)
 
 
+def ring_take(ring: np.ndarray, head: int, n: int) -> np.ndarray:
+    """The ``n`` entries of a FIFO ring from ``head``: a view of the ring when they do not
+    wrap (valid until the ring is written again), else a new array."""
+    end = head + n
+    if end <= ring.size:
+        return ring[head:end]
+    return np.concatenate((ring[head:], ring[: end - ring.size]))
+
+
+def ring_put(ring: np.ndarray, tail: int, values: np.ndarray) -> None:
+    """Write ``values`` into a FIFO ring from ``tail`` on, wrapping at its end."""
+    n, cap = values.size, ring.size
+    if tail + n <= cap:
+        ring[tail : tail + n] = values
+    else:
+        k = cap - tail
+        ring[tail:] = values[:k]
+        ring[: n - k] = values[k:]
+
+
 def log_one_group(log: int, id_sum: int, n: int) -> int:
     """``log_free`` of a group given by its id sum and size."""
     return (log * _MIX + id_sum + (n << 40)) & _MASK
@@ -99,12 +119,10 @@ class PageAllocator:
             raise AllocatorError(f"cannot allocate {n} pages")
         if n > self._counts[FREE]:
             raise OutOfCapacity(f"asked for {n} pages, {self._counts[FREE]} free")
-        cap, h = self.num_pages, self._head
-        if h + n <= cap:
-            pages = self._fifo[h : h + n].copy() if copy else self._fifo[h : h + n]
-        else:
-            pages = np.concatenate((self._fifo[h:], self._fifo[: h + n - cap]))
-        self._head = (h + n) % cap
+        pages = ring_take(self._fifo, self._head, n)
+        if copy and pages.base is self._fifo:
+            pages = pages.copy()
+        self._head = (self._head + n) % self.num_pages
         self._set(pages, FREE, tag)
         return pages
 
@@ -129,15 +147,7 @@ class PageAllocator:
             pages = np.sort(pages, kind="stable")
         if checked:
             self.check_owned(pages, owner, is_sorted=True)
-        cap = self.num_pages
-        tail = (self._head + self._counts[FREE]) % cap
-        n = pages.size
-        if tail + n <= cap:
-            self._fifo[tail : tail + n] = pages
-        else:
-            k = cap - tail
-            self._fifo[tail:] = pages[:k]
-            self._fifo[: n - k] = pages[k:]
+        ring_put(self._fifo, (self._head + self._counts[FREE]) % self.num_pages, pages)
         self._set(pages, owner, FREE)
         self._free_log = log_free(self._free_log, pages)
 

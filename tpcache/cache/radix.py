@@ -34,7 +34,15 @@ from tpcache.cache.keys import (
     slots_to_pages,
 )
 from tpcache.cache.policies import CACHE_POLICIES, check_policy_params, make_policy
-from tpcache.cache.reqtable import ReqTable, RequestId, finished_tail
+from tpcache.cache.reqtable import (
+    ReqTable,
+    RequestId,
+    as_priority,
+    check_extends,
+    extended_length,
+    finished_tail,
+    row_slots,
+)
 from tpcache.cache.tree import Node, RadixTree
 
 _MASK = (1 << 64) - 1
@@ -188,7 +196,7 @@ class RadixCache:
         slot_ids = as_slots(slots, key.size, self.alloc.num_pages * self.page_size)
         n = key.size // self.page_size * self.page_size
         pages = slots_to_pages(slot_ids[:n], self.page_size)
-        have, _, _ = self.tree.insert(key[:n], pages, _as_priority(priority), owner=LENT)
+        have, _, _ = self.tree.insert(key[:n], pages, as_priority(priority), owner=LENT)
         return have
 
     def alloc_slots(self, num_tokens: int) -> np.ndarray:
@@ -274,7 +282,7 @@ class RadixCache:
         """
         self.reqs.check_new(rid)
         key = as_tokens(tokens, copy=True, defer_sign=True)  # the row keeps it
-        prio = _as_priority(priority)
+        prio = as_priority(priority)
         if key.size > self._limit:
             raise InvalidTokens(f"prompt of {key.size} tokens exceeds the limit {self._limit}")
         ps = self.page_size
@@ -302,22 +310,15 @@ class RadixCache:
     def extend(self, rid: RequestId, n: int, *, evict: bool | Evictor = True) -> np.ndarray:
         """``n`` more slots for ``rid`` (decode or a prefill chunk); returns their ids."""
         req = self.reqs.get(rid)
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise CacheError(f"extend needs an int >= 0, got {n!r}")
-        start = req.num_tokens
-        end = start + n
-        if end > self._limit:
-            raise InvalidTokens(f"request {rid!r} would hold {end} tokens, limit {self._limit}")
+        end = extended_length(req, n, self._limit)
         ps = self.page_size
         need = -(-end // ps) - req.pages.size
         if need > self.alloc.num_free:
             self._check_room(need, [], None, 0, evict)
         if need or callable(evict):
             req.pages = np.concatenate((req.pages, self._take_pages(need, evict)))
-        req.num_tokens = end
-        first = start // ps
-        skip = start - first * ps
-        return pages_to_slots(req.pages[first:], ps, skip + n)[skip:]
+        start, req.num_tokens = req.num_tokens, end
+        return row_slots(req, start, end, ps)
 
     def cache_unfinished(self, rid: RequestId, tokens: TokenLike) -> int:
         """Cache the whole pages of a running request's tokens so far (chunked prefill).
@@ -328,7 +329,7 @@ class RadixCache:
         """
         req = self.reqs.get(rid)
         key = as_tokens(tokens, copy=True)  # the row keeps it
-        self._check_extends(rid, req.tokens, key, req.num_tokens)
+        check_extends(rid, req.tokens, key, req.num_tokens)
         n = key.size // self.page_size * self.page_size
         _, tree_pages, node = self.tree.insert(
             key[:n], req.pages[: n // self.page_size], req.priority
@@ -347,15 +348,8 @@ class RadixCache:
         req = self.reqs.get(rid)
         out = as_tokens(output_tokens, allow_empty=True)
         ps = self.page_size
-        tail, s0, n = finished_tail(req, out, ps)
-        self.tree.insert(
-            tail,
-            req.pages[s0 // ps : n // ps],
-            req.priority,
-            start=req.node,
-            trusted=True,
-            want_pages=False,
-        )
+        tail, pages, n = finished_tail(req, out, ps)
+        self.tree.insert(tail, pages, req.priority, start=req.node, trusted=True, want_pages=False)
         self.alloc.free(req.pages[n // ps :], HELD, checked=False)
         self.tree.unlock(req.node)
         self.reqs.remove(rid)
@@ -402,13 +396,6 @@ class RadixCache:
         elif short and evict:
             self.tree.evict(short)
         return self.alloc.alloc(need, HELD, copy=False)  # callers copy it into the row
-
-    @staticmethod
-    def _check_extends(rid: RequestId, known: np.ndarray, key: np.ndarray, limit: int) -> None:
-        if key.size < known.size or not np.array_equal(key[: known.size], known):
-            raise InvalidTokens(f"tokens for {rid!r} do not extend the {known.size} tokens it has")
-        if key.size > limit:
-            raise InvalidTokens(f"{key.size} tokens for {rid!r}, but it holds KV for only {limit}")
 
     # ---- whole-cache --------------------------------------------------------------------------
     def reset(self) -> None:
@@ -499,12 +486,6 @@ class RadixCache:
                     f"node {node.id} has lock {node.lock}, but requests and handles hold"
                     f" {expected.get(node.id, 0)} locks on it"
                 )
-
-
-def _as_priority(priority: object) -> int:
-    if not isinstance(priority, int) or isinstance(priority, bool):
-        raise CacheError(f"priority must be an int, got {priority!r}")
-    return priority
 
 
 __all__ = [

@@ -13,7 +13,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tpcache.cache.allocator import HELD, PageAllocator
-from tpcache.cache.errors import CacheError, DuplicateRequest, IntegrityError, UnknownRequest
+from tpcache.cache.errors import (
+    CacheError,
+    DuplicateRequest,
+    IntegrityError,
+    InvalidTokens,
+    UnknownRequest,
+)
+from tpcache.cache.keys import pages_to_slots
 
 if TYPE_CHECKING:
     from tpcache.cache.tree import Node, RadixTree
@@ -35,9 +42,10 @@ class Req:
     priority: int
 
 
-def finished_tail(req: Req, out: np.ndarray, page_size: int) -> tuple[np.ndarray, int, int]:
+def finished_tail(req: Req, out: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray, int]:
     """What ``finish`` caches of ``req`` with output ``out``: the tokens after the row's
-    cached prefix, up to the whole pages that have KV; their start and end.
+    cached prefix, up to the whole pages that have KV; the row's pages for them; and the
+    cached length.
 
     Only that tail is walked and copied (the prefix is the locked path to ``req.node``):
     for a long conversation it is a small part. It may be empty (a finish still touches
@@ -49,7 +57,39 @@ def finished_tail(req: Req, out: np.ndarray, page_size: int) -> tuple[np.ndarray
     tail = req.tokens[start:end]
     if end > req.tokens.size:
         tail = np.concatenate((tail, out[: end - req.tokens.size]))
-    return tail, start, end
+    return tail, req.pages[start // ps : end // ps], end
+
+
+def extended_length(req: Req, n: Any, limit: int) -> int:
+    """The token count of ``req`` after ``extend(n)``; raises (changing nothing)
+    ``CacheError`` for a bad ``n``, ``InvalidTokens`` past the request limit."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise CacheError(f"extend needs an int >= 0, got {n!r}")
+    end = req.num_tokens + n
+    if end > limit:
+        raise InvalidTokens(f"request {req.rid!r} would hold {end} tokens, limit {limit}")
+    return end
+
+
+def row_slots(req: Req, start: int, end: int, page_size: int) -> np.ndarray:
+    """Slot ids of tokens ``start..end`` of ``req``'s row (a new array)."""
+    first = start // page_size
+    skip = start - first * page_size
+    return pages_to_slots(req.pages[first:], page_size, end - first * page_size)[skip:]
+
+
+def check_extends(rid: RequestId, known: np.ndarray, key: np.ndarray, limit: int) -> None:
+    """Raise ``InvalidTokens`` unless ``key`` extends ``known`` and fits ``limit`` slots."""
+    if key.size < known.size or not np.array_equal(key[: known.size], known):
+        raise InvalidTokens(f"tokens for {rid!r} do not extend the {known.size} tokens it has")
+    if key.size > limit:
+        raise InvalidTokens(f"{key.size} tokens for {rid!r}, but it holds KV for only {limit}")
+
+
+def as_priority(priority: object) -> int:
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise CacheError(f"priority must be an int, got {priority!r}")
+    return priority
 
 
 def check_request_id(rid: Any) -> RequestId:

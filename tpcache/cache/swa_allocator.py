@@ -19,7 +19,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from tpcache.cache.allocator import FREE, HELD, PageAllocator, log_free, log_one_group
+from tpcache.cache.allocator import (
+    FREE,
+    HELD,
+    PageAllocator,
+    log_free,
+    log_one_group,
+    ring_put,
+    ring_take,
+)
 from tpcache.cache.errors import AllocatorError, IntegrityError, OutOfCapacity
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -46,12 +54,8 @@ class SwaPool:
         next ``give``): callers store it at once. Raises ``OutOfCapacity``, taking nothing."""
         if n > self.num_free:
             raise OutOfCapacity(f"asked for {n} SWA pages, {self.num_free} free")
-        cap, h = self.num_pages, self._head
-        if h + n <= cap:
-            pages = self._fifo[h : h + n]
-        else:
-            pages = np.concatenate((self._fifo[h:], self._fifo[: h + n - cap]))
-        self._head = (h + n) % cap
+        pages = ring_take(self._fifo, self._head, n)
+        self._head = (self._head + n) % self.num_pages
         self.num_free -= n
         return pages
 
@@ -60,14 +64,7 @@ class SwaPool:
         n = pages.size
         if n == 0:
             return
-        cap = self.num_pages
-        tail = (self._head + self.num_free) % cap
-        if tail + n <= cap:
-            self._fifo[tail : tail + n] = pages
-        else:
-            k = cap - tail
-            self._fifo[tail:] = pages[:k]
-            self._fifo[: n - k] = pages[k:]
+        ring_put(self._fifo, (self._head + self.num_free) % self.num_pages, pages)
         self.num_free += n
         self._free_log = log_free(self._free_log, pages)
 

@@ -45,7 +45,7 @@ from tpcache.cache.hashing import fmix64_int
 from tpcache.cache.keys import TokenLike, as_slots, as_tokens, pages_to_slots, slots_to_pages
 from tpcache.cache.policies import policy_key
 from tpcache.cache.radix import CacheSizes
-from tpcache.cache.reqtable import ReqTable, RequestId
+from tpcache.cache.reqtable import ReqTable, RequestId, as_priority
 from tpcache.cache.swa_allocator import PairedAllocator
 from tpcache.cache.swa_check import check_locks, check_requests, check_tree
 from tpcache.cache.swa_config import (
@@ -57,7 +57,7 @@ from tpcache.cache.swa_config import (
 )
 from tpcache.cache.swa_evict import swa_policy_key
 from tpcache.cache.swa_node import StaleBoundary, SwaNode
-from tpcache.cache.swa_requests import HybridEvictor, RequestLifecycle, as_priority
+from tpcache.cache.swa_requests import HybridEvictor, RequestLifecycle
 from tpcache.cache.swa_tree import SwaTree
 from tpcache.cache.tree import hash_pending
 

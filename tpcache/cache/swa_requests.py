@@ -16,9 +16,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tpcache.cache.allocator import HELD
-from tpcache.cache.errors import CacheError, InvalidTokens, OutOfCapacity
-from tpcache.cache.keys import TokenLike, as_tokens, check_sign, pages_to_slots, read_only
-from tpcache.cache.reqtable import Req, RequestId, finished_tail
+from tpcache.cache.errors import InvalidTokens, OutOfCapacity
+from tpcache.cache.keys import TokenLike, as_tokens, check_sign, read_only
+from tpcache.cache.reqtable import (
+    Req,
+    RequestId,
+    as_priority,
+    check_extends,
+    extended_length,
+    finished_tail,
+    row_slots,
+)
 from tpcache.cache.swa_config import SwaAdmitResult
 
 if TYPE_CHECKING:
@@ -88,23 +96,15 @@ class RequestLifecycle:
     ) -> np.ndarray:
         """``n`` more slots for ``rid`` (decode or a prefill chunk); returns their full ids."""
         req = self.reqs.get(rid)
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise CacheError(f"extend needs an int >= 0, got {n!r}")
-        start = req.num_tokens
-        end = start + n
-        limit = self._limit
-        if end > limit:
-            raise InvalidTokens(f"request {rid!r} would hold {end} tokens, limit {limit}")
+        end = extended_length(req, n, self._limit)
         ps = self.page_size
         need = -(-end // ps) - req.pages.size
         if need > self.alloc.num_free:
             self._check_room(need, [], None, 0, evict)
         if need or callable(evict):
             req.pages = np.concatenate((req.pages, self._take_pages(need, evict)[0]))
-        req.num_tokens = end
-        first = start // ps
-        skip = start - first * ps
-        return pages_to_slots(req.pages[first:], ps, skip + n)[skip:]
+        start, req.num_tokens = req.num_tokens, end
+        return row_slots(req, start, end, ps)
 
     def cache_unfinished(self: HybridCache, rid: RequestId, tokens: TokenLike) -> int:
         """Cache the whole pages of a running request's tokens so far (chunked prefill).
@@ -134,15 +134,8 @@ class RequestLifecycle:
         req = self.reqs.get(rid)
         out = as_tokens(output_tokens, allow_empty=True)
         ps = self.page_size
-        tail, s0, n = finished_tail(req, out, ps)
-        self.tree.insert(
-            tail,
-            req.pages[s0 // ps : n // ps],
-            req.priority,
-            start=req.node,
-            trusted=True,
-            want_pages=False,
-        )
+        tail, pages, n = finished_tail(req, out, ps)
+        self.tree.insert(tail, pages, req.priority, start=req.node, trusted=True, want_pages=False)
         self.alloc.free(req.pages[n // ps :], HELD, checked=False)
         self._end(req)
         return n
@@ -225,16 +218,3 @@ class RequestLifecycle:
         elif (short_full or short_swa) and evict:
             self.tree.evict(short_full, short_swa)
         return self.alloc.alloc_pair(need, HELD, copy=False)  # callers copy them at once
-
-
-def check_extends(rid: RequestId, known: np.ndarray, key: np.ndarray, limit: int) -> None:
-    if key.size < known.size or not np.array_equal(key[: known.size], known):
-        raise InvalidTokens(f"tokens for {rid!r} do not extend the {known.size} tokens it has")
-    if key.size > limit:
-        raise InvalidTokens(f"{key.size} tokens for {rid!r}, but it holds KV for only {limit}")
-
-
-def as_priority(priority: object) -> int:
-    if not isinstance(priority, int) or isinstance(priority, bool):
-        raise CacheError(f"priority must be an int, got {priority!r}")
-    return priority

@@ -21,8 +21,8 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from tpcache.cache.keys import TokenLike, as_tokens, pages_to_slots
-from tpcache.cache.radix import RadixCache
+from tpcache.cache.keys import TokenLike, as_tokens
+from tpcache.cache.radix import AdmitResult, RadixCache
 from tpcache.coordinator.api import CoordinatorUnavailable, RequestLost
 from tpcache.workers.lockstep import (
     DivergenceError,
@@ -97,19 +97,9 @@ class CoordinatorConfig:
             raise ValueError(f"bad coordinator config {self}")
 
 
-@dataclass(frozen=True)
-class Admission:
-    """An admitted request: its cached prefix length and (``slots``) the slot ids of its
-    whole prompt, expanded from its pages only when asked for."""
-
-    prefix_len: int
-    pages: np.ndarray
-    num_tokens: int
-    page_size: int
-
-    @property
-    def slots(self) -> np.ndarray:
-        return pages_to_slots(self.pages, self.page_size, self.num_tokens)
+# An admitted request, as the frontend sees it: the cache's own result record (prefix
+# length, the prompt's pages shown read-only, ``slots`` expanded when asked for).
+Admission = AdmitResult
 
 
 @dataclass
