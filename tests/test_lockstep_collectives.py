@@ -61,6 +61,10 @@ def test_collectives_per_step_are_one_plus_the_evicting_ops(ray_cluster, tp: int
         assert most >= 3, "the workload must put several evictions in one step"
         after = [info["collectives"] for info in coord.ranks.call("info")]
         assert after == [b + steps + evicting for b in before]  # the same on every rank
+        # each collected step reports the slowest rank's time on its ops (before the
+        # collective), and some of it was spent
+        ops_s = list(coord.counters.rank_ops_s)[-steps:]
+        assert len(ops_s) == steps and min(ops_s) > 0
         assert coord.ranks.call("digest") == [ref.digest()] * tp
         assert coord.mirror.digest() == ref.digest()
         coord.ranks.call("check_integrity")

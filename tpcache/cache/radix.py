@@ -123,6 +123,11 @@ class AdmitResult:
     num_tokens: int
     page_size: int
 
+    def __post_init__(self) -> None:
+        # Shown, not handed over: the pages are a running request's own row, which a
+        # caller writing into them would corrupt.
+        object.__setattr__(self, "pages", read_only(self.pages))
+
     @property
     def slots(self) -> np.ndarray:
         return pages_to_slots(self.pages, self.page_size, self.num_tokens)
@@ -305,7 +310,7 @@ class RadixCache:
         parts.append(pages)
         row = np.concatenate(parts)
         self.reqs.add(rid, key, row, key.size, pos // ps, node, prio)
-        return AdmitResult(pos, read_only(row), key.size, ps)  # the row stays the request's
+        return AdmitResult(pos, row, key.size, ps)
 
     def extend(self, rid: RequestId, n: int, *, evict: bool | Evictor = True) -> np.ndarray:
         """``n`` more slots for ``rid`` (decode or a prefill chunk); returns their ids."""

@@ -17,7 +17,7 @@ import numpy as np
 
 from tpcache.cache.allocator import HELD
 from tpcache.cache.errors import InvalidTokens, OutOfCapacity
-from tpcache.cache.keys import TokenLike, as_tokens, check_sign, read_only
+from tpcache.cache.keys import TokenLike, as_tokens, check_sign
 from tpcache.cache.reqtable import (
     Req,
     RequestId,
@@ -89,7 +89,7 @@ class RequestLifecycle:
         )
         self.reqs.add(rid, key, row, key.size, k, node, prio)
         self._tops[rid] = tree.mark_of(top)
-        return SwaAdmitResult(pos, read_only(row), key.size, ps, swa)  # row: the request's
+        return SwaAdmitResult(pos, row, key.size, ps, swa)
 
     def extend(
         self: HybridCache, rid: RequestId, n: int, *, evict: bool | HybridEvictor = True
