@@ -263,10 +263,6 @@ class RadixTree:
         self.nodes[upper.id] = upper
         return upper
 
-    def match(self, key: np.ndarray, n: int) -> tuple[list[Node], int]:
-        """Longest cached prefix of ``key[:n]``; splits so the match ends on a node."""
-        return self.take_match(*self.descend(key, n))
-
     def take_match(
         self, path: list[Node], pos: int, partial: Node | None, common: int
     ) -> tuple[list[Node], int]:
