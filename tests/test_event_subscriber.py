@@ -91,9 +91,21 @@ def pub():
         yield publisher
 
 
+def wait_sent(pub: EventPublisher, n: int) -> None:
+    """Until the send thread handed ``n`` batches to the PUB socket.
+
+    A SUB that connects before then receives them live, which the gap test must avoid.
+    """
+    deadline = time.monotonic() + 5
+    while pub.stats().sent_batches < n:
+        assert time.monotonic() < deadline, "the publisher's send thread is stuck"
+        time.sleep(0.005)
+
+
 def test_subscriber_orders_dedups_and_fills_gaps_by_replay(pub):
     for i in range(5):
         pub.publish([stored([i + 1], parent=i or None)])
+    wait_sent(pub, 5)
     with EventSubscriber(pub.endpoint, pub.replay_endpoint, topic="kv") as sub:
         assert [s for s, _ in sub.request_replay(0)] == [0, 1, 2, 3, 4]
         assert sub.last_seq == 4
@@ -121,6 +133,9 @@ def test_subscriber_snapshot_and_errors(pub):
         assert batch.events == [stored([1])]
     with EventSubscriber(pub.endpoint) as sub, pytest.raises(EventSubscriberError, match="no"):
         sub.request_replay(0)
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(EventSubscriberError, match="replay_timeout"):
+            EventSubscriber(pub.endpoint, pub.replay_endpoint, replay_timeout=bad)
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -148,3 +163,4 @@ def test_events_cli_prints_replay_and_snapshot(pub):
     assert run_events(args, out) == 1  # a snapshot (no events) then nothing new
     assert out.getvalue() == ""
     assert run_events(parse("--snapshot"), out) == 2
+    assert run_events(parse(*base, "--replay-timeout", "0"), out) == 2

@@ -70,7 +70,13 @@ class EventSubscriber:
         topic: str = "",
         *,
         context: zmq.Context | None = None,
+        replay_timeout: float = 5.0,
     ) -> None:
+        if not replay_timeout > 0:
+            raise EventSubscriberError(f"replay_timeout must be > 0 s, got {replay_timeout}")
+        # Separate from next_batch's timeout: a caller polling every few ms must not
+        # fail a gap replay that needs a little longer.
+        self._replay_timeout = replay_timeout
         self._ctx = context if context is not None else zmq.Context()
         self._own_ctx = context is None
         self._replay_endpoint = replay_endpoint
@@ -112,7 +118,8 @@ class EventSubscriber:
     def next_batch(self, timeout: float | None = None) -> Received | None:
         """The next batch after ``last_seq``, in order; None if none came in ``timeout``.
 
-        Raises EventSubscriberError on a malformed message or a failed gap replay.
+        Raises EventSubscriberError on a malformed message or a gap replay that got no
+        end marker within ``replay_timeout`` per message.
         """
         while True:
             while self._pending:
@@ -129,7 +136,7 @@ class EventSubscriber:
             if last is not None and seq > last + 1:
                 missing = seq - last - 1
                 if self._dealer is not None:
-                    replayed = self._replay(last + 1, timeout or 5.0)
+                    replayed = self._replay(last + 1, self._replay_timeout)
                     # From the oldest kept when the gap starts before the buffer.
                     self._pending.extend(r for r in replayed if last < r[0] < seq)
                     missing -= len(self._pending)
@@ -216,6 +223,13 @@ def build_events_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--timeout", type=float, default=None, metavar="S", help="stop after S s without a batch"
     )
+    p.add_argument(
+        "--replay-timeout",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="wait up to S s per message of a replay or snapshot reply",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per event")
 
 
@@ -246,12 +260,14 @@ def run_events(args: argparse.Namespace, out: TextIO | None = None) -> int:
         return 2
     shown = 0
     try:
-        with EventSubscriber(args.endpoint, args.replay_endpoint, args.topic) as sub:
+        with EventSubscriber(
+            args.endpoint, args.replay_endpoint, args.topic, replay_timeout=args.replay_timeout
+        ) as sub:
             first: list[Received] = []
             if args.snapshot:
-                first.append(sub.request_snapshot(args.timeout or 5.0))
+                first.append(sub.request_snapshot(args.replay_timeout))
             if args.from_seq is not None:
-                first.extend(sub.request_replay(args.from_seq, args.timeout or 5.0))
+                first.extend(sub.request_replay(args.from_seq, args.replay_timeout))
             for seq, batch in first:
                 if args.count is not None and shown >= args.count:
                     return 0
