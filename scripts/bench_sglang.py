@@ -1,0 +1,151 @@
+"""Issue 2's comparison: the same trace replay through SGLang's radix cache and through
+tpcache's, side by side in one process, interleaved rounds, medians.
+
+SGLang is not a dependency of tpcache. Put it in a venv of its own (its import chain
+needs these; none of them is imported by tpcache)::
+
+    python3 -m venv /tmp/sgl
+    /tmp/sgl/bin/pip install torch==2.13.0 numpy msgspec
+    /tmp/sgl/bin/pip install --no-deps sglang==0.5.23
+    /tmp/sgl/bin/pip install orjson psutil pybase64 requests triton packaging pillow \\
+        starlette pydantic pyzmq tqdm ipython aiohttp transformers torchvision dill \\
+        apache-tvm-ffi sentencepiece compressed-tensors gguf
+    PYTHONPATH=. /tmp/sgl/bin/python scripts/bench_sglang.py [--limit N] [--rounds K]
+
+Both sides do what a serving engine does per request, one request at a time in file
+order, with the tokens made before the clock starts: match at most ``input_length - 1``
+prompt tokens in whole pages, read the matched slots, lock, evict the shortfall,
+allocate the rest of prompt + output, write the request's row; at the end cache prompt
++ output in whole pages, free the duplicates and the partial tail, unlock. On the
+SGLang side that is ``RadixCache`` (LRU) with its own ``PagedTokenToKVPoolAllocator`` on
+the CPU, called as its scheduler calls them (``match_prefix``, ``path_device_indices``,
+``inc_lock_ref``, ``evict``, ``alloc``, ``insert``, ``free_segment``/``free``,
+``dec_lock_ref``). On tpcache's side it is ``admit``, ``extend`` and ``finish``
+(``tpcache.replay``). Both hit rates are printed: equal matched tokens
+mean they did the same work (eviction order may differ a little: both are LRU, but
+SGLang evicts whole leaf nodes and breaks ties by its own rule).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import statistics
+import sys
+import time
+from array import array
+from pathlib import Path
+from typing import Any
+
+from tpcache.replay import ReplayOptions, replay
+from tpcache.trace import TraceRequest, load_trace, output_tokens, prompt_tokens
+
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
+
+
+def sglang_replay(requests: list[TraceRequest], capacity: int, page_size: int) -> dict[str, Any]:
+    import torch
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.base_prefix_cache import (
+        EvictParams,
+        InsertParams,
+        MatchPrefixParams,
+    )
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+
+    alloc = PagedTokenToKVPoolAllocator(capacity, page_size, torch.int64, "cpu", None, False)
+    cache = RadixCache(CacheInitParams(False, None, alloc, page_size))
+    clock = time.perf_counter
+    ops_s = 0.0
+    matched = prompt_total = 0
+    for req in requests:
+        prompt = prompt_tokens(req)
+        full = array("q", prompt.tolist() + output_tokens(req).tolist())
+        n_in, n_all = req.input_length, len(full)
+        # Both keys are made before the clock, as tpcache's token arrays are.
+        match_key = RadixKey(full[: n_in - 1])
+        key = RadixKey(full).page_aligned(page_size)
+        t0 = clock()
+        m = cache.match_prefix(MatchPrefixParams(key=match_key))
+        node, hit = m.last_device_node, m.device_prefix_len
+        prefix = cache.path_device_indices(node)
+        cache.inc_lock_ref(node)
+        need = n_all - hit
+        want = -(-need // page_size) * page_size
+        short = want - alloc.available_size()
+        if short > 0:
+            cache.evict(EvictParams(num_tokens=short))
+        new = alloc.alloc(want)
+        if new is None:
+            raise RuntimeError(f"request {req.index}: {want} tokens do not fit")
+        row = torch.cat((prefix, new[:need]))  # the last page's rest stays with the row
+        aligned = len(key)
+        got = cache.insert(InsertParams(key=key, value=row[:aligned].clone()))
+        alloc.free_segment(row[hit : got.prefix_len], start_pos=hit)
+        alloc.free(row[aligned:])
+        cache.dec_lock_ref(node)
+        ops_s += clock() - t0
+        matched += hit
+        prompt_total += n_in
+    return {"cache_ops_s": ops_s, "matched_tokens": matched, "prompt_tokens": prompt_total}
+
+
+def tpcache_replay(requests: list[TraceRequest], capacity: int, page_size: int) -> dict[str, Any]:
+    return replay(requests, ReplayOptions(capacity=capacity, page_size=page_size))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", default=str(TRACE))
+    ap.add_argument("--limit", type=int, default=None, help="first N requests only")
+    ap.add_argument("--capacity", type=int, default=3_000_000, help="tokens (default 3M)")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    args = ap.parse_args()
+    if args.rounds < 1 or args.capacity < 1 or args.page_size < 1:
+        ap.error("--rounds, --capacity and --page-size must be >= 1")
+    try:
+        import sglang  # noqa: F401
+    except ImportError:
+        print("sglang is not installed here: see this script's docstring", file=sys.stderr)
+        return 2
+    from importlib.metadata import version
+
+    requests = load_trace(args.trace, args.limit)
+    print(
+        f"machine: {platform.node()} {platform.machine()} {os.cpu_count()} CPUs, "
+        f"Python {platform.python_version()}, sglang {version('sglang')}, "
+        f"torch {version('torch')}"
+    )
+    print(f"trace: {len(requests)} requests, capacity {args.capacity}, page {args.page_size}")
+    sides = {"sglang": sglang_replay, "tpcache": tpcache_replay}
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    ratios: list[float] = []
+    hits: dict[str, int] = {}
+    for k in range(args.rounds):
+        order = list(sides) if k % 2 == 0 else list(reversed(sides))
+        got: dict[str, float] = {}
+        for name in order:
+            gc.collect()
+            out = sides[name](requests, args.capacity, args.page_size)
+            got[name] = out["cache_ops_s"]
+            times[name].append(got[name])
+            hits[name] = out["matched_tokens"]
+            print(f"round {k + 1} {name:8s} cache ops {got[name]:7.2f} s", flush=True)
+        ratios.append(got["sglang"] / got["tpcache"])
+    prompt = sum(r.input_length for r in requests)
+    for name in sides:
+        print(
+            f"{name:8s} matched {hits[name]} of {prompt} prompt tokens ({hits[name] / prompt:.4f})"
+        )
+    for name in sides:
+        print(f"{name:8s} median cache ops {statistics.median(times[name]):7.2f} s")
+    print(f"sglang / tpcache: median of per-round ratios {statistics.median(ratios):.2f}x (bar 5x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
