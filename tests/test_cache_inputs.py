@@ -19,6 +19,7 @@ from tpcache.cache.errors import (
     UnknownHandle,
     UnknownRequest,
 )
+from tpcache.cache.keys import joined_key, key_bytes
 from tpcache.cache.radix import CacheConfig, Handle, RadixCache
 
 P = list(range(100, 110))  # 10 tokens: 2 whole pages of 4 and a partial one
@@ -294,3 +295,23 @@ def test_a_negative_token_behind_a_cached_prefix_is_still_refused(where: str) ->
             call()
     assert (snapshot(c), tree_nodes(c)) == before
     c.check_integrity()
+
+
+def test_joined_keys_hand_their_bytes_to_the_tree_once() -> None:
+    a = np.arange(5, dtype=np.int32)
+    b = np.arange(100, 103, dtype=np.int32)
+    key = joined_key(a, b[1:])
+    assert key.tolist() == [0, 1, 2, 3, 4, 101, 102]
+    whole = key_bytes(key)
+    assert whole is key.base and whole == key.tobytes()  # no second copy
+    assert key_bytes(key[0:]) is whole  # a whole view of it too
+    # Anything else is copied: a part, a reversed view, a plain array.
+    assert key_bytes(key[2:]) == key[2:].tobytes() and key_bytes(key[2:]) is not whole
+    assert key_bytes(key[::-1]) == key[::-1].tobytes()
+    assert key_bytes(a) == a.tobytes()
+    # A finished request's leaf holds exactly its tokens (prompt tail + output).
+    cache = RadixCache(CacheConfig(64, 4))
+    cache.admit(1, list(range(1, 11)))
+    cache.extend(1, 2)
+    cache.finish(1, [50, 51])
+    assert cache.match_prefix([*range(1, 11), 50, 51, 9]).prefix_len == 12

@@ -113,6 +113,23 @@ def slots_to_pages(slots: np.ndarray, page_size: int) -> np.ndarray:
     return pages.astype(np.int64, copy=False)
 
 
+def key_bytes(key: np.ndarray) -> bytes:
+    """The bytes of an int32 key: the bytes object it views whole if it is one (a key
+    made by ``joined_key``), else a copy."""
+    owner = key.base
+    if isinstance(owner, np.ndarray):
+        owner = owner.base
+    if type(owner) is bytes and len(owner) == key.nbytes and key.flags.c_contiguous:
+        return owner
+    return key.tobytes()
+
+
+def joined_key(*parts: np.ndarray) -> np.ndarray:
+    """The concatenation of int32 key arrays as a read-only view of one bytes object, so
+    that a tree node can keep those bytes (``key_bytes``) without a second copy."""
+    return np.frombuffer(b"".join(parts), dtype=np.int32)
+
+
 def read_only(arr: np.ndarray) -> np.ndarray:
     """A read-only view of ``arr``: what a result may show of an array the cache keeps
     using (a request's row), so that a caller cannot write into the cache's state."""

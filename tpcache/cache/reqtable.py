@@ -20,7 +20,7 @@ from tpcache.cache.errors import (
     InvalidTokens,
     UnknownRequest,
 )
-from tpcache.cache.keys import pages_to_slots
+from tpcache.cache.keys import joined_key, pages_to_slots
 
 if TYPE_CHECKING:
     from tpcache.cache.tree import Node, RadixTree
@@ -56,7 +56,7 @@ def finished_tail(req: Req, out: np.ndarray, page_size: int) -> tuple[np.ndarray
     start = req.cached_pages * ps
     tail = req.tokens[start:end]
     if end > req.tokens.size:
-        tail = np.concatenate((tail, out[: end - req.tokens.size]))
+        tail = joined_key(tail, out[: end - req.tokens.size])
     return tail, req.pages[start // ps : end // ps], end
 
 

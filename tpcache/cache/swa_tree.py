@@ -28,6 +28,7 @@ from tpcache.cache.allocator import CACHED, HELD
 from tpcache.cache.errors import InvalidSlots
 from tpcache.cache.events import BlockStored, KVEvent
 from tpcache.cache.hashing import PageHasher, block_hashes
+from tpcache.cache.keys import key_bytes
 from tpcache.cache.policies import KeyFn
 from tpcache.cache.swa_allocator import PairedAllocator
 from tpcache.cache.swa_evict import SwaEvictor
@@ -406,7 +407,7 @@ class SwaTree(SwaEvictor, SwaLocks):
     ) -> SwaNode:
         """A new leaf under ``parent``: ``key`` (int32, copied into the node), ``pages``
         (the node's own array from now on), tagged ``owner`` until now."""
-        node = SwaNode(self._new_id(), parent, key.tobytes(), pages, None, self.tick)
+        node = SwaNode(self._new_id(), parent, key_bytes(key), pages, None, self.tick)
         node.priority = priority
         parent.children[node.kb[: 4 * self.ps]] = node
         self.nodes[node.id] = node

@@ -26,6 +26,7 @@ from tpcache.cache.allocator import CACHED, HELD, PageAllocator
 from tpcache.cache.errors import IntegrityError, InvalidSlots, LockError
 from tpcache.cache.events import BlockRemoved, BlockStored, KVEvent
 from tpcache.cache.hashing import ROOT_STATE, PageHasher, block_hashes
+from tpcache.cache.keys import key_bytes
 from tpcache.cache.policies import KeyFn, PolicyHooks
 
 _EMPTY_PAGES = np.zeros(0, dtype=np.int64)
@@ -360,7 +361,7 @@ class RadixTree:
     ) -> Node:
         """A new leaf under ``parent``: ``key`` (int32, copied into the node), ``pages``
         (the node's own array from now on), tagged ``owner`` until now."""
-        node = Node(self._new_id(), parent, key.tobytes(), pages, None, self.tick)
+        node = Node(self._new_id(), parent, key_bytes(key), pages, None, self.tick)
         node.priority = priority
         parent.children[node.kb[: 4 * self.ps]] = node
         self.nodes[node.id] = node
