@@ -1,5 +1,5 @@
 """Issue 2's comparison: the same trace replay through SGLang's radix cache and through
-tpcache's, side by side in one process, interleaved rounds, medians.
+tpcache's, side by side in one run: interleaved rounds, each replay in a fresh process, medians.
 
 SGLang is not a dependency of tpcache. Put it in a venv of its own (its import chain
 needs these; none of them is imported by tpcache)::
@@ -29,10 +29,11 @@ SGLang evicts whole leaf nodes and breaks ties by its own rule).
 from __future__ import annotations
 
 import argparse
-import gc
+import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from array import array
@@ -97,6 +98,22 @@ def tpcache_replay(requests: list[TraceRequest], capacity: int, page_size: int) 
     return replay(requests, ReplayOptions(capacity=capacity, page_size=page_size))
 
 
+SIDES = {"sglang": sglang_replay, "tpcache": tpcache_replay}
+
+
+def run_side(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One replay of one side in a fresh interpreter (this one, so the same Python and
+    numpy): neither side runs on a heap the other left behind."""
+    cmd = [sys.executable, __file__, "--side", name, "--trace", args.trace]
+    cmd += ["--capacity", str(args.capacity), "--page-size", str(args.page_size)]
+    if args.limit is not None:
+        cmd += ["--limit", str(args.limit)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{name} replay failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", default=str(TRACE))
@@ -104,6 +121,7 @@ def main() -> int:
     ap.add_argument("--capacity", type=int, default=3_000_000, help="tokens (default 3M)")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    ap.add_argument("--side", choices=sorted(SIDES), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rounds < 1 or args.capacity < 1 or args.page_size < 1:
         ap.error("--rounds, --capacity and --page-size must be >= 1")
@@ -112,38 +130,47 @@ def main() -> int:
     except ImportError:
         print("sglang is not installed here: see this script's docstring", file=sys.stderr)
         return 2
+    if args.side is not None:
+        requests = load_trace(args.trace, args.limit)
+        out = SIDES[args.side](requests, args.capacity, args.page_size)
+        print(json.dumps({k: out[k] for k in ("cache_ops_s", "matched_tokens", "prompt_tokens")}))
+        return 0
     from importlib.metadata import version
 
-    requests = load_trace(args.trace, args.limit)
     print(
         f"machine: {platform.node()} {platform.machine()} {os.cpu_count()} CPUs, "
+        f"load {', '.join(f'{x:.1f}' for x in os.getloadavg())}, "
         f"Python {platform.python_version()}, sglang {version('sglang')}, "
         f"torch {version('torch')}"
     )
-    print(f"trace: {len(requests)} requests, capacity {args.capacity}, page {args.page_size}")
-    sides = {"sglang": sglang_replay, "tpcache": tpcache_replay}
-    times: dict[str, list[float]] = {name: [] for name in sides}
+    print(
+        f"trace {args.trace}, limit {args.limit}, capacity {args.capacity}, page {args.page_size}"
+    )
+    times: dict[str, list[float]] = {name: [] for name in SIDES}
     ratios: list[float] = []
     hits: dict[str, int] = {}
+    prompt = 0
     for k in range(args.rounds):
-        order = list(sides) if k % 2 == 0 else list(reversed(sides))
+        order = list(SIDES) if k % 2 == 0 else list(reversed(SIDES))
         got: dict[str, float] = {}
         for name in order:
-            gc.collect()
-            out = sides[name](requests, args.capacity, args.page_size)
+            out = run_side(name, args)
             got[name] = out["cache_ops_s"]
             times[name].append(got[name])
-            hits[name] = out["matched_tokens"]
+            hits[name], prompt = out["matched_tokens"], out["prompt_tokens"]
             print(f"round {k + 1} {name:8s} cache ops {got[name]:7.2f} s", flush=True)
         ratios.append(got["sglang"] / got["tpcache"])
-    prompt = sum(r.input_length for r in requests)
-    for name in sides:
+    for name in SIDES:
         print(
             f"{name:8s} matched {hits[name]} of {prompt} prompt tokens ({hits[name] / prompt:.4f})"
         )
-    for name in sides:
+    for name in SIDES:
         print(f"{name:8s} median cache ops {statistics.median(times[name]):7.2f} s")
-    print(f"sglang / tpcache: median of per-round ratios {statistics.median(ratios):.2f}x (bar 5x)")
+    described = ", ".join(f"{r:.2f}" for r in ratios)
+    print(
+        f"sglang / tpcache: median of per-round ratios {statistics.median(ratios):.2f}x "
+        f"({described}; bar 5x)"
+    )
     return 0
 
 

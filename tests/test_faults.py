@@ -77,6 +77,7 @@ def test_rank_killed_mid_run_recovers(ray_cluster, tmp_path):
         coord.admit("held", list(range(1, 40)))  # running when the rank dies
         coord.sync()
         ray.kill(coord.ranks.actors[1], no_restart=True)
+        wait_dead(coord.ranks.actors[1])
         t = time.monotonic()
         with pytest.raises(RankFailure) as caught:
             coord.admit("next", list(range(100, 140)))
@@ -272,6 +273,23 @@ def test_bad_calls_in_wrong_order_are_typed(fuzz_group):
     coord.sync()
 
 
+def wait_dead(actor) -> None:
+    """Until ``actor`` is gone: ``ray.kill`` only asks for it, and a ping sent at once
+    may still be answered (which made the health-check test flaky)."""
+    import ray
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ping.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            continue
+        time.sleep(0.05)
+    raise AssertionError("the killed actor still answers after 30 s")
+
+
 def test_idle_rank_death_is_found_by_the_health_check(ray_cluster):
     import ray
 
@@ -281,6 +299,7 @@ def test_idle_rank_death_is_found_by_the_health_check(ray_cluster):
         coord.sync()
         assert coord.check_health()
         ray.kill(coord.ranks.actors[0], no_restart=True)
+        wait_dead(coord.ranks.actors[0])
         t = time.monotonic()
         with pytest.raises(RankFailure, match="rank 0"):
             coord.check_health()  # no step in flight: only the ping can see it

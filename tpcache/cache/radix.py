@@ -94,9 +94,12 @@ class Handle:
     node_id: int
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class MatchResult:
-    """A cached prefix: its length (whole pages), its pages and a handle to lock it."""
+    """A cached prefix: its length (whole pages), its pages and a handle to lock it.
+
+    The caller's record (not frozen: that costs a microsecond per result): its pages are
+    a copy, so nothing done to it reaches the cache."""
 
     prefix_len: int
     pages: np.ndarray
@@ -114,9 +117,11 @@ class EvictResult:
     num_nodes: int
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class AdmitResult:
-    """An admitted request: how much of it was cached, and the slots of the whole prompt."""
+    """An admitted request: how much of it was cached, and the slots of the whole prompt.
+
+    The caller's record, as ``MatchResult``; its pages are a read-only view."""
 
     prefix_len: int
     pages: np.ndarray
@@ -126,7 +131,7 @@ class AdmitResult:
     def __post_init__(self) -> None:
         # Shown, not handed over: the pages are a running request's own row, which a
         # caller writing into them would corrupt.
-        object.__setattr__(self, "pages", read_only(self.pages))
+        self.pages = read_only(self.pages)
 
     @property
     def slots(self) -> np.ndarray:

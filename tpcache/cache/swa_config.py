@@ -90,7 +90,7 @@ class SwaHandle(Handle):
     swa_boundary: int
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SwaMatchResult(MatchResult):
     """A window-valid cached prefix. ``swa_pages``: the SWA pages of its last window
     (the pages from token ``swa_start`` on), what an SWA layer attends to after it."""
@@ -107,7 +107,7 @@ class SwaMatchResult(MatchResult):
         return pages_to_slots(self.swa_pages, self.page_size)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SwaAdmitResult(AdmitResult):
     """An admitted request. ``swa_pages``: SWA pages of the row from token ``swa_start``
     on: the matched prefix's last window, then every page of the request's own."""
