@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import msgspec
 import numpy as np
 import pytest
 from cache_helpers import fold_events, tree_block_index
@@ -169,13 +170,68 @@ def test_event_batches_round_trip_in_the_vllm_layout() -> None:
     batch = KVEventBatch(ts=1.5, events=[*c.take_events(), AllBlocksCleared()])
     payload = encode_batch(batch)
     assert decode_batch(payload) == batch
-    import msgspec
 
     raw = msgspec.msgpack.decode(payload)
     assert raw[0] == 1.5 and raw[2] is None  # an array: [ts, events, data_parallel_rank]
     assert [e["type"] for e in raw[1]] == ["BlockStored", "BlockRemoved", "AllBlocksCleared"]
     assert raw[1][0]["parent_block_hash"] is None and raw[1][0]["block_size"] == 2
     assert all(0 <= h < 2**64 for h in raw[1][0]["block_hashes"])
+
+
+# The structs of vLLM's example KV-event subscriber, written from its published
+# layout (array-like, tagged; BlockStored there has no lora_name). Module level:
+# msgspec resolves the annotations by name.
+class VEvent(msgspec.Struct, array_like=True, tag=True):
+    pass
+
+
+class VStored(VEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class VRemoved(VEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class VCleared(VEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class VBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[VStored | VRemoved | VCleared]
+    data_parallel_rank: int | None = None
+
+
+def test_array_encoding_is_what_vllms_subscriber_structs_decode() -> None:
+    c = _cache(page_size=2)
+    c.admit(0, [1, 2, 3, 4, 5])
+    c.finish(0)
+    c.evict(2)
+    named = BlockStored([7], 3, [1, 2], 2, lora_id=4, medium="CPU", lora_name="ad")
+    batch = KVEventBatch(ts=2.5, events=[*c.take_events(), named, AllBlocksCleared()])
+    payload = encode_batch(batch, "array")
+    assert decode_batch(payload) == batch  # tpcache's own decoder reads both
+    got = msgspec.msgpack.Decoder(VBatch).decode(payload)
+    assert [type(e) for e in got.events] == [VStored, VRemoved, VStored, VCleared]
+    stored = batch.events[0]
+    assert got.events[0].block_hashes == stored.block_hashes
+    assert got.events[0].token_ids == stored.token_ids and got.events[0].medium == "GPU"
+    assert got.events[1].block_hashes == batch.events[1].block_hashes
+    assert (got.events[2].lora_id, got.events[2].medium) == (4, "CPU")
+    # The map encoding is the one such a decoder rejects.
+    with pytest.raises(msgspec.ValidationError, match="Expected `array`, got `object`"):
+        msgspec.msgpack.Decoder(VBatch).decode(encode_batch(batch))
+    with pytest.raises(ValueError, match="unknown event encoding"):
+        encode_batch(batch, "json")
+    with pytest.raises(msgspec.ValidationError):
+        decode_batch(msgspec.msgpack.encode([1.0, [["NoSuchEvent", 1]], None]))
 
 
 @pytest.mark.parametrize("page_size", [1, 3, 16])

@@ -138,6 +138,21 @@ def test_subscriber_snapshot_and_errors(pub):
             EventSubscriber(pub.endpoint, pub.replay_endpoint, replay_timeout=bad)
 
 
+def test_subscriber_reads_the_array_encoding_too():
+    cfg = EventConfig(endpoint=LOOPBACK, replay_endpoint=LOOPBACK, encoding="array")
+    with EventPublisher(cfg) as pub:
+        pub.publish([stored([1, 2])])
+        pub.publish([BlockRemoved([2]), AllBlocksCleared()])
+        with EventSubscriber(pub.endpoint, pub.replay_endpoint) as sub:
+            got = sub.request_replay(0)
+            assert [b.events for _, b in got] == [
+                [stored([1, 2])],
+                [BlockRemoved([2]), AllBlocksCleared()],
+            ]
+            seq, snap = sub.request_snapshot()
+            assert seq == 1 and snap.events == []  # cleared
+
+
 def parse(*argv: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     build_events_parser(p)

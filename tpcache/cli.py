@@ -253,6 +253,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                 replay_endpoint=args.events_replay_endpoint,
                 topic=args.events_topic,
                 buffer_steps=args.events_buffer,
+                encoding=args.events_encoding,
             )
             config = dataclasses.replace(config, events=events)
     except EventConfigError as exc:
@@ -354,6 +355,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive,
         default=10_000,
         help="batches kept for replay (default 10,000)",
+    )
+    p.add_argument(
+        "--events-encoding",
+        choices=("map", "array"),
+        default="map",
+        help="events as maps (default) or as arrays, the form vLLM's subscriber decodes",
     )
     p.add_argument(
         "--metrics-port",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tpcache.cache.events import ENCODINGS
+
 _TRANSPORTS = ("tcp", "ipc", "inproc", "pgm", "epgm", "ws", "wss", "tipc", "vmci")
 
 
@@ -58,6 +60,7 @@ class EventConfig:
     buffer_steps: int = 10_000
     queue_size: int = 100_000
     data_parallel_rank: int | None = None
+    encoding: str = "map"  # events as maps (DESIGN.md) or "array" (as vLLM sends them)
 
     def __post_init__(self) -> None:
         _check_endpoint("endpoint", self.endpoint)
@@ -72,6 +75,8 @@ class EventConfig:
         _check_int("queue_size", self.queue_size, 1)
         if self.data_parallel_rank is not None:
             _check_int("data_parallel_rank", self.data_parallel_rank, 0)
+        if self.encoding not in ENCODINGS:
+            raise EventConfigError("encoding", f"must be one of {ENCODINGS}, got {self.encoding!r}")
 
     @property
     def binds(self) -> bool:

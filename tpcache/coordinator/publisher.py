@@ -120,7 +120,14 @@ class EventPublisher:
         self._log = EventLog(config.buffer_steps)
         self._queue: queue.Queue[tuple[int, bytes]] = queue.Queue(config.queue_size)
         self._replay = (
-            ReplayServer(self._router, self._topic, self._log, clock, config.data_parallel_rank)
+            ReplayServer(
+                self._router,
+                self._topic,
+                self._log,
+                clock,
+                config.data_parallel_rank,
+                config.encoding,
+            )
             if self._router is not None
             else None
         )
@@ -180,7 +187,7 @@ class EventPublisher:
         batch = KVEventBatch(
             ts=self._clock(), events=events, data_parallel_rank=self.config.data_parallel_rank
         )
-        payload = encode_batch(batch)
+        payload = encode_batch(batch, self.config.encoding)
         with self._lock:
             if self._closed:
                 raise EventPublisherError("publish on a closed EventPublisher")

@@ -126,8 +126,10 @@ class ReplayServer:
         log: EventLog,
         clock: Callable[[], float],
         data_parallel_rank: int | None,
+        encoding: str = "map",
     ) -> None:
         self._socket = socket
+        self._encoding = encoding
         self._topic = topic
         self._log = log
         self._clock = clock
@@ -164,7 +166,7 @@ class ReplayServer:
         # for the index copy, not for this walk.
         events: list[KVEvent] = list(index.to_events())
         batch = KVEventBatch(ts=self._clock(), events=events, data_parallel_rank=self._dp_rank)
-        return seq, encode_batch(batch)
+        return seq, encode_batch(batch, self._encoding)
 
     def _reply(self, identity: bytes, entries: list[tuple[int, bytes]]) -> None:
         try:
