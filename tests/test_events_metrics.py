@@ -119,13 +119,22 @@ def test_router_index_equals_cached_blocks(group, tmp_path):
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"tp")
     sub.connect(group.publisher.endpoint)
-    time.sleep(0.5)  # the SUB must be connected before the first batch (slow joiner)
+    # Slow joiner: empty probe batches until the SUB gets one, rather than a fixed
+    # sleep that a loaded machine may outlast. What it missed holds no events.
+    first = None
+    deadline = time.monotonic() + 20
+    while first is None:
+        assert time.monotonic() < deadline, "the subscriber never connected"
+        group.publisher.publish([])
+        if sub.poll(50):
+            _, seq, payload = sub.recv_multipart()
+            first = (int.from_bytes(seq, "big", signed=True), DECODE.decode(payload))
     drive(group, seed=7)
     assert group.stats()["evicted_tokens"] > 0  # removals were exercised
     last = group.publisher.next_seq - 1
-    live = recv_all(sub, last)
+    live = [first, *recv_all(sub, last)]
     seqs = [s for s, _ in live]
-    assert seqs == list(range(len(seqs))) and seqs[-1] == last  # from 0, no gaps
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))) and seqs[-1] == last  # no gaps
     index: dict = {}
     unknown: list = []
     for _, batch in live:
