@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tpcache.cache.hashing import block_hashes
-from tpcache.cache.tree import hash_pending
+from tpcache.cache.node import hash_pending
 
 
 def cached_blocks(cache) -> dict[int, tuple[int | None, tuple[int, ...]]]:

@@ -43,6 +43,7 @@ from tpcache.cache.errors import (
 from tpcache.cache.events import AllBlocksCleared, KVEvent
 from tpcache.cache.hashing import fmix64_int
 from tpcache.cache.keys import TokenLike, as_slots, as_tokens, pages_to_slots, slots_to_pages
+from tpcache.cache.node import hash_pending
 from tpcache.cache.policies import policy_key
 from tpcache.cache.radix import CacheSizes
 from tpcache.cache.reqtable import ReqTable, RequestId, as_priority
@@ -59,7 +60,6 @@ from tpcache.cache.swa_evict import swa_policy_key
 from tpcache.cache.swa_node import StaleBoundary, SwaNode
 from tpcache.cache.swa_requests import HybridEvictor, RequestLifecycle
 from tpcache.cache.swa_tree import SwaTree
-from tpcache.cache.tree import hash_pending
 
 _MASK = (1 << 64) - 1
 _EMPTY = np.zeros(0, dtype=np.int64)

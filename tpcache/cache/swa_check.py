@@ -10,7 +10,7 @@ import numpy as np
 from tpcache.cache.allocator import CACHED, HELD, LENT
 from tpcache.cache.errors import CacheError, IntegrityError
 from tpcache.cache.hashing import ROOT_STATE
-from tpcache.cache.tree import page_terms
+from tpcache.cache.node import page_terms
 
 if TYPE_CHECKING:
     from tpcache.cache.reqtable import ReqTable, RequestId

@@ -29,12 +29,12 @@ from tpcache.cache.errors import InvalidSlots
 from tpcache.cache.events import BlockStored, KVEvent
 from tpcache.cache.hashing import PageHasher, block_hashes
 from tpcache.cache.keys import key_bytes
+from tpcache.cache.node import defer_hash, descend, page_terms
 from tpcache.cache.policies import KeyFn
 from tpcache.cache.swa_allocator import PairedAllocator
 from tpcache.cache.swa_evict import SwaEvictor
 from tpcache.cache.swa_locks import SwaLocks
 from tpcache.cache.swa_node import ROOT_MARK, SwaNode
-from tpcache.cache.tree import defer_hash, descend, page_terms
 
 _EMPTY_PAGES = np.zeros(0, dtype=np.int64)
 _EMPTY_STATES = np.zeros(0, dtype=np.uint64)

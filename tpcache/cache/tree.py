@@ -11,8 +11,9 @@ are not removed when a node changes; a popped entry is used only if it is still 
 node's current entry and the node is still an unlocked leaf. The heap is rebuilt only
 when stale entries outnumber live nodes, so each change costs O(log n) amortised.
 
-This module is internal: ``RadixCache`` is the public face and hands out opaque handles,
-never nodes.
+The node and the lookup walk are in ``node.py`` (shared with the hybrid tree), the full
+walk of ``check_integrity`` in ``tree_check.py``. This module is internal:
+``RadixCache`` is the public face and hands out opaque handles, never nodes.
 """
 
 from __future__ import annotations
@@ -23,144 +24,24 @@ import time
 import numpy as np
 
 from tpcache.cache.allocator import CACHED, HELD, PageAllocator
-from tpcache.cache.errors import IntegrityError, InvalidSlots, LockError
+from tpcache.cache.errors import InvalidSlots, LockError
 from tpcache.cache.events import BlockRemoved, BlockStored, KVEvent
-from tpcache.cache.hashing import ROOT_STATE, PageHasher, block_hashes
+from tpcache.cache.hashing import PageHasher, block_hashes
 from tpcache.cache.keys import key_bytes
+from tpcache.cache.node import (
+    _EMPTY_PAGES,
+    _EMPTY_STATES,
+    _MASK,
+    Node,
+    defer_hash,
+    descend,
+    hash_pending,
+    page_terms,
+)
 from tpcache.cache.policies import KeyFn, PolicyHooks
+from tpcache.cache.tree_check import check_tree
 
-_EMPTY_PAGES = np.zeros(0, dtype=np.int64)
-_EMPTY_STATES = np.zeros(0, dtype=np.uint64)
-_K = 0xA24BAED4963EE407  # odd
-_MASK = (1 << 64) - 1
-
-
-def page_terms(states: np.ndarray, pages: np.ndarray) -> int:
-    """Digest terms of cached pages: the sum of ``state * (page + K)`` mod 2**64, so it
-    covers each block (its chain state) with its page id; additive over pages. Two numpy
-    calls."""
-    p = pages.view(np.uint64) if pages.dtype == np.int64 else pages.astype(np.uint64)
-    return (int(states @ p) + _K * int(np.add.reduce(states))) & _MASK
-
-
-def descend(node, ps: int, key: np.ndarray, n: int, pos: int):
-    """The walk behind ``RadixTree.descend`` and ``SwaTree.descend`` (same node layout:
-    ``children`` keyed by first-page bytes, ``kb`` the node's token bytes): one dict
-    probe and one byte comparison per node, a vectorised compare where it diverges."""
-    path = []
-    if pos >= n:
-        return path, pos, None, 0
-    mv = memoryview(key).cast("B")  # byte offsets below: 4 per token, no copy
-    b, end, pb = 4 * pos, 4 * n, 4 * ps
-    while b < end:
-        child = node.children.get(mv[b : b + pb].tobytes())
-        if child is None:
-            break
-        kb = child.kb
-        m = len(kb)
-        if b + m <= end:
-            if kb.startswith(mv[b : b + m]):  # equal: same length
-                path.append(child)
-                b += m
-                node = child
-                continue
-        elif kb.startswith(mv[b:end]):
-            return path, b // 4, child, (end - b) // 4
-        pos = b // 4
-        ck = np.frombuffer(kb, dtype=np.int32)
-        m = min(ck.size, n - pos)
-        common = int((key[pos : pos + m] == ck[:m]).argmin()) // ps * ps
-        return path, pos, child, common
-    return path, b // 4, None, 0
-
-
-def defer_hash(tree, node, now: bool) -> None:
-    """Hash ``node`` now, or remember it for ``hash_pending`` (any tree with ``root``,
-    ``hasher``, ``nodes``, ``digest_sum`` and ``_unhashed``)."""
-    if now:
-        hash_node(tree, node)
-        return
-    tree._unhashed.append(node)
-    if len(tree._unhashed) > 2 * len(tree.nodes) + 1024:
-        # Drop evicted nodes, so a cache nobody asks for a digest keeps no dead node
-        # alive (amortised O(1) per insert).
-        tree._unhashed = [n for n in tree._unhashed if n.alive and n.states is None]
-
-
-def hash_pending(tree) -> None:
-    """Hash every node still waiting (parents first); see ``RadixTree.ensure_hashed``."""
-    pending, tree._unhashed = tree._unhashed, []
-    for node in pending:
-        if node.alive and node.states is None:
-            hash_node(tree, node)
-
-
-def hash_node(tree, node) -> None:
-    """Chain states and digest term of ``node`` and of its unhashed ancestors."""
-    chain = []
-    while node is not tree.root and node.states is None:
-        chain.append(node)
-        node = node.parent
-    for n in reversed(chain):
-        parent = n.parent
-        parent_state = int(parent.states[-1]) if parent.states.size else ROOT_STATE
-        n.states = tree.hasher.chain(np.frombuffer(n.kb, dtype=np.int32), parent_state)
-        n.term = page_terms(n.states, n.pages)
-        tree.digest_sum = (tree.digest_sum + n.term) & _MASK
-
-
-class Node:
-    """One run of cached pages. Owned and mutated only by its ``RadixTree``."""
-
-    __slots__ = (
-        "alive",
-        "children",
-        "created",
-        "hits",
-        "id",
-        "kb",
-        "last_access",
-        "lock",
-        "pages",
-        "parent",
-        "priority",
-        "queued",
-        "states",
-        "term",
-    )
-
-    def __init__(
-        self,
-        node_id: int,
-        parent: Node | None,
-        key: bytes | np.ndarray,
-        pages: np.ndarray,
-        states: np.ndarray | None,  # None until hashed (RadixTree.ensure_hashed)
-        tick: int,
-    ) -> None:
-        self.id = node_id
-        self.parent = parent
-        self.children: dict[bytes, Node] = {}
-        self.kb = key if isinstance(key, bytes) else key.tobytes()  # int32 tokens, as bytes
-        self.pages = pages
-        self.states = states
-        self.term = 0  # this node's share of the tree's digest_sum (page_terms)
-        self.lock = 0  # requests whose locked path runs through this node
-        self.last_access = tick
-        self.created = tick
-        self.hits = 0
-        self.priority = 0
-        self.queued: tuple[int, ...] | None = None  # key of this node's live heap entry
-        self.alive = True
-
-    @property
-    def key(self) -> np.ndarray:
-        """The node's tokens: a read-only int32 view of ``kb`` (no copy)."""
-        return np.frombuffer(self.kb, dtype=np.int32)
-
-    @key.setter
-    def key(self, tokens: np.ndarray) -> None:
-        self.kb = np.ascontiguousarray(tokens, dtype=np.int32).tobytes()
+__all__ = ["Node", "RadixTree"]
 
 
 class RadixTree:
@@ -516,77 +397,4 @@ class RadixTree:
 
     def check_integrity(self) -> None:
         """Walk the whole tree and recount; raise ``IntegrityError`` naming what broke."""
-        self.ensure_hashed()
-        ps = self.ps
-        nodes = self.walk()
-        if len(nodes) + 1 != len(self.nodes):
-            raise IntegrityError(
-                f"tree walk finds {len(nodes)} nodes, index has {len(self.nodes) - 1}"
-            )
-        pages_total = protected = 0
-        all_pages = []
-        digest = 0
-        live = {(n.queued, n.id) for _, n in self._heap if n.queued is not None}
-        for node in nodes:
-            parent = node.parent
-            if parent is None or not node.alive or self.nodes.get(node.id) is not node:
-                raise IntegrityError(f"node {node.id} is detached or not indexed")
-            if parent.children.get(node.kb[: 4 * ps]) is not node:
-                raise IntegrityError(
-                    f"node {node.id} is not under its first-page key in its parent"
-                )
-            if not node.kb or len(node.kb) != 4 * node.pages.size * ps:
-                raise IntegrityError(
-                    f"node {node.id}: {len(node.kb) // 4} tokens for {node.pages.size} pages"
-                    f" of {ps}"
-                )
-            if node.pages.dtype != np.int64:
-                raise IntegrityError(f"node {node.id}: pages of dtype {node.pages.dtype}")
-            if node.states.size != node.pages.size:
-                raise IntegrityError(
-                    f"node {node.id}: {node.states.size} hash states, {node.pages.size} pages"
-                )
-            if node.lock < 0:
-                raise IntegrityError(f"node {node.id} has lock {node.lock}")
-            child_locks = sum(c.lock for c in node.children.values())
-            if node.lock < child_locks:
-                raise IntegrityError(
-                    f"node {node.id} lock {node.lock} < its children's {child_locks}"
-                )
-            parent_state = int(parent.states[-1]) if parent.states.size else ROOT_STATE
-            if not np.array_equal(self.hasher.chain(node.key, parent_state), node.states):
-                raise IntegrityError(f"node {node.id}: block hash chain does not match its tokens")
-            if (
-                node.lock == 0
-                and not node.children
-                and (node.queued != self.key_fn(node) or (node.queued, node.id) not in live)
-            ):
-                raise IntegrityError(f"unlocked leaf {node.id} is not in the eviction queue")
-            pages_total += node.pages.size
-            protected += node.pages.size if node.lock else 0
-            all_pages.append(node.pages)
-            term = page_terms(node.states, node.pages)
-            if term != node.term:
-                raise IntegrityError(f"node {node.id}: digest term {node.term:#x} != {term:#x}")
-            digest += term
-        if pages_total != self.cached_pages or protected != self.protected_pages:
-            raise IntegrityError(
-                f"tree holds {pages_total} pages ({protected} protected), counters say "
-                f"{self.cached_pages} ({self.protected_pages} protected)"
-            )
-        if self.alloc.count(CACHED) != pages_total:
-            raise IntegrityError(
-                f"allocator has {self.alloc.count(CACHED)} cached pages, tree {pages_total}"
-            )
-        if all_pages:
-            flat = np.concatenate(all_pages)
-            if np.unique(flat).size != flat.size:
-                raise IntegrityError("a page is referenced by two tree nodes")
-            if (self.alloc.tags_of(flat) != CACHED).any():
-                raise IntegrityError("a tree page is not tagged cached in the allocator")
-        if digest & _MASK != self.digest_sum:
-            raise IntegrityError(
-                f"tree digest {self.digest_sum:#x} != recomputed {digest & _MASK:#x}"
-            )
-        if self.hooks is not None:
-            self.hooks.check_integrity()
+        check_tree(self)

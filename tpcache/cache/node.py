@@ -1,0 +1,145 @@
+"""A radix-tree node and the walks shared by the base and hybrid trees.
+
+``Node`` is one run of cached pages. ``descend`` is the lookup both trees use (same node
+layout); ``page_terms`` and the ``*_hash`` helpers compute the block-hash chain states and
+digest terms, lazily (a replay that never asks for a digest never hashes).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tpcache.cache.hashing import ROOT_STATE
+
+_EMPTY_PAGES = np.zeros(0, dtype=np.int64)
+_EMPTY_STATES = np.zeros(0, dtype=np.uint64)
+_K = 0xA24BAED4963EE407  # odd
+_MASK = (1 << 64) - 1
+
+
+def page_terms(states: np.ndarray, pages: np.ndarray) -> int:
+    """Digest terms of cached pages: the sum of ``state * (page + K)`` mod 2**64, so it
+    covers each block (its chain state) with its page id; additive over pages. Two numpy
+    calls."""
+    p = pages.view(np.uint64) if pages.dtype == np.int64 else pages.astype(np.uint64)
+    return (int(states @ p) + _K * int(np.add.reduce(states))) & _MASK
+
+
+def descend(node, ps: int, key: np.ndarray, n: int, pos: int):
+    """The walk behind ``RadixTree.descend`` and ``SwaTree.descend`` (same node layout:
+    ``children`` keyed by first-page bytes, ``kb`` the node's token bytes): one dict
+    probe and one byte comparison per node, a vectorised compare where it diverges."""
+    path = []
+    if pos >= n:
+        return path, pos, None, 0
+    mv = memoryview(key).cast("B")  # byte offsets below: 4 per token, no copy
+    b, end, pb = 4 * pos, 4 * n, 4 * ps
+    while b < end:
+        child = node.children.get(mv[b : b + pb].tobytes())
+        if child is None:
+            break
+        kb = child.kb
+        m = len(kb)
+        if b + m <= end:
+            if kb.startswith(mv[b : b + m]):  # equal: same length
+                path.append(child)
+                b += m
+                node = child
+                continue
+        elif kb.startswith(mv[b:end]):
+            return path, b // 4, child, (end - b) // 4
+        pos = b // 4
+        ck = np.frombuffer(kb, dtype=np.int32)
+        m = min(ck.size, n - pos)
+        common = int((key[pos : pos + m] == ck[:m]).argmin()) // ps * ps
+        return path, pos, child, common
+    return path, b // 4, None, 0
+
+
+def defer_hash(tree, node, now: bool) -> None:
+    """Hash ``node`` now, or remember it for ``hash_pending`` (any tree with ``root``,
+    ``hasher``, ``nodes``, ``digest_sum`` and ``_unhashed``)."""
+    if now:
+        hash_node(tree, node)
+        return
+    tree._unhashed.append(node)
+    if len(tree._unhashed) > 2 * len(tree.nodes) + 1024:
+        # Drop evicted nodes, so a cache nobody asks for a digest keeps no dead node
+        # alive (amortised O(1) per insert).
+        tree._unhashed = [n for n in tree._unhashed if n.alive and n.states is None]
+
+
+def hash_pending(tree) -> None:
+    """Hash every node still waiting (parents first); see ``RadixTree.ensure_hashed``."""
+    pending, tree._unhashed = tree._unhashed, []
+    for node in pending:
+        if node.alive and node.states is None:
+            hash_node(tree, node)
+
+
+def hash_node(tree, node) -> None:
+    """Chain states and digest term of ``node`` and of its unhashed ancestors."""
+    chain = []
+    while node is not tree.root and node.states is None:
+        chain.append(node)
+        node = node.parent
+    for n in reversed(chain):
+        parent = n.parent
+        parent_state = int(parent.states[-1]) if parent.states.size else ROOT_STATE
+        n.states = tree.hasher.chain(np.frombuffer(n.kb, dtype=np.int32), parent_state)
+        n.term = page_terms(n.states, n.pages)
+        tree.digest_sum = (tree.digest_sum + n.term) & _MASK
+
+
+class Node:
+    """One run of cached pages. Owned and mutated only by its ``RadixTree``."""
+
+    __slots__ = (
+        "alive",
+        "children",
+        "created",
+        "hits",
+        "id",
+        "kb",
+        "last_access",
+        "lock",
+        "pages",
+        "parent",
+        "priority",
+        "queued",
+        "states",
+        "term",
+    )
+
+    def __init__(
+        self,
+        node_id: int,
+        parent: Node | None,
+        key: bytes | np.ndarray,
+        pages: np.ndarray,
+        states: np.ndarray | None,  # None until hashed (RadixTree.ensure_hashed)
+        tick: int,
+    ) -> None:
+        self.id = node_id
+        self.parent = parent
+        self.children: dict[bytes, Node] = {}
+        self.kb = key if isinstance(key, bytes) else key.tobytes()  # int32 tokens, as bytes
+        self.pages = pages
+        self.states = states
+        self.term = 0  # this node's share of the tree's digest_sum (page_terms)
+        self.lock = 0  # requests whose locked path runs through this node
+        self.last_access = tick
+        self.created = tick
+        self.hits = 0
+        self.priority = 0
+        self.queued: tuple[int, ...] | None = None  # key of this node's live heap entry
+        self.alive = True
+
+    @property
+    def key(self) -> np.ndarray:
+        """The node's tokens: a read-only int32 view of ``kb`` (no copy)."""
+        return np.frombuffer(self.kb, dtype=np.int32)
+
+    @key.setter
+    def key(self, tokens: np.ndarray) -> None:
+        self.kb = np.ascontiguousarray(tokens, dtype=np.int32).tobytes()
