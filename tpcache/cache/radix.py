@@ -9,7 +9,6 @@ Every public method validates its input before it changes anything and raises a
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -30,10 +29,17 @@ from tpcache.cache.keys import (
     as_tokens,
     check_sign,
     pages_to_slots,
-    read_only,
     slots_to_pages,
 )
-from tpcache.cache.policies import CACHE_POLICIES, check_policy_params, make_policy
+from tpcache.cache.policies import make_policy
+from tpcache.cache.records import (
+    AdmitResult,
+    CacheConfig,
+    CacheSizes,
+    EvictResult,
+    Handle,
+    MatchResult,
+)
 from tpcache.cache.reqtable import (
     ReqTable,
     RequestId,
@@ -49,108 +55,6 @@ _MASK = (1 << 64) - 1
 
 # Called with the local shortfall in pages; evicts what it decides (see ``admit``).
 Evictor = Callable[[int], object]
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    """Shape of one cache. ``capacity_tokens`` is rounded down to whole pages."""
-
-    capacity_tokens: int
-    page_size: int = 1
-    policy: str = "lru"
-    record_events: bool = False
-    max_request_tokens: int | None = None  # None: the whole capacity
-    medium: str = "GPU"
-    policy_params: object = None  # the policy's parameter record (e.g. ResightParams), or None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.page_size, int) or self.page_size < 1:
-            raise CacheError(f"page_size must be an int >= 1, got {self.page_size!r}")
-        if not isinstance(self.capacity_tokens, int) or self.capacity_tokens < self.page_size:
-            raise CacheError(
-                f"capacity_tokens must be an int >= page_size ({self.page_size}), "
-                f"got {self.capacity_tokens!r}"
-            )
-        if self.policy not in CACHE_POLICIES:
-            raise CacheError(f"unknown policy {self.policy!r}; known: {', '.join(CACHE_POLICIES)}")
-        check_policy_params(self.policy, self.policy_params)
-        if self.max_request_tokens is not None and self.max_request_tokens < 1:
-            raise CacheError(f"max_request_tokens must be >= 1, got {self.max_request_tokens}")
-
-    @property
-    def num_pages(self) -> int:
-        return self.capacity_tokens // self.page_size
-
-    @property
-    def request_limit(self) -> int:
-        cap = self.num_pages * self.page_size
-        return cap if self.max_request_tokens is None else min(cap, self.max_request_tokens)
-
-
-@dataclass(frozen=True, slots=True)
-class Handle:
-    """Opaque reference to a matched prefix; pass it back to ``lock``/``unlock``."""
-
-    node_id: int
-
-
-@dataclass(slots=True)
-class MatchResult:
-    """A cached prefix: its length (whole pages), its pages and a handle to lock it.
-
-    The caller's record (not frozen: that costs a microsecond per result): its pages are
-    a copy, so nothing done to it reaches the cache."""
-
-    prefix_len: int
-    pages: np.ndarray
-    handle: Handle
-    page_size: int
-
-    @property
-    def slots(self) -> np.ndarray:
-        return pages_to_slots(self.pages, self.page_size)
-
-
-@dataclass(frozen=True)
-class EvictResult:
-    num_tokens: int
-    num_nodes: int
-
-
-@dataclass(slots=True)
-class AdmitResult:
-    """An admitted request: how much of it was cached, and the slots of the whole prompt.
-
-    The caller's record, as ``MatchResult``; its pages are a read-only view."""
-
-    prefix_len: int
-    pages: np.ndarray
-    num_tokens: int
-    page_size: int
-
-    def __post_init__(self) -> None:
-        # Shown, not handed over: the pages are a running request's own row, which a
-        # caller writing into them would corrupt.
-        self.pages = read_only(self.pages)
-
-    @property
-    def slots(self) -> np.ndarray:
-        return pages_to_slots(self.pages, self.page_size, self.num_tokens)
-
-
-@dataclass(frozen=True)
-class CacheSizes:
-    """Token counts. Conservation: free + evictable + protected + held == capacity."""
-
-    capacity: int
-    free: int
-    evictable: int
-    protected: int
-    held: int
-
-    @property
-    def cached(self) -> int:
-        return self.evictable + self.protected
 
 
 class RadixCache:

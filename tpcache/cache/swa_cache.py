@@ -45,7 +45,7 @@ from tpcache.cache.hashing import fmix64_int
 from tpcache.cache.keys import TokenLike, as_slots, as_tokens, pages_to_slots, slots_to_pages
 from tpcache.cache.node import hash_pending
 from tpcache.cache.policies import policy_key
-from tpcache.cache.radix import CacheSizes
+from tpcache.cache.records import CacheSizes
 from tpcache.cache.reqtable import ReqTable, RequestId, as_priority
 from tpcache.cache.swa_allocator import PairedAllocator
 from tpcache.cache.swa_check import check_locks, check_requests, check_tree

@@ -13,7 +13,7 @@ import numpy as np
 from tpcache.cache.errors import CacheError
 from tpcache.cache.keys import pages_to_slots
 from tpcache.cache.policies import POLICIES
-from tpcache.cache.radix import AdmitResult, CacheSizes, EvictResult, Handle, MatchResult
+from tpcache.cache.records import AdmitResult, CacheSizes, EvictResult, Handle, MatchResult
 
 
 class InvalidConfig(CacheError, ValueError):
