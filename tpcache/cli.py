@@ -144,7 +144,7 @@ def init_ray(address: str | None, namespace: str | None = None) -> None:
 
 def _group_config(args: argparse.Namespace, capacity: int | None):  # -> GroupConfig
     from tpcache.coordinator.service import GroupConfig
-    from tpcache.workers.rank import CacheSpec
+    from tpcache.workers.spec import CacheSpec
 
     cache = CacheSpec(page_size=args.page_size, policy=args.policy)
     # A thin pool (one KV head per rank, 4 dims, fp16) keeps a CPU demo's memory small;

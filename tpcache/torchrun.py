@@ -38,7 +38,8 @@ from tpcache.workers.lockstep import (
 )
 from tpcache.workers.model import ModelSpec
 from tpcache.workers.ops import RunCall, RunStep, Stop
-from tpcache.workers.rank import CacheSpec, RankWorker, WorkerSpec
+from tpcache.workers.rank import RankWorker
+from tpcache.workers.spec import CacheSpec, WorkerSpec
 
 
 class TorchrunRanks:

@@ -18,7 +18,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tpcache.coordinator.core import RankCallError
-from tpcache.workers.rank import RankWorker, WorkerSpec
+from tpcache.workers.rank import RankWorker
+from tpcache.workers.spec import WorkerSpec
 
 CPU_PER_RANK = 0.01
 RankActor = ray.remote(RankWorker)

@@ -25,7 +25,8 @@ from tpcache.coordinator.metrics import CoordinatorMetrics, EventsHook
 from tpcache.coordinator.publisher import EventPublisher
 from tpcache.coordinator.ranks import RayRanks
 from tpcache.workers.kvpool import PoolSpec
-from tpcache.workers.rank import CacheSpec, RankWorker, WorkerSpec
+from tpcache.workers.rank import RankWorker
+from tpcache.workers.spec import CacheSpec, WorkerSpec
 
 DEFAULT_NAMESPACE = "tpcache"
 

@@ -10,16 +10,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
 from tpcache.cache.errors import CacheError
-from tpcache.cache.radix import CacheConfig, RadixCache
+from tpcache.cache.radix import RadixCache
 from tpcache.cache.swa_cache import HybridCache
-from tpcache.cache.swa_config import HybridConfig
 from tpcache.workers.context import ForwardError, check_forward, to_context
 from tpcache.workers.group import GroupSpec, TPGroup, free_port, node_ip
 from tpcache.workers.kvpool import (
@@ -32,74 +30,7 @@ from tpcache.workers.kvpool import (
 from tpcache.workers.lockstep import apply_step
 from tpcache.workers.model import Context, ModelConfigError, ModelSpec, RankModel
 from tpcache.workers.ops import ForwardResult, Op, decode_forward, decode_step, encode
-
-
-@dataclass(frozen=True)
-class CacheSpec:
-    """The cache every rank and the mirror build, less its capacity (agreed at start-up).
-
-    ``sliding_window`` set: the hybrid cache (full + SWA pools, ``HybridCache``) with an
-    SWA pool of ``swa_capacity_tokens`` (None: as large as the full pool; never larger).
-    """
-
-    page_size: int = 16
-    policy: str = "lru"
-    max_request_tokens: int | None = None
-    sliding_window: int | None = None
-    swa_capacity_tokens: int | None = None
-
-    def __post_init__(self) -> None:
-        CacheConfig(capacity_tokens=self.page_size, page_size=self.page_size, policy=self.policy)
-        if self.sliding_window is not None:
-            self._hybrid_config(max(self.swa_capacity_tokens or 0, self.page_size), False)
-        elif self.swa_capacity_tokens is not None:
-            raise CacheError("swa_capacity_tokens needs a sliding_window (the hybrid cache)")
-
-    def _hybrid_config(self, capacity_tokens: int, record_events: bool) -> HybridConfig:
-        swa = self.swa_capacity_tokens or capacity_tokens
-        return HybridConfig(
-            capacity_tokens=capacity_tokens,
-            swa_capacity_tokens=min(swa, capacity_tokens),
-            sliding_window=self.sliding_window,  # type: ignore[arg-type]
-            page_size=self.page_size,
-            policy=self.policy,
-            record_events=record_events,
-            max_request_tokens=self.max_request_tokens,
-        )
-
-    def build(self, capacity_tokens: int, record_events: bool = False) -> RadixCache:
-        if self.sliding_window is not None:
-            return HybridCache(self._hybrid_config(capacity_tokens, record_events))  # type: ignore[return-value]
-        return RadixCache(
-            CacheConfig(
-                capacity_tokens=capacity_tokens,
-                page_size=self.page_size,
-                policy=self.policy,
-                record_events=record_events,
-                max_request_tokens=self.max_request_tokens,
-            )
-        )
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """What every rank of one TP group is configured with (identical on every rank)."""
-
-    pool: PoolSpec
-    cache: CacheSpec = field(default_factory=CacheSpec)
-    capacity_tokens: int | None = None  # None: as many slots as the budget allows
-    cpu_budget_bytes: int = 256 << 20
-    gpu_fraction: float = 0.8
-    backend: str = "auto"
-    timeout_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        if self.capacity_tokens is not None and self.capacity_tokens < self.cache.page_size:
-            raise ValueError(
-                f"capacity_tokens={self.capacity_tokens} is below one page of {self.cache.page_size}"
-            )
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+from tpcache.workers.spec import CacheSpec, WorkerSpec
 
 
 class RankWorker:
@@ -424,3 +355,6 @@ def expected_token_kv(
     k = (base + 1024 * layer).to(pool.torch_dtype)
     v = (-base - 1024 * layer).to(pool.torch_dtype)
     return k, v
+
+
+__all__ = ["CacheSpec", "RankWorker", "WorkerSpec", "expected_token_kv"]
