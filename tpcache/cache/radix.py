@@ -207,7 +207,7 @@ class RadixCache:
         if need > self.alloc.num_free:
             self._check_room(need, path, partial, common, evict)
         tree = self.tree
-        path, pos = tree.take_match(path, pos, partial, common)
+        path, pos = tree.take_match(path, pos, partial, common, queue=False)
         node = path[-1] if path else tree.root
         tree.lock(node)
         try:

@@ -120,11 +120,15 @@ class ReqTable:
             raise DuplicateRequest(f"request {rid!r} is already running")
 
     def get(self, rid: Any) -> Req:
+        # A running request's id was checked when it came in; an exact int or str found
+        # here needs no second check (a bool equal to a running int id is not one).
+        t = type(rid)
+        if t is int or t is str:
+            req = self._rows.get(rid)
+            if req is not None:
+                return req
         check_request_id(rid)
-        req = self._rows.get(rid)
-        if req is None:
-            raise UnknownRequest(f"no running request {rid!r}")
-        return req
+        raise UnknownRequest(f"no running request {rid!r}")
 
     def add(
         self,

@@ -146,9 +146,19 @@ class RadixTree:
         return upper
 
     def take_match(
-        self, path: list[Node], pos: int, partial: Node | None, common: int
+        self,
+        path: list[Node],
+        pos: int,
+        partial: Node | None,
+        common: int,
+        *,
+        queue: bool = True,
     ) -> tuple[list[Node], int]:
-        """Make a ``descend`` result the match: split the partial node, touch the path."""
+        """Make a ``descend`` result the match: split the partial node, touch the path.
+
+        ``queue=False``: the caller locks the match's end at once (``admit``), so its
+        new eviction key would only be a stale heap entry; unlock queues it again.
+        """
         if partial is not None:
             path.append(self.split(partial, common))
             pos += common
@@ -159,7 +169,7 @@ class RadixTree:
         for node in path:
             node.last_access = tick
             node.hits += 1
-        if path:
+        if path and queue:
             self._queue(path[-1])
         return path, pos
 
