@@ -9,6 +9,7 @@ import msgspec
 import numpy as np
 import pytest
 from cache_helpers import fold_events, tree_block_index
+from vllm_wire import VLLM_WIRE, VCleared, VRemoved, VStored
 
 from tpcache.cache import hashing
 from tpcache.cache.events import (
@@ -178,37 +179,6 @@ def test_event_batches_round_trip_in_the_vllm_layout() -> None:
     assert all(0 <= h < 2**64 for h in raw[1][0]["block_hashes"])
 
 
-# The structs of vLLM's example KV-event subscriber, written from its published
-# layout (array-like, tagged; BlockStored there has no lora_name). Module level:
-# msgspec resolves the annotations by name.
-class VEvent(msgspec.Struct, array_like=True, tag=True):
-    pass
-
-
-class VStored(VEvent, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-
-
-class VRemoved(VEvent, tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: str | None
-
-
-class VCleared(VEvent, tag="AllBlocksCleared"):
-    pass
-
-
-class VBatch(msgspec.Struct, array_like=True):
-    ts: float
-    events: list[VStored | VRemoved | VCleared]
-    data_parallel_rank: int | None = None
-
-
 def test_array_encoding_is_what_vllms_subscriber_structs_decode() -> None:
     c = _cache(page_size=2)
     c.admit(0, [1, 2, 3, 4, 5])
@@ -218,7 +188,7 @@ def test_array_encoding_is_what_vllms_subscriber_structs_decode() -> None:
     batch = KVEventBatch(ts=2.5, events=[*c.take_events(), named, AllBlocksCleared()])
     payload = encode_batch(batch, "array")
     assert decode_batch(payload) == batch  # tpcache's own decoder reads both
-    got = msgspec.msgpack.Decoder(VBatch).decode(payload)
+    got = VLLM_WIRE.decode(payload)
     assert [type(e) for e in got.events] == [VStored, VRemoved, VStored, VCleared]
     stored = batch.events[0]
     assert got.events[0].block_hashes == stored.block_hashes
@@ -227,7 +197,7 @@ def test_array_encoding_is_what_vllms_subscriber_structs_decode() -> None:
     assert (got.events[2].lora_id, got.events[2].medium) == (4, "CPU")
     # The map encoding is the one such a decoder rejects.
     with pytest.raises(msgspec.ValidationError, match="Expected `array`, got `object`"):
-        msgspec.msgpack.Decoder(VBatch).decode(encode_batch(batch))
+        VLLM_WIRE.decode(encode_batch(batch))
     with pytest.raises(ValueError, match="unknown event encoding"):
         encode_batch(batch, "json")
     with pytest.raises(msgspec.ValidationError):

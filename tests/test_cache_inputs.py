@@ -16,6 +16,7 @@ from tpcache.cache.errors import (
     InvalidSlots,
     InvalidTokens,
     LockError,
+    OutOfCapacity,
     UnknownHandle,
     UnknownRequest,
 )
@@ -315,3 +316,28 @@ def test_joined_keys_hand_their_bytes_to_the_tree_once() -> None:
     cache.extend(1, 2)
     cache.finish(1, [50, 51])
     assert cache.match_prefix([*range(1, 11), 50, 51, 9]).prefix_len == 12
+
+
+def test_a_bool_id_is_refused_even_when_an_equal_int_id_is_running() -> None:
+    # ReqTable.get finds exact int/str ids without re-checking them; True == 1 and hashes
+    # like it, so it must not reach the running request 1.
+    c = RadixCache(CacheConfig(64, 4))
+    c.admit(1, [1, 2, 3, 4, 5])
+    for call in (lambda: c.extend(True, 1), lambda: c.finish(True), lambda: c.abort(True)):
+        with pytest.raises(CacheError, match="request id"):
+            call()
+    assert c.finish(1) == 4
+
+
+def test_a_match_locked_by_a_failed_admit_is_evictable_again() -> None:
+    # admit does not queue the end of its match (it locks it at once); when the
+    # allocation then fails, unlock must queue it again with its new recency.
+    c = RadixCache(CacheConfig(64, 4))
+    c.admit("a", list(range(1, 9)))
+    c.finish("a")
+    c.admit("hold", list(range(200, 240)))  # 4 of 16 pages left free
+    with pytest.raises(OutOfCapacity):
+        c.admit("b", [*range(1, 9), *range(100, 120)], evict=lambda short: None)
+    assert c.sizes().evictable == 8
+    assert c.evict(8).num_tokens == 8
+    c.check_integrity()

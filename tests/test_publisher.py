@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 import zmq
+from vllm_wire import VLLM_WIRE, VRemoved, VStored
 
 from tpcache.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from tpcache.coordinator.publisher import (
@@ -58,35 +59,6 @@ class WBatch(msgspec.Struct, array_like=True):
 
 
 WIRE = msgspec.msgpack.Decoder(WBatch)
-
-
-# The same events as arrays ``[tag, field, ...]``: the "array" encoding, vLLM's own.
-class AStored(msgspec.Struct, tag="BlockStored", array_like=True):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-
-
-class ARemoved(msgspec.Struct, tag="BlockRemoved", array_like=True):
-    block_hashes: list[int]
-    medium: str | None
-
-
-class ACleared(msgspec.Struct, tag="AllBlocksCleared", array_like=True):
-    pass
-
-
-class ABatch(msgspec.Struct, array_like=True):
-    ts: float
-    events: list[AStored | ARemoved | ACleared]
-    data_parallel_rank: int | None
-
-
-ARRAY_WIRE = msgspec.msgpack.Decoder(ABatch)
 Index = dict[tuple[str | None, int], tuple[int | None, tuple[int, ...]]]
 
 
@@ -240,17 +212,17 @@ def test_array_encoding_live_replay_and_snapshot(ctx, publisher):
     sub = sub_socket(ctx, pub.endpoint, b"kv")
     got = wait_subscribed(pub, sub)
     last = pub.publish([BlockStored([1, 2], None, [1, 2, 3, 4], 2), BlockRemoved([2])])
-    live = ARRAY_WIRE.decode(recv_through(sub, last, got)[-1][2])
-    assert [type(e) for e in live.events] == [AStored, ARemoved]
+    live = VLLM_WIRE.decode(recv_through(sub, last, got)[-1][2])
+    assert [type(e) for e in live.events] == [VStored, VRemoved]
     assert live.events[0].token_ids == [1, 2, 3, 4] and live.data_parallel_rank == 1
     with pytest.raises(msgspec.ValidationError):
         WIRE.decode(got[-1][2])  # not maps
     dealer = ctx.socket(zmq.DEALER)
     dealer.connect(pub.replay_endpoint)
     replayed = request(dealer, last.to_bytes(8, "big"))
-    assert ARRAY_WIRE.decode(replayed[0][2]).events[1].block_hashes == [2]
+    assert VLLM_WIRE.decode(replayed[0][2]).events[1].block_hashes == [2]
     snap = request(dealer, b"SNAPSHOT")
-    assert [e.block_hashes for e in ARRAY_WIRE.decode(snap[0][2]).events] == [[1]]
+    assert [e.block_hashes for e in VLLM_WIRE.decode(snap[0][2]).events] == [[1]]
 
 
 def test_replay_from_middle_returns_later_batches_then_end(ctx, publisher):
