@@ -21,7 +21,7 @@ SGLang side that is ``RadixCache`` (LRU) with its own ``PagedTokenToKVPoolAlloca
 the CPU, called as its scheduler calls them (``match_prefix``, ``path_device_indices``,
 ``inc_lock_ref``, ``evict``, ``alloc``, ``insert``, ``free_segment``/``free``,
 ``dec_lock_ref``). On tpcache's side it is ``admit``, ``extend`` and ``finish``
-(``tpcache.replay``'s loop). Both hit rates are printed: equal matched tokens
+(``tpcache.replay``). Both hit rates are printed: equal matched tokens
 mean they did the same work (eviction order may differ a little: both are LRU, but
 SGLang evicts whole leaf nodes and breaks ties by its own rule).
 """
@@ -40,7 +40,7 @@ from array import array
 from pathlib import Path
 from typing import Any
 
-from tpcache.replay import ReplayOptions, make_cache
+from tpcache.replay import ReplayOptions, replay
 from tpcache.trace import TraceRequest, load_trace, output_tokens, prompt_tokens
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
@@ -100,23 +100,10 @@ def sglang_replay(requests: list[TraceRequest], capacity: int, page_size: int) -
 
 
 def tpcache_replay(requests: list[TraceRequest], capacity: int, page_size: int) -> dict[str, Any]:
-    # tpcache.replay's loop, with the process CPU time taken the same way as above.
-    cache = make_cache(ReplayOptions(capacity=capacity, page_size=page_size), capacity)
-    clock, cpu = time.perf_counter, time.process_time
-    ops_s = cpu_s = 0.0
-    matched = prompt_total = 0
-    for req in requests:
-        prompt, output = prompt_tokens(req), output_tokens(req)
-        c0, t0 = cpu(), clock()
-        got = cache.admit(req.index, prompt)
-        cache.extend(req.index, output.size)
-        cache.finish(req.index, output)
-        ops_s += clock() - t0
-        cpu_s += cpu() - c0
-        matched += got.prefix_len
-        prompt_total += req.input_length
-    cache.check_integrity()
-    return _summary(ops_s, cpu_s, matched, prompt_total)
+    out = replay(requests, ReplayOptions(capacity=capacity, page_size=page_size))
+    return _summary(
+        out["cache_ops_s"], out["cache_ops_cpu_s"], out["matched_tokens"], out["prompt_tokens"]
+    )
 
 
 def _summary(ops_s: float, cpu_s: float, matched: int, prompt: int) -> dict[str, Any]:

@@ -92,6 +92,7 @@ def test_cli_replay_json_prints_the_required_keys() -> None:
     assert out["requests"] == 50
     assert out["matched_tokens"] == ideal_matched_tokens(load_trace(TRACE, 50), 16)
     assert out["cache_ops_s"] > 0 and out["peak_rss_mb"] > 0
+    assert 0 < out["cache_ops_cpu_s"] < 10 * out["cache_ops_s"] + 1
 
 
 def test_cli_replay_rejects_a_bad_policy(tmp_path: Path) -> None:
