@@ -281,7 +281,9 @@ def _hang_main(rank: int, port: int, out: Any) -> None:
 
 
 def _init_alone(rank: int) -> tuple[str, float]:
-    spec = GroupSpec(rank, 2, "127.0.0.1", free_port(), backend="gloo", timeout_s=3.0)
+    spec = GroupSpec(
+        rank, 2, "127.0.0.1", free_port(), backend="gloo", timeout_s=1.0, join_timeout_s=3.0
+    )
     start = time.monotonic()
     with pytest.raises(GroupError) as info:
         TPGroup.init(spec, CPU)
@@ -295,13 +297,72 @@ def test_missing_rank_fails_within_bound() -> None:
     for rank in (0, 1):  # rank 0 alone: no client comes; rank 1 alone: no master
         message, seconds = _init_alone(rank)
         assert f"init of gloo group failed for rank {rank}/2 at 127.0.0.1:" in message
-        assert "timeout 3s" in message
+        assert "join timeout 3s" in message  # the join timeout bounds init, not timeout_s
+        assert seconds > 2.5, (rank, seconds, message)
         assert seconds < 15.0, (rank, seconds, message)
     res = _collect(hang, wait_s=40)[0]
     assert "all_min failed for rank 0/2 at 127.0.0.1:" in res["first"], res
     assert 2.5 < res["first_s"] < 15.0, res
     # Once broken, the group says so at once instead of waiting out another timeout.
     assert "group is unusable" in res["again"] and res["again_s"] < 1.0, res
+
+
+LATE_S = 6.0  # 3x timeout_s, and past the ~2.5x a non-master rank retries connecting
+
+
+def _late_main(rank: int, port: int, late_rank: int, out: Any) -> None:
+    """``late_rank`` arrives LATE_S after its peer; both then meet in a collective, and
+    then rank 1 stays out of the next one (a hang) while rank 0 waits in it."""
+    spec = GroupSpec(rank, 2, "127.0.0.1", port, backend="gloo", timeout_s=2.0, join_timeout_s=60.0)
+    res: dict[str, Any] = {"rank": rank, "late_rank": late_rank}
+    if rank == late_rank:
+        time.sleep(LATE_S)
+    start = time.monotonic()
+    try:
+        group = TPGroup.init(spec, CPU)
+    except GroupError as exc:
+        res["error"] = str(exc)
+        out.put(res)
+        return
+    res["join_s"] = time.monotonic() - start
+    res["min"] = group.all_min([rank + 1])
+    if rank == 1:
+        time.sleep(8.0)  # past rank 0's timeout_s, and its check of hang_s below
+    else:
+        start = time.monotonic()
+        try:
+            group.all_min([1])
+            res["hang"] = "no error"
+        except GroupError as exc:
+            res["hang"] = str(exc)
+        res["hang_s"] = time.monotonic() - start
+    group.destroy()
+    out.put(res)
+
+
+def test_late_rank_joins_and_a_hang_is_still_found_after_timeout_s() -> None:
+    # Before join_timeout_s, timeout_s bounded init too: a rank this late failed the group.
+    # Two pairs at once: a late client (the master waits in its store) and a late master
+    # (the client retries connecting).
+    args = [(r, port, late) for late in (1, 0) for port in [free_port()] for r in (0, 1)]
+    results = _collect(_start(_late_main, args), wait_s=90)
+    for late in (1, 0):
+        pair = {r["rank"]: r for r in results if r["late_rank"] == late}
+        for res in pair.values():
+            assert "error" not in res, res
+            assert res["min"] == [1], res
+        on_time = pair[1 - late]
+        # It waited well past timeout_s for its peer and still formed the group.
+        assert on_time["join_s"] > 3.0, pair
+        hang = pair[0]
+        assert "all_min failed for rank 0/2 at 127.0.0.1:" in hang["hang"], hang
+        assert "timeout 2s" in hang["hang"], hang
+        # timeout_s (2 s), not join_timeout_s (60 s), nor the sleeper's exit at 8 s.
+        assert 1.5 < hang["hang_s"] < 6.0, hang
+        print(
+            f"late rank {late}: on-time rank joined in {on_time['join_s']:.2f}s, "
+            f"hang found in {hang['hang_s']:.2f}s"
+        )
 
 
 def test_group_spec_validation() -> None:
@@ -313,6 +374,13 @@ def test_group_spec_validation() -> None:
         GroupSpec(0, 1, "127.0.0.1", 1234, backend="mpi")
     with pytest.raises(GroupInputError, match="timeout_s=0"):
         GroupSpec(0, 1, "127.0.0.1", 1234, timeout_s=0)
+    for bad in (True, "60", None, float("nan"), float("inf"), 0, -1.0):
+        for name in ("timeout_s", "join_timeout_s"):
+            with pytest.raises(GroupInputError, match=f"^{name}="):
+                GroupSpec(0, 1, "127.0.0.1", 1234, **{name: bad})
+    spec = GroupSpec(0, 1, "127.0.0.1", 1234, timeout_s=2, join_timeout_s=0.5)
+    assert (spec.timeout_s, spec.join_timeout_s) == (2, 0.5)
+    assert GroupSpec(0, 1, "127.0.0.1", 1234).join_timeout_s == 120.0
     assert GroupSpec(0, 1, "::1", 1234).init_method == "tcp://[::1]:1234"
 
 

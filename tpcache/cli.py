@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import sys
 from pathlib import Path
@@ -35,6 +36,16 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0, got {text}")
     return value
 
 
@@ -161,6 +172,7 @@ def _group_config(args: argparse.Namespace, capacity: int | None):  # -> GroupCo
         dtype="float16",
         cpu_budget_bytes=budget,
         timeout_s=args.timeout,
+        join_timeout_s=args.join_timeout,
     )
 
 
@@ -174,7 +186,17 @@ def _add_group_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=_positive, default=1, help="KV-pool layers (default 1)")
     p.add_argument("--head-dim", type=_positive, default=4, help="KV-pool head dim (default 4)")
     p.add_argument(
-        "--timeout", type=float, default=60.0, help="collective timeout in seconds (default 60)"
+        "--timeout",
+        type=_seconds,
+        default=60.0,
+        help="collective timeout in seconds: how fast a hung rank is found (default 60)",
+    )
+    p.add_argument(
+        "--join-timeout",
+        type=_seconds,
+        default=120.0,
+        help="seconds ranks wait for each other to join the group, at start-up and after "
+        "a rank is replaced (default 120)",
     )
 
 

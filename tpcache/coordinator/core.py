@@ -123,6 +123,9 @@ class _Counters:
     divergences: int = 0
     rank_failures: int = 0
     recoveries: int = 0
+    # Wall time of the last recover(): mostly a replacement rank's start-up and the join
+    # (bounded by the ranks' join timeout), apart from the failure's detection before it.
+    last_recovery_s: float = 0.0
     latencies_s: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
     # Per step, the slowest rank's time on its ops and digest (before the collective).
     rank_ops_s: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
@@ -297,6 +300,7 @@ class Coordinator:
             "divergences": c.divergences,
             "rank_failures": c.rank_failures,
             "recoveries": c.recoveries,
+            "last_recovery_s": c.last_recovery_s,
             "replaced_ranks": getattr(self.ranks, "replaced", 0),
             "step_latency_ms_median": statistics.median(lat) * 1e3 if lat else 0.0,
             "digest": self.mirror.digest(),
@@ -424,6 +428,7 @@ class Coordinator:
 
         Requests that were running are lost: later calls for them raise ``RequestLost``.
         """
+        started = time.monotonic()
         for rid in self.mirror.reqs.ids():
             self._lost.setdefault(rid, "the coordinator recovered its TP group")
         self._inflight.clear()
@@ -443,6 +448,7 @@ class Coordinator:
         self._next_step = 0
         self.broken = None
         self.counters.recoveries += 1
+        self.counters.last_recovery_s = time.monotonic() - started
 
     def check_health(self) -> bool:
         """Ping every rank (bounded by ``probe_s``); on a dead or hung rank, fail and

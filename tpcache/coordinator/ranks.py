@@ -79,6 +79,10 @@ class RayRanks:
         """Every rank (re)joins a new group at rank 0's address and agrees the capacity."""
         t = self.start_timeout_s
         addr, port = ray.get(self.actors[0].address.remote(), timeout=t)
+        # Longer than the ranks' own bounds (a new rank's start-up, then the join, then
+        # setup's one collective), so a failed join comes back as the rank's GroupError,
+        # which names it, rather than as a bare timeout here.
+        t += self.spec.join_timeout_s + self.spec.timeout_s
         caps = self._get([getattr(a, method).remote(addr, port) for a in self.actors], t)
         self.master = (addr, port)
         return int(caps[0])

@@ -24,6 +24,7 @@ from tpcache.coordinator.frontend import handle, handle_many
 from tpcache.coordinator.metrics import CoordinatorMetrics, EventsHook
 from tpcache.coordinator.publisher import EventPublisher
 from tpcache.coordinator.ranks import RayRanks
+from tpcache.workers.group import check_seconds
 from tpcache.workers.kvpool import PoolSpec
 from tpcache.workers.rank import RankWorker
 from tpcache.workers.spec import CacheSpec, WorkerSpec
@@ -33,7 +34,12 @@ DEFAULT_NAMESPACE = "tpcache"
 
 @dataclass(frozen=True)
 class GroupConfig:
-    """Everything needed to start one TP group. ``capacity_tokens`` None: fit the budget."""
+    """Everything needed to start one TP group. ``capacity_tokens`` None: fit the budget.
+
+    ``timeout_s`` bounds each collective, so a hung rank is found that fast;
+    ``join_timeout_s`` bounds how long ranks wait for each other to join the group, at
+    start-up and when recovery replaces a rank (a new process must start first).
+    """
 
     tp: int = 2
     capacity_tokens: int | None = 1 << 20
@@ -46,11 +52,17 @@ class GroupConfig:
     gpu_fraction: float = 0.8
     backend: str = "auto"
     timeout_s: float = 60.0
+    join_timeout_s: float = 120.0
     use_gpus: bool | None = None
     strategy: str = "PACK"
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     events: EventConfig | None = None  # None: no KV events published
     metrics_port: int | None = None  # None: no Prometheus endpoint; 0 picks a port
+
+    def __post_init__(self) -> None:
+        # Before start_group binds an events endpoint or starts a rank.
+        check_seconds("timeout_s", self.timeout_s)
+        check_seconds("join_timeout_s", self.join_timeout_s)
 
     def worker_spec(self) -> WorkerSpec:
         return WorkerSpec(
@@ -61,6 +73,7 @@ class GroupConfig:
             gpu_fraction=self.gpu_fraction,
             backend=self.backend,
             timeout_s=self.timeout_s,
+            join_timeout_s=self.join_timeout_s,
         )
 
 

@@ -12,13 +12,29 @@ Unsigned 64-bit values (state digests, block hashes) travel as int64 with the sa
 MIN and the MAX of the carried values are equal iff every rank holds the same digest,
 although signed order differs from unsigned order.
 
-Timeouts (measured with gloo on torch 2.13, ``timeout_s=3``): a rendezvous with a missing
-rank fails in ``init`` (the TCPStore on rank 0 waits ``timeout_s`` for clients: ~4 s; a
-rank whose master never comes retries connecting: ~7 s); a peer that inits and then never
-enters a collective fails that collective after ``timeout_s``; a peer that died fails it at
-once (connection reset). After any failure the group is broken and every later call raises
-GroupError at once. NCCL differs: by default its watchdog (TORCH_NCCL_ASYNC_ERROR_HANDLING=3)
-tears the process down on a collective timeout instead of raising.
+Two timeouts. ``join_timeout_s`` bounds joining: the rendezvous of ``init``, which waits
+for the slowest rank's process to start (a Ray worker importing torch takes seconds, tens
+of seconds on a loaded machine, and a replacement rank during recovery starts only after
+the failure). ``timeout_s`` bounds each collective, so a hung peer is found fast. One
+timeout cannot do both: ``init_process_group(timeout=)`` also becomes the default group's
+collective timeout. So ``init`` joins the default group with ``join_timeout_s`` and then
+makes ``dist.new_group(timeout=timeout_s)`` over all ranks, which every collective here
+uses; it meets on the already formed group's store, in milliseconds. (torch's private
+``_set_pg_timeout`` on the default group works on torch 2.13 too, but it is private and
+its gloo path was broken in some releases, pytorch#165422; ``new_group(timeout=)`` is
+public and has bounded gloo collectives since torch 1.0.)
+
+Measured with gloo on torch 2.13, ``timeout_s=2``, ``join_timeout_s=30``: a rank 6 s late
+still joins (its peer's ``init`` takes ~6 s); the master 8 s late as well (the other rank
+retries connecting with back-off, so it joins up to ~4 s after the master arrives); the
+extra ``new_group`` takes 1-5 ms; a peer that then never enters a collective fails it after
+2.0 s (``timeout_s``, not ``join_timeout_s``), where without the second group it waits
+until the peer exits. With ``join_timeout_s=3`` a rendezvous with a missing rank fails in
+``init`` (the TCPStore on rank 0 waits for clients: ~4 s; a rank whose master never comes
+retries connecting: ~7 s). A peer that died fails a collective at once (connection
+reset). After any failure the group is broken and every later call raises GroupError at
+once. NCCL differs: by default its watchdog (TORCH_NCCL_ASYNC_ERROR_HANDLING=3) tears the
+process down on a collective timeout instead of raising.
 """
 
 from __future__ import annotations
@@ -29,7 +45,7 @@ import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -48,6 +64,16 @@ class GroupInputError(GroupError, ValueError):
     """A collective was called with bad arguments; raised before entering it."""
 
 
+def check_seconds(name: str, value: Any) -> None:
+    """Raise GroupInputError unless ``value`` is a finite number of seconds > 0 (not a bool)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not (math.isfinite(value) and value > 0)
+    ):
+        raise GroupInputError(f"{name}={value!r} must be a finite number of seconds > 0")
+
+
 def u64_to_i64(value: int) -> int:
     """The int64 with the same 64 bits as unsigned ``value`` (raises ValueError if out of range)."""
     if not 0 <= value < 2**64:
@@ -64,8 +90,17 @@ def i64_to_u64(value: int) -> int:
 
 @dataclass(frozen=True)
 class GroupSpec:
-    """Where and how one rank joins its TP group. ``timeout_s`` bounds rendezvous and each
-    collective (gloo); it is always passed explicitly, never torch's 10-30 min default."""
+    """Where and how one rank joins its TP group.
+
+    ``timeout_s`` bounds each collective: how long a hung peer goes unnoticed.
+    ``join_timeout_s`` bounds the rendezvous: how long ``TPGroup.init`` waits for the
+    slowest rank's process to arrive. They differ because joining waits on process
+    start-up (seconds, tens of seconds under load) while a collective among live ranks
+    takes milliseconds. ``join_timeout_s`` is a plain 120 s rather than derived from
+    ``timeout_s``: start-up time does not scale with the collective bound, and 120 s is
+    how long the Ray side waits for ranks to be placed (``RayRanks.start_timeout_s``).
+    Both are always passed to torch, never its 10-30 min defaults.
+    """
 
     rank: int
     world_size: int
@@ -73,6 +108,7 @@ class GroupSpec:
     master_port: int
     backend: str = "auto"
     timeout_s: float = 60.0
+    join_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         for name in ("rank", "world_size", "master_port"):
@@ -88,12 +124,8 @@ class GroupSpec:
             raise GroupInputError(f"master_addr must be a non-empty host, got {self.master_addr!r}")
         if self.backend not in _BACKENDS:
             raise GroupInputError(f"backend={self.backend!r} is not one of {_BACKENDS}")
-        if (
-            isinstance(self.timeout_s, bool)
-            or not isinstance(self.timeout_s, int | float)
-            or not (math.isfinite(self.timeout_s) and self.timeout_s > 0)
-        ):
-            raise GroupInputError(f"timeout_s={self.timeout_s!r} must be a finite number > 0")
+        check_seconds("timeout_s", self.timeout_s)
+        check_seconds("join_timeout_s", self.join_timeout_s)
 
     @property
     def init_method(self) -> str:
@@ -116,18 +148,27 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 class TPGroup:
-    """One rank's handle on the TP group: the default ``torch.distributed`` process group.
+    """One rank's handle on the TP group: a ``torch.distributed`` group of all ranks.
 
     One per process (``torch.distributed`` keeps the default group process-wide). The
-    group's tensors live on ``device``: the rank's CUDA device for nccl, the CPU for gloo.
-    After a failed collective the group is marked broken: later calls raise GroupError at
-    once instead of waiting out another timeout. Build it with ``TPGroup.init``.
+    collectives run on ``pg``, made with the collective timeout (None: the default group,
+    whose timeout is the join timeout; see the module docstring). The group's tensors
+    live on ``device``: the rank's CUDA device for nccl, the CPU for gloo. After a failed
+    collective the group is marked broken: later calls raise GroupError at once instead of
+    waiting out another timeout. Build it with ``TPGroup.init``.
     """
 
-    def __init__(self, spec: GroupSpec, backend: str, device: torch.device) -> None:
+    def __init__(
+        self,
+        spec: GroupSpec,
+        backend: str,
+        device: torch.device,
+        pg: dist.ProcessGroup | None = None,
+    ) -> None:
         self._spec = spec
         self._backend = backend
         self._device = device
+        self._pg = pg
         # Owned by this object; set once, by the first failure or by destroy().
         self._broken: str | None = None
         self._destroyed = False
@@ -138,9 +179,10 @@ class TPGroup:
     def init(cls, spec: GroupSpec, device: torch.device) -> TPGroup:
         """Join the group; blocks until all ``world_size`` ranks arrive.
 
-        Raises GroupError if a rank does not arrive within about ``timeout_s`` (up to ~2.5x
-        on a non-master rank, which retries connecting), if the port is taken, if nccl is
-        asked for without a CUDA device, or if this process already has a group.
+        Raises GroupError if a rank does not arrive within about ``join_timeout_s`` (up to
+        ~2.5x on a non-master rank, which retries connecting), if the port is taken, if
+        nccl is asked for without a CUDA device, or if this process already has a group.
+        Collectives on the returned group time out after ``timeout_s``.
         """
         backend = resolve_backend(spec.backend, device)
         if backend == "nccl":
@@ -159,18 +201,22 @@ class TPGroup:
                 init_method=spec.init_method,
                 rank=spec.rank,
                 world_size=spec.world_size,
-                # Bounds the TCPStore rendezvous as well as each collective.
-                timeout=timedelta(seconds=spec.timeout_s),
+                # Bounds the TCPStore rendezvous, and would bound the default group's
+                # collectives too: hence the second group below.
+                timeout=timedelta(seconds=spec.join_timeout_s),
             )
+            # Every rank is in by now, so this meets at once; its timeout is the one
+            # every collective here runs under.
+            pg = dist.new_group(timeout=timedelta(seconds=spec.timeout_s))
         except Exception as exc:
             if dist.is_initialized():
                 with contextlib.suppress(Exception):
                     dist.destroy_process_group()
             raise GroupError(
                 f"init of {backend} group failed for {spec.where} "
-                f"(timeout {spec.timeout_s:g}s): {_first_line(exc)}"
+                f"(join timeout {spec.join_timeout_s:g}s): {_first_line(exc)}"
             ) from exc
-        return cls(spec, backend, comm_device)
+        return cls(spec, backend, comm_device, pg)
 
     @property
     def rank(self) -> int:
@@ -210,7 +256,9 @@ class TPGroup:
         xs = self._int_list("min_max", values)
         n = len(xs)
         t = self._tensor([n, ~n, *xs, *(~x for x in xs)])
-        self._collective("min_max", lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN))
+        self._collective(
+            "min_max", lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._pg)
+        )
         out = self._unpack("min_max", t)
         return out[:n], [~x for x in out[n:]]
 
@@ -220,7 +268,7 @@ class TPGroup:
         n = len(xs)
         mine = self._tensor([n, *xs])
         rows = [torch.empty_like(mine) for _ in range(self.world_size)]
-        self._collective("all_gather_ints", lambda: dist.all_gather(rows, mine))
+        self._collective("all_gather_ints", lambda: dist.all_gather(rows, mine, group=self._pg))
         out = [row.tolist() for row in rows]
         lens = [row[0] for row in out]
         if any(m != n for m in lens):
@@ -241,7 +289,7 @@ class TPGroup:
         if self.rank == src and isinstance(data, bytes | bytearray | memoryview):
             payload = bytes(data)
         length = self._tensor([len(payload) if payload is not None else -1])
-        self._collective("broadcast_bytes", lambda: dist.broadcast(length, src=src))
+        self._collective("broadcast_bytes", lambda: dist.broadcast(length, src=src, group=self._pg))
         n = int(length.item())
         if n < 0:
             # The collective itself went well: the group stays usable.
@@ -252,7 +300,7 @@ class TPGroup:
             buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self._device)
         else:
             buf = torch.empty(n, dtype=torch.uint8, device=self._device)
-        self._collective("broadcast_bytes", lambda: dist.broadcast(buf, src=src))
+        self._collective("broadcast_bytes", lambda: dist.broadcast(buf, src=src, group=self._pg))
         return buf.cpu().numpy().tobytes()
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
@@ -273,7 +321,9 @@ class TPGroup:
         buf = (
             t if t.device == self._device and t.is_contiguous() else t.to(self._device).contiguous()
         )
-        self._collective("all_reduce_sum", lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM))
+        self._collective(
+            "all_reduce_sum", lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self._pg)
+        )
         if buf is not t:
             t.copy_(buf)
         return t
@@ -283,7 +333,7 @@ class TPGroup:
         idx = self._device.index
         # NCCL wants the device named, or it guesses one from the rank and warns.
         ids = [idx] if self._backend == "nccl" and idx is not None else None
-        self._collective("barrier", lambda: dist.barrier(device_ids=ids))
+        self._collective("barrier", lambda: dist.barrier(group=self._pg, device_ids=ids))
 
     def destroy(self) -> None:
         """Leave the group. Idempotent; safe after a failure. Not a collective."""
@@ -304,7 +354,7 @@ class TPGroup:
         body = [~x for x in xs] if negate else xs
         # The [n, ~n] header: after MIN it gives the shortest and the longest list.
         t = self._tensor([n, ~n, *body])
-        self._collective(op, lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN))
+        self._collective(op, lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._pg))
         out = self._unpack(op, t)
         return [~x for x in out] if negate else out
 

@@ -66,7 +66,7 @@ class RankWorker:
         return node_ip(), free_port()
 
     def join(self, master_addr: str, master_port: int) -> str:
-        """Join the TP process group (blocks until every rank joins or the timeout)."""
+        """Join the TP process group (blocks until every rank joins, or ``join_timeout_s``)."""
         spec = GroupSpec(
             rank=self.rank,
             world_size=self.spec.pool.tp,
@@ -74,6 +74,7 @@ class RankWorker:
             master_port=master_port,
             backend=self.spec.backend,
             timeout_s=self.spec.timeout_s,
+            join_timeout_s=self.spec.join_timeout_s,
         )
         self.group = TPGroup.init(spec, self.device)
         return self.group.backend

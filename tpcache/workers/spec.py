@@ -11,6 +11,7 @@ from tpcache.cache.errors import CacheError
 from tpcache.cache.radix import CacheConfig, RadixCache
 from tpcache.cache.swa_cache import HybridCache
 from tpcache.cache.swa_config import HybridConfig
+from tpcache.workers.group import check_seconds
 from tpcache.workers.kvpool import PoolSpec
 
 
@@ -63,7 +64,12 @@ class CacheSpec:
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """What every rank of one TP group is configured with (identical on every rank)."""
+    """What every rank of one TP group is configured with (identical on every rank).
+
+    ``timeout_s`` bounds each collective (how fast a hung rank is found);
+    ``join_timeout_s`` bounds joining the group at start-up and after a recovery (how long
+    a slow-starting rank may take). See ``GroupSpec``.
+    """
 
     pool: PoolSpec
     cache: CacheSpec = field(default_factory=CacheSpec)
@@ -72,11 +78,13 @@ class WorkerSpec:
     gpu_fraction: float = 0.8
     backend: str = "auto"
     timeout_s: float = 60.0
+    join_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.capacity_tokens is not None and self.capacity_tokens < self.cache.page_size:
             raise ValueError(
                 f"capacity_tokens={self.capacity_tokens} is below one page of {self.cache.page_size}"
             )
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        # Checked here as well as in GroupSpec: a bad value fails before any rank starts.
+        check_seconds("timeout_s", self.timeout_s)
+        check_seconds("join_timeout_s", self.join_timeout_s)
