@@ -1,6 +1,7 @@
 """Lockstep cost: per-step latency and steps/s at TP=2 and TP=4 on CPU ranks, for
-batches of 1, 8 and 64 requests (admit + finish each), unpipelined and pipelined,
-against the floor measured in the same run: one bare Ray round trip to every rank that
+batches of 1, 8 and 64 requests (admit + finish each), unpipelined and pipelined (up to
+4 messages in flight), the latter with and without coalescing (up to 8 steps per message
+while every slot is taken; ``coalesce=1``: one step per message), against the floor measured in the same run: one bare Ray round trip to every rank that
 does one bare all-reduce (what a step cannot avoid).
 
     .venv/bin/python scripts/bench_lockstep.py [--tp 2 4] [--steps 60] [--rounds 3] [--json]
@@ -8,7 +9,7 @@ does one bare all-reduce (what a step cannot avoid).
 Honesty rules it keeps: the floor is sampled inside every round, next to the steps it is
 compared with (the machine is shared: load moves within a minute); every figure is a
 median (latency over steps, rates and CPU over rounds); the unpipelined and pipelined
-runs of a cell alternate within each round. A cell also reports what the step's own
+runs of a cell alternate within each round (their order rotates from round to round). A cell also reports what the step's own
 cache work costs (the coordinator's mirror, and the slowest rank's ops and digest before
 its collective), how many collectives each rank entered per step, and the CPU the driver
 and the ranks burnt per step next to how busy the whole machine was: when the machine is
@@ -59,6 +60,7 @@ class Sample:
     lat_s: list[float]  # per step, from the first call of its batch to its last result
     mirror_s: list[float]  # per step, the coordinator's calls (its mirror) before sending
     rate: float  # steps/s over the whole run, the final sync included
+    steps_per_message: float
     cpu_ms: float  # driver + ranks CPU per step
     busy: float  # machine-wide busy fraction during the run
     collectives: float  # collectives per step per rank
@@ -74,13 +76,14 @@ class Cell:
     def collectives(self) -> int:
         return sum(i.get("collectives", 0) for i in self.coord.ranks.call("info"))
 
-    def run(self, batch: int, steps: int, pipelined: bool, seed: int) -> Sample:
+    def run(self, batch: int, steps: int, pipelined: bool, seed: int, coalesce: int = 8) -> Sample:
         coord = self.coord
-        coord.config = CoordinatorConfig(max_inflight=4 if pipelined else 1)
+        coord.config = CoordinatorConfig(max_inflight=4 if pipelined else 1, coalesce=coalesce)
         rng = np.random.default_rng(seed)
         shared = rng.integers(1, 30_000, size=48, dtype=np.int32)
         tails = rng.integers(1, 30_000, size=(steps, batch, 16), dtype=np.int32)
         c0 = self.collectives()
+        msg0 = coord.counters.messages
         coord.counters.rank_ops_s.clear()
         lat, mir = [], []
         cpu0 = sum(proc_cpu_s(p) for p in self.pids)
@@ -107,6 +110,7 @@ class Cell:
             lat,
             mir,
             steps / elapsed,
+            steps / max(1, coord.counters.messages - msg0),
             (cpu1 - cpu0) / steps * 1e3,
             (m1[0] - m0[0]) / max(1, m1[1] - m0[1]),
             per_rank,
@@ -134,11 +138,17 @@ def measure(cell: Cell, batch: int, steps: int, rounds: int, tag: str) -> dict:
     floor: list[float] = []
     unp: list[Sample] = []
     pip: list[Sample] = []
+    pip1: list[Sample] = []  # pipelined, one step per message
     for r in range(rounds):
         floor += floor_samples(cell.coord, steps)
-        order: list[tuple[bool, list[Sample]]] = [(False, unp), (True, pip)]
-        for pipelined, into in order if r % 2 == 0 else order[::-1]:
-            into.append(cell.run(batch, steps, pipelined, seed=1000 * r + batch))
+        order: list[tuple[bool, int, list[Sample]]] = [
+            (False, 1, unp),
+            (True, 8, pip),
+            (True, 1, pip1),
+        ]
+        k = r % len(order)
+        for pipelined, coalesce, into in order[k:] + order[:k]:
+            into.append(cell.run(batch, steps, pipelined, 1000 * r + batch, coalesce))
             if tag != "evict":
                 cell.coord.reset()
                 cell.coord.sync()
@@ -161,6 +171,11 @@ def measure(cell: Cell, batch: int, steps: int, rounds: int, tag: str) -> dict:
         "steps_s_unpipelined": round(over(unp, lambda s: s.rate), 1),
         "steps_s_pipelined": round(over(pip, lambda s: s.rate), 1),
         "pipelining_gain": round(over(pip, lambda s: s.rate) / over(unp, lambda s: s.rate), 2),
+        "steps_per_message_pipelined": round(over(pip, lambda s: s.steps_per_message), 2),
+        "steps_s_pipelined_uncoalesced": round(over(pip1, lambda s: s.rate), 1),
+        "pipelining_gain_uncoalesced": round(
+            over(pip1, lambda s: s.rate) / over(unp, lambda s: s.rate), 2
+        ),
         "cpu_ms_per_step_unpipelined": round(over(unp, lambda s: s.cpu_ms), 2),
         "cpu_ms_per_step_pipelined": round(over(pip, lambda s: s.cpu_ms), 2),
         # The most pipelining could give if this run owned every core: steps/s can reach
@@ -239,7 +254,8 @@ def main() -> None:
     print(f"{args.steps} steps x {args.rounds} rounds per cell; medians; floor sampled each round")
     head = (
         f"{'tp':>2} {'batch':>5} {'cache':>5} {'floor':>6} {'step':>6} {'xflr':>5} {'mirror':>6} "
-        f"{'rkops':>6} {'coll':>4} {'steps/s':>7} {'piped/s':>7} {'gain':>5} "
+        f"{'rkops':>6} {'coll':>4} {'steps/s':>7} {'piped/s':>7} {'gain':>5} {'st/msg':>6} "
+        f"{'pip1/s':>7} {'gain1':>5} "
         f"{'cpu/st':>6} {'cpu/st_p':>8} {'gmax':>4} {'busy':>4} {'busy_p':>6}"
     )
     print(head)
@@ -249,12 +265,16 @@ def main() -> None:
             f"{r['step_ms_unpipelined']:>6.2f} {r['overhead_vs_floor']:>5.2f} {r['mirror_ms']:>6.2f} "
             f"{r['rank_ops_ms']:>6.2f} {r['collectives_per_step']:>4.1f} "
             f"{r['steps_s_unpipelined']:>7.1f} {r['steps_s_pipelined']:>7.1f} {r['pipelining_gain']:>5.2f} "
+            f"{r['steps_per_message_pipelined']:>6.2f} {r['steps_s_pipelined_uncoalesced']:>7.1f} "
+            f"{r['pipelining_gain_uncoalesced']:>5.2f} "
             f"{r['cpu_ms_per_step_unpipelined']:>6.2f} {r['cpu_ms_per_step_pipelined']:>8.2f} "
             f"{r['gain_bound_all_cores']:>4.2f} {r['machine_busy_unpipelined']:>4.2f} {r['machine_busy_pipelined']:>6.2f}"
         )
     print(
         "ms columns: floor, step (unpipelined latency), mirror (coordinator's calls before the "
         "send), rkops (slowest rank's ops + digest); coll: collectives per rank per step; "
+        "piped/s, gain, st/msg: pipelined with coalescing (steps per message); pip1/s, gain1: "
+        "pipelined, one step per message; cpu/st_p, busy_p: the coalescing run; "
         "cpu/st: driver + ranks CPU ms per step; gmax: cpus * step / cpu/st, the most "
         "pipelining could gain with every core free; busy: whole-machine busy fraction"
     )

@@ -99,16 +99,16 @@ class ThreadRanks:
             raise first
         return out
 
-    def send(self, data: bytes) -> list[Any]:
+    def send(self, steps: list[bytes]) -> list[Any]:
         try:
-            return ["ok", self._run("apply", data)]
+            return ["ok", [self._run("apply", data) for data in steps]]
         except RankCallError as exc:
             return ["err", exc]
 
     def ready(self, ticket: list[Any]) -> bool:
         return True
 
-    def collect(self, ticket: list[Any], timeout: float) -> list[bytes]:
+    def collect(self, ticket: list[Any], timeout: float) -> list[list[bytes]]:
         if ticket[0] == "err":
             raise ticket[1]
         return ticket[1]

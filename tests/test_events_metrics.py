@@ -201,6 +201,8 @@ def test_metrics_agree_with_stats(group):
     assert m["tpcache_prefix_query_tokens_total"] == stats["query_tokens"]
     assert m["tpcache_evicted_tokens_total"] == stats["evicted_tokens"]
     assert m["tpcache_steps_total"] == stats["steps_done"] == stats["steps_sent"]
+    assert 0 < m["tpcache_rank_messages_total"] == stats["messages_sent"] <= stats["steps_sent"]
+    assert m["tpcache_steps_waiting"] == stats["waiting"] == 0
     assert m["tpcache_divergences_total"] == 0
     assert m["tpcache_pool_capacity_tokens"] == stats["capacity"] == 512
     assert m["tpcache_pool_free_tokens"] == stats["free"]

@@ -10,9 +10,11 @@ one rank shows up. One group per configuration for the whole module (reset per t
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 
@@ -21,7 +23,7 @@ from tpcache.coordinator.engine import ModelEngine
 from tpcache.coordinator.modelcheck import Workload, run_script, run_workload
 from tpcache.coordinator.service import GroupConfig, start_group
 from tpcache.workers.context import ForwardError, build_forward
-from tpcache.workers.model import ModelSpec
+from tpcache.workers.model import ModelSpec, reference_logits
 from tpcache.workers.ops import encode, pack_slots, unpack_slots
 from tpcache.workers.rank import CacheSpec
 
@@ -236,3 +238,28 @@ def test_gpu_bf16_cached_logits_equal_full_recompute(ray_cluster, tp):
         check_clean(eng)
     finally:
         coord.close()
+
+
+def test_a_forward_flushes_steps_waiting_in_the_coordinator(engines):
+    """With every in-flight slot taken, an admit's step waits in the coordinator
+    (coalescing); the forward that reads its slots must send it first."""
+    eng = engines(2)
+    coord = eng.coord
+    old = coord.config
+    coord.config = dataclasses.replace(old, max_inflight=1, coalesce=4)
+    try:
+        slow = coord.stats()["steps_sent"]
+        coord.ranks.actors[0].inject_fault.remote(slow, "sleep", 1.5)
+        coord.admit("slow", list(range(1, 10)))  # sent at once; rank 0 sleeps on it
+        prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+        coord.admit("y", prompt)
+        assert coord.stats()["waiting"] == 1  # its step was not sent: the slot is taken
+        out = eng.forward("y", prompt)  # would reach the ranks before the admit unflushed
+        want = reference_logits(MODEL, prompt, "float32").numpy()
+        assert out.logits.shape == want.shape
+        assert float(np.abs(out.logits - want).max()) <= TOL * float(np.abs(want).max())
+        coord.finish("y")
+        coord.finish("slow")
+    finally:
+        coord.config = old
+    check_clean(eng)

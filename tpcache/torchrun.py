@@ -58,16 +58,20 @@ class TorchrunRanks:
         self.capacity = capacity
         self._closed = False
 
-    def send(self, data: bytes) -> tuple[bool, Any]:
+    def send(self, steps: list[bytes]) -> tuple[bool, Any]:
+        out = []
         try:
-            return True, lead_command(self._group(), self.worker, RunStep(data), self.world_size)
+            group = self._group()
+            for data in steps:
+                out.append(lead_command(group, self.worker, RunStep(data), self.world_size))
         except Exception as exc:
             return False, exc
+        return True, out
 
     def ready(self, ticket: tuple[bool, Any]) -> bool:
         return True
 
-    def collect(self, ticket: tuple[bool, Any], timeout: float) -> list[bytes]:
+    def collect(self, ticket: tuple[bool, Any], timeout: float) -> list[list[bytes]]:
         ok, value = ticket
         if not ok:
             raise RankCallError(0, value)

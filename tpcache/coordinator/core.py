@@ -170,9 +170,11 @@ class Coordinator(StepDriver):
         lat = list(c.latencies_s)
         return {
             "tp": self.ranks.world_size,
-            "steps_sent": self._next_step,
+            "steps_sent": self._next_step - len(self._waiting),
             "steps_done": c.steps_done,
-            "inflight": len(self._inflight),
+            "messages_sent": c.messages,
+            "inflight": sum(len(f.steps) for f in self._inflight),
+            "waiting": len(self._waiting),
             "ops": c.ops,
             "queries": c.queries,
             "query_tokens": c.query_tokens,

@@ -7,8 +7,8 @@ actor call each; under torchrun, one broadcast). Every rank checks the command a
 its own cache, writes its heads' K and V, attends, and enters the model's all-reduces;
 the logits come back from every rank, identical, and rank 0's are returned.
 
-The order of calls to each rank is the coordinator's order (steps, then this forward),
-so a rank always applies the step that gave the slots before it runs the forward.
+The order of calls to each rank is the coordinator's order (steps, flushed first, then
+this forward), so a rank always applies the step that gave the slots before the forward.
 Works with any ``RankTransport`` whose ``call`` runs a method on every rank concurrently.
 """
 
@@ -114,6 +114,7 @@ class ModelEngine:
     def forward(self, rid: Any, tokens: TokenLike) -> ForwardOut:
         """Compute the newest ``len(tokens)`` positions of ``rid`` on every rank."""
         cmd = build_forward(self.coord.mirror, rid, tokens)
+        self.coord.flush()  # the steps that gave the slots must reach the ranks first
         outs = self.coord.ranks.call("forward", encode(cmd), timeout=self.timeout_s)
         results = [decode_forward_result(o) for o in outs]
         first = results[0]

@@ -24,6 +24,10 @@ _COUNTERS = {
     "hit_tokens": ("tpcache_prefix_hit_tokens", "Prompt tokens found cached"),
     "evicted_tokens": ("tpcache_evicted_tokens", "Tokens evicted from the cache"),
     "steps_done": ("tpcache_steps", "Steps applied and verified on every rank"),
+    "messages_sent": (
+        "tpcache_rank_messages",
+        "Messages sent to every rank (fewer than steps when steps were coalesced)",
+    ),
     "ops": ("tpcache_ops", "Cache operations logged"),
     "divergences": ("tpcache_divergences", "Steps after which ranks disagreed"),
     "rank_failures": ("tpcache_rank_failures", "Steps that failed on a rank"),
@@ -39,6 +43,7 @@ _GAUGES = {
     "used": ("tpcache_pool_used_tokens", "KV slots in use (capacity - free)"),
     "running": ("tpcache_running_requests", "Requests admitted and not finished"),
     "inflight": ("tpcache_steps_inflight", "Steps sent and not yet verified"),
+    "waiting": ("tpcache_steps_waiting", "Steps closed and not yet sent (coalescing)"),
     "hit_rate": ("tpcache_prefix_hit_rate", "hit_tokens / query_tokens since start"),
 }
 
@@ -64,7 +69,7 @@ class CoordinatorMetrics:
         self.registry.register(_StatsCollector(coord))  # type: ignore[arg-type]
         self.step_latency = Histogram(
             "tpcache_step_latency_seconds",
-            "From sending a step to every rank's verified result",
+            "From closing a step to every rank's verified result",
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0, 5.0),
             registry=self.registry,
         )

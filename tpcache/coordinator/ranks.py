@@ -88,15 +88,16 @@ class RayRanks:
         return int(caps[0])
 
     # ---- RankTransport ------------------------------------------------------------------
-    def send(self, data: bytes) -> list[Any]:
-        return [a.apply.remote(data) for a in self.actors]
+    def send(self, steps: list[bytes]) -> list[Any]:
+        return [a.apply_steps.remote(steps) for a in self.actors]
 
     def ready(self, ticket: list[Any]) -> bool:
         done, _ = ray.wait(ticket, num_returns=len(ticket), timeout=0, fetch_local=True)
         return len(done) == len(ticket)
 
-    def collect(self, ticket: list[Any], timeout: float) -> list[bytes]:
-        return self._get(ticket, timeout)
+    def collect(self, ticket: list[Any], timeout: float) -> list[list[bytes]]:
+        per_rank = self._get(ticket, timeout)
+        return [list(outs) for outs in zip(*per_rank, strict=True)]
 
     def call(self, method: str, *args: Any, timeout: float = 60.0) -> list[Any]:
         return self._get([getattr(a, method).remote(*args) for a in self.actors], timeout)

@@ -134,6 +134,13 @@ class RankWorker:
         self.last_step = step.step
         return encode(result)
 
+    def apply_steps(self, steps: list[bytes]) -> list[bytes]:
+        """Apply encoded steps in order (one coalesced message); their results, in order.
+
+        A step that fails raises as ``apply`` does, and the later ones are not applied.
+        """
+        return [self.apply(data) for data in steps]
+
     # ---- KV data (the model's side; not part of the cache state) ------------------------
     def write_token_kv(self, slots: np.ndarray, tokens: np.ndarray) -> None:
         """Write a known function of (token, layer, global head) at ``slots`` on every layer.
