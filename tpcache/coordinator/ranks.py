@@ -88,15 +88,23 @@ class RayRanks:
         return int(caps[0])
 
     # ---- RankTransport ------------------------------------------------------------------
-    def send(self, steps: list[bytes]) -> list[Any]:
-        return [a.apply_steps.remote(steps) for a in self.actors]
+    def send(self, steps: list[bytes]) -> tuple[bool, list[Any]]:
+        # A lone step goes as plain bytes: a list argument and result cost about 0.8 ms
+        # more per round trip here (measured at TP=2), which only several steps repay.
+        if len(steps) == 1:
+            return False, [a.apply.remote(steps[0]) for a in self.actors]
+        return True, [a.apply_steps.remote(steps) for a in self.actors]
 
-    def ready(self, ticket: list[Any]) -> bool:
-        done, _ = ray.wait(ticket, num_returns=len(ticket), timeout=0, fetch_local=True)
-        return len(done) == len(ticket)
+    def ready(self, ticket: tuple[bool, list[Any]]) -> bool:
+        refs = ticket[1]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=True)
+        return len(done) == len(refs)
 
-    def collect(self, ticket: list[Any], timeout: float) -> list[list[bytes]]:
-        per_rank = self._get(ticket, timeout)
+    def collect(self, ticket: tuple[bool, list[Any]], timeout: float) -> list[list[bytes]]:
+        many, refs = ticket
+        per_rank = self._get(refs, timeout)
+        if not many:
+            return [per_rank]
         return [list(outs) for outs in zip(*per_rank, strict=True)]
 
     def call(self, method: str, *args: Any, timeout: float = 60.0) -> list[Any]:
