@@ -17,7 +17,7 @@ import torch
 
 from tpcache.coordinator.core import Coordinator, CoordinatorConfig
 from tpcache.coordinator.engine import ModelEngine
-from tpcache.coordinator.steps import RankCallError
+from tpcache.coordinator.step_types import RankCallError
 from tpcache.workers.kvpool import PoolSpec
 from tpcache.workers.model import ModelSpec
 from tpcache.workers.rank import CacheSpec, RankWorker, WorkerSpec

@@ -29,7 +29,7 @@ import torch
 from tpcache.coordinator.core import Coordinator, CoordinatorConfig
 from tpcache.coordinator.engine import ModelEngine
 from tpcache.coordinator.modelcheck import Workload, run_script, run_workload
-from tpcache.coordinator.steps import RankCallError
+from tpcache.coordinator.step_types import RankCallError
 from tpcache.workers.kvpool import PoolSpec
 from tpcache.workers.lockstep import (
     DivergenceError,

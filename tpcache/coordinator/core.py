@@ -16,13 +16,13 @@ import numpy as np
 
 from tpcache.cache.keys import TokenLike, as_tokens
 from tpcache.cache.radix import AdmitResult, RadixCache
-from tpcache.coordinator.steps import (
+from tpcache.coordinator.step_types import (
     CoordinatorConfig,
     RankCallError,
     RankTransport,
-    StepDriver,
     StepObserver,
 )
+from tpcache.coordinator.steps import StepDriver
 from tpcache.workers.lockstep import admit_result, eviction_marks
 from tpcache.workers.ops import (
     Abort,

@@ -17,7 +17,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from tpcache.coordinator.steps import RankCallError
+from tpcache.coordinator.step_types import RankCallError
 from tpcache.workers.rank import RankWorker
 from tpcache.workers.spec import WorkerSpec
 

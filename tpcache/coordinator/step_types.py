@@ -1,0 +1,104 @@
+"""What the step pipeline (``steps``) is made of: how it reaches the ranks (``RankTransport``)
+and who hears of its steps (``StepObserver``), its configuration, and its records.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from tpcache.workers.ops import OpResult
+
+
+class RankCallError(Exception):
+    """A rank's call failed: ``rank`` names it, ``cause`` is what it raised (or why it died)."""
+
+    def __init__(self, rank: int, cause: BaseException, dead: bool = False) -> None:
+        super().__init__(f"rank {rank}: {type(cause).__name__}: {cause}")
+        self.rank = rank
+        self.cause = cause
+        self.dead = dead
+
+
+class StepObserver(Protocol):
+    """Told of every step: its KV events when it is sent, its latency when verified."""
+
+    def step_sent(self, step: int, events: list) -> None: ...
+
+    def step_done(self, step: int, latency_s: float) -> None: ...
+
+
+class RankTransport(Protocol):
+    """How the coordinator reaches its ranks (Ray actors, or anything with these calls)."""
+
+    world_size: int
+
+    def send(self, steps: list[bytes]) -> Any: ...  # one message: encoded steps, in order
+
+    def ready(self, ticket: Any) -> bool: ...
+
+    # Per step of the message, the encoded results of the ranks that answer.
+    def collect(self, ticket: Any, timeout: float) -> list[list[bytes]]: ...
+
+    def call(self, method: str, *args: Any) -> list[Any]: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    max_inflight: int = 4  # messages sent and not yet verified
+    max_batch_ops: int = 1024
+    step_timeout_s: float = 120.0  # per message
+    auto_recover: bool = True  # after a rank failure or divergence, rebuild the group at once
+    probe_s: float = 2.0  # a rank that does not answer a ping this fast is replaced
+    coalesce: int = 8  # most steps one message carries (1: one step per message)
+
+    def __post_init__(self) -> None:
+        for name in ("max_inflight", "max_batch_ops", "coalesce"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"coordinator config: {name} must be an int >= 1, got {v!r}")
+        if not self.step_timeout_s > 0:
+            raise ValueError(f"bad coordinator config {self}")
+
+
+@dataclass
+class Closed:
+    """A step closed by the coordinator: what every rank must answer for it."""
+
+    step: int
+    data: bytes
+    digest: int
+    expected: list[OpResult]
+    closed_at: float
+
+
+@dataclass
+class InFlight:
+    """One message: its steps, in order, and the transport's ticket for the answers."""
+
+    steps: list[Closed]
+    ticket: Any
+
+
+@dataclass
+class Counters:
+    """Owned by the coordinator; read by ``stats()`` and the metrics exporter."""
+
+    steps_done: int = 0
+    messages: int = 0  # sent to the ranks: fewer than steps when steps were coalesced
+    ops: int = 0
+    queries: int = 0
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    divergences: int = 0
+    rank_failures: int = 0
+    recoveries: int = 0
+    # Wall time of the last recover(): mostly a replacement rank's start-up and the join
+    # (bounded by the ranks' join timeout), apart from the failure's detection before it.
+    last_recovery_s: float = 0.0
+    latencies_s: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
+    # Per step, the slowest rank's time on its ops and digest (before the collective).
+    rank_ops_s: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
