@@ -47,7 +47,7 @@ def slow_rank_then_calls(coord, n: int) -> tuple[int, int]:
 
 def test_steps_wait_while_a_rank_is_slow_and_go_out_together(coord):
     c = configured(coord, max_inflight=1, coalesce=4)
-    s0 = c.stats()["steps_sent"]
+    s0, d0 = c.stats()["steps_sent"], c.stats()["steps_done"]
     c.ranks.actors[0].inject_fault.remote(s0, "sleep", SLEEP_S)
     c.admit("a", [1, 2, 3, 4, 5])  # sent at once: the only slot
     for i in range(3):
@@ -60,7 +60,7 @@ def test_steps_wait_while_a_rank_is_slow_and_go_out_together(coord):
     assert stats["waiting"] == 0 and stats["inflight"] == 4
     c.sync()
     stats = c.stats()
-    assert stats["steps_sent"] == stats["steps_done"] == s0 + 5
+    assert stats["steps_sent"] == s0 + 5 and stats["steps_done"] == d0 + 5
     assert stats["divergences"] == 0 and stats["running"] == 5
     for info in c.ranks.call("info"):
         assert info["last_step"] == s0 + 4  # every step applied, in order
@@ -102,6 +102,20 @@ def test_divergence_inside_a_coalesced_message_is_caught_at_its_step(coord):
     assert c.admit("e", [1, 2, 3, 4, 5]).prefix_len == 0  # recovered: empty, in lockstep
     c.sync()
     assert c.ranks.call("digest") == [c.mirror.digest()] * 2
+
+
+def test_health_check_sends_steps_that_wait(coord):
+    """What ``tpcache serve``'s health thread relies on when frontends go quiet."""
+    c = configured(coord, max_inflight=1, coalesce=8)
+    s0, d0 = c.stats()["steps_sent"], c.stats()["steps_done"]
+    c.ranks.actors[0].inject_fault.remote(s0, "sleep", 1.0)
+    c.admit("a", [1, 2, 3, 4, 5])
+    c.admit("b", [1, 2, 3, 4, 6])
+    assert c.stats()["waiting"] == 1
+    assert c.check_health()
+    stats = c.stats()
+    assert stats["waiting"] == 0 and stats["inflight"] == 0
+    assert stats["steps_sent"] == s0 + 2 and stats["steps_done"] == d0 + 2
 
 
 @pytest.mark.parametrize("bad", [0, -1, True, 2.5, "4", None])
