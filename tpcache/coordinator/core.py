@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from tpcache.cache.keys import TokenLike, as_tokens
-from tpcache.cache.radix import AdmitResult, RadixCache
+from tpcache.cache.radix import AdmitResult
 from tpcache.coordinator.step_types import (
     CoordinatorConfig,
     RankCallError,
@@ -36,7 +36,7 @@ from tpcache.workers.ops import (
     pack_tokens,
 )
 
-# Defined in steps.py; importable from here too, where the coordinator's users find them.
+# Defined in step_types.py; importable from here too, where the coordinator's users find them.
 __all__ = [
     "Admission",
     "Coordinator",
@@ -52,20 +52,13 @@ Admission = AdmitResult
 
 
 class Coordinator(StepDriver):
-    """Drives one TP group. Not thread-safe: one caller (or one actor) at a time."""
+    """Drives one TP group (built as ``StepDriver``). Not thread-safe: one caller (or one
+    actor) at a time."""
 
-    def __init__(
-        self,
-        ranks: RankTransport,
-        mirror: RadixCache,
-        config: CoordinatorConfig | None = None,
-        observers: list[StepObserver] | None = None,
-    ) -> None:
-        super().__init__(ranks, mirror, config, observers)
-        # Counted by whoever publishes events (EventsHook); read by stats() and metrics.
-        self.event_stats: Callable[[], tuple[int, int]] | None = None
-        self.publisher: Any = None  # the EventPublisher, when events are on
-        self.metrics_port: int | None = None
+    # Set by ``start_group`` when events or metrics are on; read by stats() and close().
+    event_stats: Callable[[], tuple[int, int]] | None = None  # (published, dropped)
+    publisher: Any = None  # the EventPublisher
+    metrics_port: int | None = None
 
     # ---- the frontend API ------------------------------------------------------------------
     def admit(self, request_id: Any, tokens: TokenLike, priority: int = 0) -> Admission:
