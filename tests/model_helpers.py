@@ -54,10 +54,14 @@ class ThreadMember:
         assert len({len(r) for r in rows}) == 1, f"ranks passed lists of lengths {rows}"
         return [min(col) for col in zip(*rows, strict=True)]
 
-    def min_max(self, values: list[int]) -> tuple[list[int], list[int]]:
-        rows = self.shared.exchange(self.rank, list(values))
-        cols = list(zip(*rows, strict=True))
-        return [min(c) for c in cols], [max(c) for c in cols]
+    def agree_min(self, values: list[int]) -> list[int]:
+        return self.all_min(values)
+
+    def digest_range(self, digest: int | None) -> tuple[int, int] | None:
+        rows = self.shared.exchange(self.rank, digest)
+        if any(d is None for d in rows):
+            return None
+        return min(rows), max(rows)
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         parts = self.shared.exchange(self.rank, t.clone())

@@ -182,6 +182,12 @@ def _one_group(rank: int, world: int, port: int) -> dict[str, Any]:
         res["max"] = group.all_max([rank, 10 - rank, -rank])
         res["min_max"] = group.min_max([rank * 3, -(2**63), 2**63 - 1 - rank])
         res["gather"] = group.all_gather_ints([rank, rank * rank])
+        res["agree"] = group.agree_min([10 - rank, -rank])
+        res["range_same"] = group.digest_range(u64_to_i64(DIGEST))
+        res["range_differ"] = group.digest_range(u64_to_i64(DIGEST if rank != 1 else DIGEST ^ 1))
+        # The extremes of int64 are digests too: only a failure is None.
+        res["range_edge"] = group.digest_range(-(2**63) if rank == 0 else -(2**63) + 1)
+        res["range_failed"] = group.digest_range(None if rank == world - 1 else u64_to_i64(DIGEST))
         res["bytes"] = group.broadcast_bytes(PAYLOAD if rank == 0 else None, src=0)
         res["bytes_last"] = group.broadcast_bytes(
             b"from-last" if rank == world - 1 else None, world - 1
@@ -251,6 +257,12 @@ def test_gloo_collectives_exact_2_and_4_ranks() -> None:
             [3 * (world - 1), -(2**63), 2**63 - 1],
         )
         assert res["gather"] == [[r, r * r] for r in range(world)]
+        assert res["agree"] == [10 - (world - 1), -(world - 1)]
+        d = u64_to_i64(DIGEST)
+        assert res["range_same"] == (d, d)
+        assert res["range_differ"] == tuple(sorted((d, u64_to_i64(DIGEST ^ 1))))
+        assert res["range_edge"] == (-(2**63), -(2**63) + 1)
+        assert res["range_failed"] is None  # the last rank failed: every rank learns it
         assert res["bytes"] == PAYLOAD
         assert res["bytes_last"] == b"from-last"
         assert res["empty"] == b""
@@ -404,6 +416,8 @@ def test_nccl_tp1_group_and_cuda_pool() -> None:
     try:
         assert group.backend == "nccl" and group.device == device
         assert group.min_max([u64_to_i64(DIGEST), 5]) == ([u64_to_i64(DIGEST), 5],) * 2
+        assert group.digest_range(u64_to_i64(DIGEST)) == (u64_to_i64(DIGEST),) * 2
+        assert group.agree_min([3, -1]) == [3, -1]
         assert group.broadcast_bytes(PAYLOAD) == PAYLOAD
         assert group.all_gather_ints([7]) == [[7]]
         group.barrier()
@@ -431,6 +445,17 @@ def test_gloo_single_rank_in_process() -> None:
             group.all_min([])
         with pytest.raises(GroupInputError, match=r"2\*\*64|does not fit in int64"):
             group.all_max([2**64 - 1])
+        with pytest.raises(GroupInputError, match="does not fit in int64"):
+            group.digest_range(2**63)  # a u64 digest not carried by u64_to_i64
+        with pytest.raises(GroupInputError, match="is not an int"):
+            group.digest_range(True)  # type: ignore[arg-type]
+        with pytest.raises(GroupInputError, match="empty list"):
+            group.agree_min([])
+        with pytest.raises(GroupInputError, match="is not an int"):
+            group.agree_min([1.5])  # type: ignore[list-item]
+        assert group.digest_range(-(2**63)) == (-(2**63), -(2**63))
+        assert group.digest_range(None) is None
+        assert group.agree_min([7, -3]) == [7, -3]
         with pytest.raises(GroupInputError, match=r"src=1 is outside \[0, 1\)"):
             group.broadcast_bytes(b"x", src=1)
         assert group.broken is None  # bad arguments never reach the group

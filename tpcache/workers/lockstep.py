@@ -6,12 +6,14 @@ What is broadcast: under torchrun, the step's length then its bytes (``broadcast
 under Ray, the coordinator sends the same bytes to each rank's actor.
 What is agreed by MIN, in this order, by every rank, always:
   1. for each op that may evict (``Evict``, or ``Admit``/``Extend`` whose mirror
-     evicted), one ``all_min([evictable pages])`` (hybrid cache: ``[evictable full
+     evicted), one ``agree_min([evictable pages])`` (hybrid cache: ``[evictable full
      pages, evictable SWA pages]``): a rank evicts ``min(asked, MIN evictable)`` per
      pool; a rank that already failed sends -1;
-  2. after the whole batch, one ``min_max([status, digest])``: status -1 from any rank
-     makes every rank raise ``RankFailure``; MIN != MAX of the digest makes every rank
-     raise ``DivergenceError``.
+  2. after the whole batch, one ``digest_range(digest)`` (``None`` from a rank that
+     failed): a failure anywhere makes every rank raise ``RankFailure``; MIN != MAX of
+     the digest makes every rank raise ``DivergenceError``.
+Both carry as few elements as they can: under gloo a collective's cost grows with them
+(``tpcache.workers.group``).
 Which collectives run depends only on the batch, never on local state, so a rank that
 has gone wrong still enters exactly the same collectives as its peers and nobody hangs.
 
@@ -60,9 +62,9 @@ from tpcache.workers.ops import (
 class Agreement(Protocol):
     """The two collectives a step needs (``TPGroup`` provides them)."""
 
-    def all_min(self, values: list[int]) -> list[int]: ...
+    def agree_min(self, values: list[int]) -> list[int]: ...
 
-    def min_max(self, values: list[int]) -> tuple[list[int], list[int]]: ...
+    def digest_range(self, digest: int | None) -> tuple[int, int] | None: ...
 
     def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes: ...
 
@@ -211,7 +213,7 @@ def apply_step(
 
         def agreed_evict(pages: int, swa_pages: int, _entered: list[bool] = entered) -> int:
             _entered[0] = True  # only called while this rank is healthy
-            agreed = group.all_min(evictable_pages(cache))
+            agreed = group.agree_min(evictable_pages(cache))
             if min(agreed) < 0:
                 raise RankFailure(step.step, "a peer failed earlier in this step")
             if len(agreed) == 2:
@@ -229,19 +231,19 @@ def apply_step(
         if op_may_evict(op) and not entered[0]:
             # This rank skipped the op's agreement (failed, or the op failed early):
             # enter it anyway with the failure sentinel so the peers don't wait.
-            group.all_min([-1] * len(evictable_pages(cache)))
+            group.agree_min([-1] * len(evictable_pages(cache)))
             failure = failure or f"op {type(op).__name__} did not reach its agreement"
     digest = cache.digest()
     ops_us = (time.perf_counter() - started) * 1e6
-    mins, maxs = group.min_max([0 if failure is None else -1, u64_to_i64(digest)])
-    if mins[0] < 0:
+    span = group.digest_range(u64_to_i64(digest) if failure is None else None)
+    if span is None:
         where = f"this rank ({rank}): {failure}" if failure else "another rank"
         raise RankFailure(step.step, f"an op failed on {where}")
-    if mins[1] != maxs[1]:
+    if span[0] != span[1]:
         raise DivergenceError(
             step.step,
             f"cache digests differ across ranks (this rank {digest:#018x}, "
-            f"min {i64_to_u64(mins[1]):#018x}, max {i64_to_u64(maxs[1]):#018x})",
+            f"min {i64_to_u64(span[0]):#018x}, max {i64_to_u64(span[1]):#018x})",
         )
     return StepResult(
         step.step, rank, digest, results, (time.perf_counter() - started) * 1e6, ops_us

@@ -209,7 +209,7 @@ class RankWorker:
             swa_pool = self._swa_pool_now()
         except Exception as exc:  # must reach the peers through the agreement, not hang them
             problem = f"{type(exc).__name__}: {exc}"
-        if group.all_min([0 if problem is None else -1])[0] < 0:
+        if group.agree_min([0 if problem is None else -1])[0] < 0:
             where = f"this rank ({self.rank}): {problem}" if problem else "another rank"
             raise ForwardError(f"forward refused on {where}")
         if self._slot_fault:
@@ -287,8 +287,9 @@ class RankWorker:
         return os.getpid()
 
     def collective_ping(self) -> int:
-        """One bare all-reduce (collective): with a round trip, the floor of a step."""
-        return self._group().all_min([self.rank])[0]
+        """One bare all-reduce of one element (collective): with a round trip, the floor
+        of a step."""
+        return self._group().agree_min([self.rank])[0]
 
     def shutdown(self) -> None:
         """Leave the process group (tolerates a broken one). Idempotent."""
