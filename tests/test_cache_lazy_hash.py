@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
+
 from tpcache.cache.blocks import cached_blocks
+from tpcache.cache.hashing import PageHasher
+from tpcache.cache.node import _BATCH_PAGES
 from tpcache.cache.radix import CacheConfig, RadixCache
 
 
@@ -55,5 +59,46 @@ def test_hybrid_lazy_and_eager_hashing_agree():
         drive(lazy, rng_a, 20)
         drive(eager, rng_b, 20)
         assert lazy.digest() == eager.digest()
+    assert cached_blocks(lazy) == cached_blocks(eager)
+    lazy.check_integrity()
+
+
+def test_chain_runs_equals_each_runs_chain():
+    # The batched chain of a step's new nodes must give every node exactly the states
+    # its own chain gives (odd and even page sizes take different premix paths).
+    seed = 90210
+    print(f"seed={seed}")
+    rng = np.random.default_rng(seed)
+    for ps in (1, 3, 4, 16):
+        hasher = PageHasher(ps)
+        for _ in range(20):
+            sizes = rng.integers(1, 40, size=rng.integers(1, 9))
+            runs = [rng.integers(0, 2**31 - 1, size=int(m) * ps, dtype=np.int32) for m in sizes]
+            parents = rng.integers(0, 2**63, size=sizes.size, dtype=np.uint64) * np.uint64(2)
+            starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
+            got = hasher.chain_runs(np.concatenate(runs), starts, sizes.astype(np.int64), parents)
+            want = np.concatenate(
+                [hasher.chain(r, int(p)) for r, p in zip(runs, parents, strict=True)]
+            )
+            assert np.array_equal(got, want), (ps, sizes)
+
+
+def test_batches_larger_than_the_cap_and_deep_pending_chains():
+    # Pending nodes over several batches (more than _BATCH_PAGES pages), one node longer
+    # than a batch, and chains of pending parents (a conversation growing turn by turn
+    # with no digest in between): the digest and blocks equal eager hashing's.
+    lazy = RadixCache(CacheConfig(40_000, 1))
+    eager = RadixCache(CacheConfig(40_000, 1, record_events=True))
+    rng = random.Random(11)
+    prompts = [[rng.randrange(1, 9999) for _ in range(_BATCH_PAGES + 7)]]
+    for turn in range(12):  # each turn extends the last: a pending chain 12 deep
+        prompts.append(prompts[-1] + [rng.randrange(1, 9999) for _ in range(300 + turn)])
+    prompts += [[rng.randrange(1, 9999) for _ in range(700)] for _ in range(8)]
+    for i, prompt in enumerate(prompts):
+        for cache in (lazy, eager):
+            cache.admit(i, prompt)
+            cache.finish(i)
+    assert len(lazy.tree._unhashed) > 20
+    assert lazy.digest() == eager.digest()
     assert cached_blocks(lazy) == cached_blocks(eager)
     lazy.check_integrity()

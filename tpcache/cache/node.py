@@ -7,6 +7,8 @@ digest terms, lazily (a replay that never asks for a digest never hashes).
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from tpcache.cache.hashing import ROOT_STATE
@@ -70,11 +72,65 @@ def defer_hash(tree, node, now: bool) -> None:
 
 
 def hash_pending(tree) -> None:
-    """Hash every node still waiting (parents first); see ``RadixTree.ensure_hashed``."""
+    """Hash every node still waiting (parents first); see ``RadixTree.ensure_hashed``.
+
+    Nodes whose parents are hashed go together (``hash_nodes``), level by level: a TP
+    rank asks for a digest every step, after a few short new leaves.
+    """
     pending, tree._unhashed = tree._unhashed, []
-    for node in pending:
-        if node.alive and node.states is None:
-            hash_node(tree, node)
+    todo = [n for n in pending if n.alive and n.states is None]
+    while todo:
+        ready = [n for n in todo if n.parent.states is not None]
+        if ready:
+            hash_nodes(tree, ready)
+        else:  # an unhashed ancestor that is not in the list: hash it through the chain
+            hash_node(tree, todo[0])
+        todo = [n for n in todo if n.states is None]
+
+
+_BATCH_PAGES = 4096  # pages hashed in one batch: bounds the hasher's power tables
+
+
+def hash_nodes(tree, nodes: list) -> None:
+    """Chain states and digest terms of ``nodes``, whose parents are all hashed, in
+    batches of about ``_BATCH_PAGES`` pages (``PageHasher.chain_runs``)."""
+    pb = 4 * tree.hasher.page_size
+    batch: list = []
+    pages = 0
+    for node in nodes:
+        size = len(node.kb) // pb
+        if batch and pages + size > _BATCH_PAGES:
+            _hash_batch(tree, batch)
+            batch, pages = [], 0
+        batch.append(node)
+        pages += size
+    if batch:
+        _hash_batch(tree, batch)
+
+
+def _hash_batch(tree, batch: list) -> None:
+    if len(batch) == 1:
+        hash_node(tree, batch[0])
+        return
+    pb = 4 * tree.hasher.page_size
+    sizes = [len(n.kb) // pb for n in batch]
+    firsts = [0, *itertools.accumulate(sizes[:-1])]
+    starts = np.array(firsts, dtype=np.int64)
+    parents = np.array(
+        [int(n.parent.states[-1]) if n.parent.states.size else ROOT_STATE for n in batch],
+        dtype=np.uint64,
+    )
+    key = np.frombuffer(b"".join(n.kb for n in batch), dtype=np.int32)
+    states = tree.hasher.chain_runs(key, starts, np.array(sizes, dtype=np.int64), parents)
+    # page_terms of every node at once: sum of state * (page + K) over each node's pages.
+    pages = np.concatenate([n.pages for n in batch]).view(np.uint64)
+    terms = np.add.reduceat(states * (pages + np.uint64(_K)), starts).tolist()
+    total = tree.digest_sum
+    for n, a, m, term in zip(batch, firsts, sizes, terms, strict=True):
+        n.states = states[a : a + m].copy()  # own arrays: no node pins the batch's
+        n.term = term
+        total += term
+    tree.digest_sum = total & _MASK
 
 
 def hash_node(tree, node) -> None:
