@@ -1,8 +1,9 @@
 """Lockstep cost: per-step latency and steps/s at TP=2 and TP=4 on CPU ranks, for
 batches of 1, 8 and 64 requests (admit + finish each), unpipelined and pipelined (up to
 4 messages in flight), the latter with and without coalescing (up to 8 steps per message
-while every slot is taken; ``coalesce=1``: one step per message), against the floor measured in the same run: one bare Ray round trip to every rank that
-does one bare all-reduce (what a step cannot avoid).
+while every slot is taken; ``coalesce=1``: one step per message), against the floor
+measured in the same run: one bare Ray round trip to every rank that does one bare
+all-reduce of one element (what a step cannot avoid; a step's own check is two).
 
     .venv/bin/python scripts/bench_lockstep.py [--tp 2 4] [--steps 60] [--rounds 3] [--json]
 
@@ -119,7 +120,8 @@ class Cell:
 
 
 def floor_samples(coord: Coordinator, n: int) -> list[float]:
-    """``n`` timings of one bare Ray round trip to all ranks, each doing one all-reduce."""
+    """``n`` timings of one bare Ray round trip to all ranks, each doing one all-reduce of
+    one element."""
     actors = coord.ranks.actors
     out = []
     for _ in range(n):
