@@ -20,7 +20,7 @@ from tpcache.cache.errors import (
     UnknownHandle,
     UnknownRequest,
 )
-from tpcache.cache.keys import joined_key, key_bytes
+from tpcache.cache.keys import int_sum, joined_key, key_bytes, min_value
 from tpcache.cache.radix import CacheConfig, Handle, RadixCache
 
 P = list(range(100, 110))  # 10 tokens: 2 whole pages of 4 and a partial one
@@ -43,6 +43,10 @@ BAD_TOKENS: list[tuple[str, object]] = [
     ("empty array", np.zeros(0, np.int32)),
     ("negative", [1, -2, 3]),
     ("negative int32", np.array([1, -2], np.int32)),
+    # Short arrays are scanned in Python, long ones by numpy (keys.min_value): both ways.
+    ("negative last of 32 int32", np.r_[np.arange(1, 32), -1].astype(np.int32)),
+    ("negative last of 33 int32", np.r_[np.arange(1, 33), -1].astype(np.int32)),
+    ("negative last of 500 int32", np.r_[np.arange(1, 500), -7].astype(np.int32)),
     ("too large", [2**31]),
     ("huge python int", [2**70]),
     ("float list", [1.0, 2.0]),
@@ -341,3 +345,16 @@ def test_a_match_locked_by_a_failed_admit_is_evictable_again() -> None:
     assert c.sizes().evictable == 8
     assert c.evict(8).num_tokens == 8
     c.check_integrity()
+
+
+@pytest.mark.parametrize("n", [1, 2, 31, 32, 33, 63, 64, 65, 200])
+def test_min_value_and_int_sum_agree_with_numpy_on_both_sides_of_their_cut(n: int) -> None:
+    seed = 1000 + n
+    print(f"seed={seed}")
+    rng = np.random.default_rng(seed)
+    for dtype in (np.int32, np.int64):
+        arr = rng.integers(-(2**30), 2**30, size=n).astype(dtype)
+        assert min_value(arr) == int(arr.min())
+        assert int_sum(arr) == int(arr.astype(np.int64).sum())
+        assert type(min_value(arr)) is int and type(int_sum(arr)) is int
+    assert int_sum(np.zeros(0, np.int64)) == 0

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from tpcache.cache.keys import TokenLike, as_tokens
+from tpcache.cache.keys import TokenLike, as_tokens, int_sum
 from tpcache.cache.radix import AdmitResult
 from tpcache.coordinator.step_types import (
     CoordinatorConfig,
@@ -96,7 +96,7 @@ class Coordinator(StepDriver):
             evicted = full1 - full0
             self._emit(
                 Extend(request_id, n, evicted, swa1 - swa0),
-                OpResult(0, int(slots.size), int(slots.sum()), evicted),
+                OpResult(0, int(slots.size), int_sum(slots), evicted),
             )
             return slots
 

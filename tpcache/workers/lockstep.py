@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from tpcache.cache.keys import int_sum
 from tpcache.workers.group import i64_to_u64, u64_to_i64
 from tpcache.workers.ops import (
     Abort,
@@ -110,7 +111,7 @@ def admit_result(got, evicted_pages: int) -> OpResult:
     the prompt's slots (slot = page * size + offset, the last page possibly partial)."""
     ps, n, pages = got.page_size, got.num_tokens, got.pages
     full, rest = divmod(n, ps)
-    total = ps * ps * int(pages[:full].sum()) + full * (ps * (ps - 1) // 2)
+    total = ps * ps * int_sum(pages[:full]) + full * (ps * (ps - 1) // 2)
     if rest:
         total += rest * ps * int(pages[full]) + rest * (rest - 1) // 2
     return OpResult(got.prefix_len, n, total, evicted_pages)
@@ -152,7 +153,7 @@ def apply_op(cache, op: Op, evict_fn: Callable[[int, int], int]) -> OpResult:
         case Extend(rid, n):
             evictor = _OpEvictor(op, evict_fn)
             slots = cache.extend(rid, n, evict=evictor)
-            return OpResult(0, int(slots.size), int(slots.sum()), evictor.evicted)
+            return OpResult(0, int(slots.size), int_sum(slots), evictor.evicted)
         case CacheUnfinished(rid, tokens):
             n = cache.cache_unfinished(rid, unpack_tokens(tokens))
             return OpResult(prefix_len=n)
