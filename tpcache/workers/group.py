@@ -9,9 +9,9 @@ process); a two-int64 length header turns the quiet case into a GroupError.
 
 The lockstep path pays for every element instead: gloo's all-reduce splits its tensor
 over the ranks, so its cost grows with the element count until there is one per rank.
-Measured here (2 cores, back to back, CPU per rank per call): 4 ranks, 1 element 0.4 ms,
-2: 0.6, 3: 1.2, 6: 1.8; 2 ranks, 1: 0.3, 2: 0.5, 6: 0.8. So the two collectives a step
-runs carry no header: ``agree_min`` for lists whose length the code fixes (one per pool
+``scripts/bench_gloo.py`` here (2 cores, CPU per rank per call): 4 ranks, 1 element
+0.4 ms, 2: 0.5-0.6, 3: 1.2, 6: 1.8-2.0; 2 ranks, 1: 0.3, 2: 0.5, 3 or 6: 0.8-1.2. So the
+two collectives a step runs carry no header: ``agree_min`` for lists whose length the code fixes (one per pool
 of the cache kind every rank builds from the same spec), and ``digest_range``, two
 elements that carry a failure too.
 
