@@ -1,9 +1,10 @@
 """Lockstep cost: per-step latency and steps/s at TP=2 and TP=4 on CPU ranks, for
 batches of 1, 8 and 64 requests (admit + finish each), unpipelined and pipelined (up to
-4 messages in flight), the latter with and without coalescing (up to 8 steps per message
-while every slot is taken; ``coalesce=1``: one step per message), against the floor
-measured in the same run: one bare Ray round trip to every rank that does one bare
-all-reduce of one element (what a step cannot avoid; a step's own check is two).
+4 messages in flight), the latter with and without coalescing (up to the default
+``CoordinatorConfig().coalesce`` steps per message while every slot is taken;
+``coalesce=1``: one step per message), against the floor measured in the same run: one
+bare Ray round trip to every rank that does one bare all-reduce of one element (what a
+step cannot avoid; a step's own check is two).
 
     .venv/bin/python scripts/bench_lockstep.py [--tp 2 4] [--steps 60] [--rounds 3] [--json]
 
@@ -38,6 +39,7 @@ from tpcache.coordinator.service import GroupConfig, start_group
 from tpcache.workers.rank import CacheSpec
 
 _TCK = os.sysconf("SC_CLK_TCK")
+COALESCE = CoordinatorConfig().coalesce  # the default the pipelined runs use
 
 
 def proc_cpu_s(pid: int) -> float:
@@ -77,7 +79,9 @@ class Cell:
     def collectives(self) -> int:
         return sum(i.get("collectives", 0) for i in self.coord.ranks.call("info"))
 
-    def run(self, batch: int, steps: int, pipelined: bool, seed: int, coalesce: int = 8) -> Sample:
+    def run(
+        self, batch: int, steps: int, pipelined: bool, seed: int, coalesce: int = COALESCE
+    ) -> Sample:
         coord = self.coord
         coord.config = CoordinatorConfig(max_inflight=4 if pipelined else 1, coalesce=coalesce)
         rng = np.random.default_rng(seed)
@@ -145,7 +149,7 @@ def measure(cell: Cell, batch: int, steps: int, rounds: int, tag: str) -> dict:
         floor += floor_samples(cell.coord, steps)
         order: list[tuple[bool, int, list[Sample]]] = [
             (False, 1, unp),
-            (True, 8, pip),
+            (True, COALESCE, pip),
             (True, 1, pip1),
         ]
         k = r % len(order)

@@ -53,7 +53,10 @@ class CoordinatorConfig:
     step_timeout_s: float = 120.0  # per message
     auto_recover: bool = True  # after a rank failure or divergence, rebuild the group at once
     probe_s: float = 2.0  # a rank that does not answer a ping this fast is replaced
-    coalesce: int = 8  # most steps one message carries (1: one step per message)
+    # Most steps one message carries (1: one step per message). 32, not 8: with 8 the
+    # caller blocks while the ranks still work; bench_lockstep, 8-request steps, 2 cores:
+    # 8 / 16 / 32 gave 253 / 321 / 370 steps/s at TP=2 and 144 / 157 / 172 at TP=4.
+    coalesce: int = 32
 
     def __post_init__(self) -> None:
         for name in ("max_inflight", "max_batch_ops", "coalesce"):
