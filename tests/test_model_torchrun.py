@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tpcache.torchrun import parse
+
 TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which(
     "torchrun"
 )
@@ -41,8 +43,9 @@ def run_check(nproc: int, *args: str, timeout: float = 240.0) -> dict:
 def test_torchrun_two_ranks_match_full_recompute():
     seed = 11
     print(f"seed={seed}")
-    got = run_check(2, "--seed", str(seed))
+    got = run_check(2, "--seed", str(seed), "--timeout-s", "45", "--join-timeout-s", "90")
     assert got["world_size"] == 2 and got["backend"] == "gloo"
+    assert (got["timeout_s"], got["join_timeout_s"]) == (45.0, 90.0)
     for name in ("basic", "chunked", "evict"):
         rep = got[name]
         assert rep["ok"] and rep["max_rel_err"] <= 1e-5, (name, rep)
@@ -66,3 +69,14 @@ def test_torchrun_gpu_bf16_nccl():
     got = run_check(nproc, "--seed", "12", "--dtype", "bfloat16", "--tol", "1e-2")
     assert got["backend"] == ("nccl" if nproc > 1 else got["backend"])
     assert got["ok"], got
+
+
+@pytest.mark.parametrize("option", ["--timeout-s", "--join-timeout-s"])
+@pytest.mark.parametrize("bad", ["0", "-1", "nan", "inf", "soon"])
+def test_torchrun_refuses_bad_timeouts_before_starting(option: str, bad: str, capsys) -> None:
+    # Parsed before any rank joins a group: a typo must not become a 30-minute wait.
+    with pytest.raises(SystemExit) as exc:
+        parse(["check", option, bad])
+    assert exc.value.code == 2
+    assert "seconds" in capsys.readouterr().err
+    assert parse(["check", option, "2.5"]).__dict__[option[2:].replace("-", "_")] == 2.5

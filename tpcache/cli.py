@@ -39,7 +39,8 @@ def _positive(text: str) -> int:
     return value
 
 
-def _seconds(text: str) -> float:
+def seconds_arg(text: str) -> float:
+    """argparse type: a finite number of seconds > 0."""
     try:
         value = float(text)
     except ValueError:
@@ -187,13 +188,13 @@ def _add_group_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-dim", type=_positive, default=4, help="KV-pool head dim (default 4)")
     p.add_argument(
         "--timeout",
-        type=_seconds,
+        type=seconds_arg,
         default=60.0,
         help="collective timeout in seconds: how fast a hung rank is found (default 60)",
     )
     p.add_argument(
         "--join-timeout",
-        type=_seconds,
+        type=seconds_arg,
         default=120.0,
         help="seconds ranks wait for each other to join the group, at start-up and after "
         "a rank is replaced (default 120)",

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from tpcache.cli import seconds_arg
 from tpcache.coordinator.core import Coordinator, CoordinatorConfig
 from tpcache.coordinator.engine import ModelEngine
 from tpcache.coordinator.modelcheck import Workload, run_script, run_workload
@@ -117,6 +118,7 @@ class RunConfig:
     capacity: int
     dtype: str
     timeout_s: float
+    join_timeout_s: float = 120.0
 
 
 def env_int(name: str) -> int:
@@ -136,6 +138,7 @@ def start_rank(cfg: RunConfig) -> tuple[RankWorker, int]:
         capacity_tokens=cfg.capacity,
         cpu_budget_bytes=1 << 28,
         timeout_s=cfg.timeout_s,
+        join_timeout_s=cfg.join_timeout_s,
     )
     worker = RankWorker(rank, spec, local)
     worker.join(os.environ.get("MASTER_ADDR", "127.0.0.1"), env_int("MASTER_PORT"))
@@ -214,7 +217,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     c.add_argument("--capacity", type=int, default=192, help="pool tokens (pressure below)")
     c.add_argument("--window", type=int, default=None, help="hybrid cache with this window")
     c.add_argument("--swa-capacity", type=int, default=64)
-    c.add_argument("--timeout-s", type=float, default=120.0)
+    c.add_argument("--timeout-s", type=seconds_arg, default=120.0, help="per collective")
+    c.add_argument(
+        "--join-timeout-s", type=seconds_arg, default=120.0, help="for every rank to join"
+    )
     return p.parse_args(argv)
 
 
@@ -236,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         sliding_window=args.window,
         swa_capacity_tokens=args.swa_capacity if hybrid else None,
     )
-    cfg = RunConfig(model, cache, args.capacity, dtype, args.timeout_s)
+    cfg = RunConfig(model, cache, args.capacity, dtype, args.timeout_s, args.join_timeout_s)
     started = time.perf_counter()
     worker, capacity = start_rank(cfg)
     try:
@@ -255,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
             dtype=dtype,
             tol=tol,
             seed=args.seed,
+            timeout_s=worker.spec.timeout_s,
+            join_timeout_s=worker.spec.join_timeout_s,
             seconds=round(time.perf_counter() - started, 2),
         )
         print(json.dumps({"tpcache_check": out}), flush=True)
