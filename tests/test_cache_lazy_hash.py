@@ -102,3 +102,14 @@ def test_batches_larger_than_the_cap_and_deep_pending_chains():
     assert lazy.digest() == eager.digest()
     assert cached_blocks(lazy) == cached_blocks(eager)
     lazy.check_integrity()
+
+
+def test_a_node_pending_twice_is_hashed_once():
+    # Batches hash a level's nodes together: a node listed twice must not count twice.
+    once = RadixCache(CacheConfig(512, 4))
+    twice = RadixCache(CacheConfig(512, 4))
+    for cache in (once, twice):
+        drive(cache, random.Random(5), 20)
+    twice.tree._unhashed = twice.tree._unhashed + twice.tree._unhashed[-3:]
+    assert once.digest() == twice.digest()
+    twice.check_integrity()

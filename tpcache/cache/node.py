@@ -78,7 +78,8 @@ def hash_pending(tree) -> None:
     rank asks for a digest every step, after a few short new leaves.
     """
     pending, tree._unhashed = tree._unhashed, []
-    todo = [n for n in pending if n.alive and n.states is None]
+    # Each node once, in order: a node listed twice must not add its term twice.
+    todo = list(dict.fromkeys(n for n in pending if n.alive and n.states is None))
     while todo:
         ready = [n for n in todo if n.parent.states is not None]
         if ready:
