@@ -10,6 +10,8 @@ never used.
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 MASK64 = (1 << 64) - 1
@@ -64,6 +66,7 @@ class PageHasher:
         rng = np.random.Generator(np.random.PCG64(0x7C0DE))
         width = (page_size + 1) // 2 if page_size % 2 == 0 else page_size
         self._mult = rng.integers(1, 2**62, size=width, dtype=np.int64) * 2 + 1
+        self._mult_ints = self._mult.tolist()  # for chain_few
         self._pow = _powers(_M, 1)
         self._pow_inv = _powers(_M_INV, 1)
         self._c1_inv = self._pow_inv * _C1  # C1 * M**-i: page_words' last multiply
@@ -134,6 +137,29 @@ class PageHasher:
         c -= np.repeat(offset, sizes)
         c *= self._pow[:n]
         return c
+
+    def chain_few(self, kb: bytes, parent_state: int) -> list[int]:
+        """``chain`` of a few pages in Python ints: the same states, as a list.
+
+        Why: most nodes a step adds are a page or two, and numpy's fixed cost per call
+        (about 2.5 us here, more with cold caches) is then most of hashing them. Uses
+        the chain's recurrence ``state[i] = M * state[i-1] + C1 * c[i]`` directly; the
+        int64 products wrap exactly as numpy's int64 matmul does once masked.
+        """
+        ps = self.page_size
+        dtype = np.int64 if ps % 2 == 0 else np.int32  # premix's words: see _premix
+        words = np.frombuffer(kb, dtype=dtype).tolist()
+        mult = self._mult_ints
+        width = len(mult)
+        c1 = int(_C1)
+        states = []
+        s = parent_state
+        for i in range(0, len(words), width):
+            c = sum(map(operator.mul, words[i : i + width], mult)) & MASK64
+            c ^= c >> 33
+            s = (_M * s + c1 * c) & MASK64
+            states.append(s)
+        return states
 
 
 def block_hashes(states: np.ndarray) -> np.ndarray:

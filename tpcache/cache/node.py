@@ -90,6 +90,7 @@ def hash_pending(tree) -> None:
 
 
 _BATCH_PAGES = 4096  # pages hashed in one batch: bounds the hasher's power tables
+_FEW_PAGES = 4  # up to this many pages a node is hashed in Python ints (chain_few)
 
 
 def hash_nodes(tree, nodes: list) -> None:
@@ -143,8 +144,14 @@ def hash_node(tree, node) -> None:
     for n in reversed(chain):
         parent = n.parent
         parent_state = int(parent.states[-1]) if parent.states.size else ROOT_STATE
-        n.states = tree.hasher.chain(np.frombuffer(n.kb, dtype=np.int32), parent_state)
-        n.term = page_terms(n.states, n.pages)
+        if n.pages.size <= _FEW_PAGES:
+            states = tree.hasher.chain_few(n.kb, parent_state)
+            n.term = sum(s * (p + _K) for s, p in zip(states, n.pages.tolist(), strict=True))
+            n.term &= _MASK
+            n.states = np.array(states, dtype=np.uint64)
+        else:
+            n.states = tree.hasher.chain(np.frombuffer(n.kb, dtype=np.int32), parent_state)
+            n.term = page_terms(n.states, n.pages)
         tree.digest_sum = (tree.digest_sum + n.term) & _MASK
 
 

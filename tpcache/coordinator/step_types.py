@@ -73,7 +73,7 @@ class Closed:
 
     step: int
     data: bytes
-    digest: int
+    digest: int  # the mirror's after this step; set at the send (see StepDriver._send)
     expected: list[OpResult]
     closed_at: float
 
