@@ -6,6 +6,8 @@ asserted exactly, at page size 1 and 4.
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 from cache_helpers import snapshot, tree_nodes
@@ -280,4 +282,24 @@ def test_admit_keeps_its_own_copy_of_the_prompt() -> None:
     c.extend("b", 1)
     assert c.finish("b", [8]) == 3
     assert tree_nodes(c)[1:] == [([5, 6], [4, 5], 0), ([8], [6], 0)]
+    c.check_integrity()
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+def test_extend_returns_the_slots_of_exactly_its_tokens_one_or_many(page_size: int) -> None:
+    # Decode steps (a few tokens) take a Python path, longer extends a vectorised one:
+    # both must give the row's slots of exactly the new tokens, across page boundaries.
+    seed = 77 + page_size
+    print(f"seed={seed}")
+    rng = random.Random(seed)
+    c = RadixCache(CacheConfig(4096 * page_size, page_size))
+    c.admit("r", [rng.randrange(1, 999) for _ in range(rng.randrange(1, 40))])
+    held = c.reqs.get("r").num_tokens
+    for _ in range(60):
+        n = rng.choice([0, 1, 1, 2, 3, 4, 5, 7, 16, 33])
+        got = c.extend("r", n)
+        req = c.reqs.get("r")
+        everything = [p * page_size + o for p in req.pages.tolist() for o in range(page_size)]
+        assert got.dtype == np.int64 and got.tolist() == everything[held : held + n]
+        held += n
     c.check_integrity()

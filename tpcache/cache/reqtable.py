@@ -71,8 +71,16 @@ def extended_length(req: Req, n: Any, limit: int) -> int:
     return end
 
 
+_FEW_SLOTS = 4  # up to this many, slots are computed in Python (a decode step's one)
+
+
 def row_slots(req: Req, start: int, end: int, page_size: int) -> np.ndarray:
     """Slot ids of tokens ``start..end`` of ``req``'s row (a new array)."""
+    if end - start <= _FEW_SLOTS:
+        # A decode step's extend: 3 us here, where the vectorised path costs 7 us.
+        pages = req.pages
+        ps = page_size
+        return np.array([int(pages[t // ps]) * ps + t % ps for t in range(start, end)], np.int64)
     first = start // page_size
     skip = start - first * page_size
     return pages_to_slots(req.pages[first:], page_size, end - first * page_size)[skip:]
