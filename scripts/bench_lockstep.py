@@ -11,11 +11,12 @@ step cannot avoid; a step's own check is two).
 Honesty rules it keeps: the floor is sampled inside every round, next to the steps it is
 compared with (the machine is shared: load moves within a minute); every figure is a
 median (latency over steps, rates and CPU over rounds); the unpipelined and pipelined
-runs of a cell alternate within each round (their order rotates from round to round). A cell also reports what the step's own
-cache work costs (the coordinator's mirror, and the slowest rank's ops and digest before
-its collective), how many collectives each rank entered per step, and the CPU the driver
-and the ranks burnt per step next to how busy the whole machine was: when the machine is
-saturated, pipelining cannot add steps/s, and these columns show it. The ``evict`` rows
+runs of a cell alternate within each round (their order rotates from round to round).
+A cell also reports what the step's own cache work costs (the coordinator's mirror, and
+the slowest rank's ops and digest before its collective), how many collectives each rank
+entered per step, and the CPU the driver and the ranks burnt per step next to how busy
+the whole machine was: when the machine is saturated, pipelining cannot add steps/s, and
+these columns show it. The ``evict`` rows
 run the batch-8 workload in a cache so small that every admit evicts.
 """
 

@@ -24,7 +24,7 @@ def coord(ray_cluster):
 
 
 def configured(coord, **kw):
-    """``coord`` reset, in lockstep, with ``kw`` in its config (no recovery)."""
+    """``coord`` reset, in lockstep, with ``kw`` in its config (recovering at once)."""
     coord.config = dataclasses.replace(
         CoordinatorConfig(), auto_recover=True, step_timeout_s=30.0, **kw
     )

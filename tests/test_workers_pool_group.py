@@ -188,6 +188,8 @@ def _one_group(rank: int, world: int, port: int) -> dict[str, Any]:
         # The extremes of int64 are digests too: only a failure is None.
         res["range_edge"] = group.digest_range(-(2**63) if rank == 0 else -(2**63) + 1)
         res["range_failed"] = group.digest_range(None if rank == world - 1 else u64_to_i64(DIGEST))
+        # The documented ambiguity: healthy digests spanning all of int64 read as a failure.
+        res["range_span"] = group.digest_range(-(2**63) if rank == 0 else 2**63 - 1)
         res["bytes"] = group.broadcast_bytes(PAYLOAD if rank == 0 else None, src=0)
         res["bytes_last"] = group.broadcast_bytes(
             b"from-last" if rank == world - 1 else None, world - 1
@@ -263,6 +265,7 @@ def test_gloo_collectives_exact_2_and_4_ranks() -> None:
         assert res["range_differ"] == tuple(sorted((d, u64_to_i64(DIGEST ^ 1))))
         assert res["range_edge"] == (-(2**63), -(2**63) + 1)
         assert res["range_failed"] is None  # the last rank failed: every rank learns it
+        assert res["range_span"] is None
         assert res["bytes"] == PAYLOAD
         assert res["bytes_last"] == b"from-last"
         assert res["empty"] == b""

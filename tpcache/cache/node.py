@@ -98,24 +98,24 @@ def hash_nodes(tree, nodes: list) -> None:
     batches of about ``_BATCH_PAGES`` pages (``PageHasher.chain_runs``)."""
     pb = 4 * tree.hasher.page_size
     batch: list = []
+    sizes: list[int] = []
     pages = 0
     for node in nodes:
         size = len(node.kb) // pb
         if batch and pages + size > _BATCH_PAGES:
-            _hash_batch(tree, batch)
-            batch, pages = [], 0
+            _hash_batch(tree, batch, sizes)
+            batch, sizes, pages = [], [], 0
         batch.append(node)
+        sizes.append(size)
         pages += size
     if batch:
-        _hash_batch(tree, batch)
+        _hash_batch(tree, batch, sizes)
 
 
-def _hash_batch(tree, batch: list) -> None:
+def _hash_batch(tree, batch: list, sizes: list[int]) -> None:
     if len(batch) == 1:
         hash_node(tree, batch[0])
         return
-    pb = 4 * tree.hasher.page_size
-    sizes = [len(n.kb) // pb for n in batch]
     firsts = [0, *itertools.accumulate(sizes[:-1])]
     starts = np.array(firsts, dtype=np.int64)
     parents = np.array(

@@ -13,10 +13,11 @@ the caller blocks, as without coalescing). A rank applies them one by one, each 
 its own collectives and digest check, so lockstep is unchanged; what is saved is a
 transport round trip per step, which on CPU ranks costs more than a small step's cache
 work. A step that waits is sent by the next call, ``flush()`` or ``sync()``; anything
-that reaches the ranks directly (a model forward) flushes first. A failed or diverged step stops the
-group: the running requests are lost (later calls for them raise ``RequestLost``) and,
-if configured, the group is rebuilt at once. ``core.Coordinator`` puts the frontend API
-on top.
+that reaches the ranks directly (a model forward) flushes first.
+
+A failed or diverged step stops the group: the running requests are lost (later calls
+for them raise ``RequestLost``) and, if configured, the group is rebuilt at once.
+``core.Coordinator`` puts the frontend API on top.
 """
 
 from __future__ import annotations
