@@ -57,7 +57,7 @@ class ThreadMember:
     def agree_min(self, values: list[int]) -> list[int]:
         return self.all_min(values)
 
-    def digest_range(self, digest: int | None) -> tuple[int, int] | None:
+    def digest_check(self, digest: int | None) -> tuple[int, int] | None:
         rows = self.shared.exchange(self.rank, digest)
         if any(d is None for d in rows):
             return None

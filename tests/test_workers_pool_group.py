@@ -163,6 +163,7 @@ def test_pool_empty_write_and_read() -> None:
 
 DIGEST = 0xDEADBEEF_CAFEF00D  # high bit set: negative as int64
 PAYLOAD = bytes(range(256)) * 16  # 4 KiB
+FLIP_BITS = (0, 30, 31, 32, 61, 62, 63)  # each field of the 31-bit fold, and its edges
 
 
 def _rank_main(rank: int, groups: list[tuple[int, int]], out: Any) -> None:
@@ -190,6 +191,19 @@ def _one_group(rank: int, world: int, port: int) -> dict[str, Any]:
         res["range_failed"] = group.digest_range(None if rank == world - 1 else u64_to_i64(DIGEST))
         # The documented ambiguity: healthy digests spanning all of int64 read as a failure.
         res["range_span"] = group.digest_range(-(2**63) if rank == 0 else 2**63 - 1)
+        # digest_check under gloo: one element; rank 1 flips one bit of the digest.
+        res["check_same"] = group.digest_check(u64_to_i64(DIGEST))
+        res["check_flips"] = [
+            group.digest_check(u64_to_i64(DIGEST ^ (1 << bit) if rank == 1 else DIGEST))
+            for bit in FLIP_BITS
+        ]
+        res["check_failed"] = group.digest_check(None if rank == world - 1 else u64_to_i64(DIGEST))
+        # A failure and a divergence in one step: the failure is what every rank sees.
+        res["check_failed_differ"] = group.digest_check(
+            None if rank == world - 1 else u64_to_i64(DIGEST ^ rank)
+        )
+        res["check_extremes"] = group.digest_check(-(2**63) if rank == 0 else 2**63 - 1)
+        res["check_min"] = group.digest_check(-(2**63))
         res["bytes"] = group.broadcast_bytes(PAYLOAD if rank == 0 else None, src=0)
         res["bytes_last"] = group.broadcast_bytes(
             b"from-last" if rank == world - 1 else None, world - 1
@@ -266,6 +280,16 @@ def test_gloo_collectives_exact_2_and_4_ranks() -> None:
         assert res["range_edge"] == (-(2**63), -(2**63) + 1)
         assert res["range_failed"] is None  # the last rank failed: every rank learns it
         assert res["range_span"] is None
+        same = res["check_same"]
+        assert same is not None and same[0] == same[1], same
+        for bit, got in zip(FLIP_BITS, res["check_flips"], strict=True):
+            assert got is not None and got[0] != got[1], (bit, got)  # every rank sees it
+        assert res["check_failed"] is None
+        assert res["check_failed_differ"] is None
+        extremes = res["check_extremes"]
+        assert extremes is not None and extremes[0] != extremes[1]  # healthy, not a failure
+        check_min = res["check_min"]
+        assert check_min is not None and check_min[0] == check_min[1]
         assert res["bytes"] == PAYLOAD
         assert res["bytes_last"] == b"from-last"
         assert res["empty"] == b""
@@ -420,6 +444,9 @@ def test_nccl_tp1_group_and_cuda_pool() -> None:
         assert group.backend == "nccl" and group.device == device
         assert group.min_max([u64_to_i64(DIGEST), 5]) == ([u64_to_i64(DIGEST), 5],) * 2
         assert group.digest_range(u64_to_i64(DIGEST)) == (u64_to_i64(DIGEST),) * 2
+        # NCCL has no bitwise reduction: the check is the 64-bit MIN and MAX.
+        assert group.digest_check(u64_to_i64(DIGEST)) == (u64_to_i64(DIGEST),) * 2
+        assert group.digest_check(None) is None
         assert group.agree_min([3, -1]) == [3, -1]
         assert group.broadcast_bytes(PAYLOAD) == PAYLOAD
         assert group.all_gather_ints([7]) == [[7]]
@@ -458,6 +485,13 @@ def test_gloo_single_rank_in_process() -> None:
             group.agree_min([1.5])  # type: ignore[list-item]
         assert group.digest_range(-(2**63)) == (-(2**63), -(2**63))
         assert group.digest_range(None) is None
+        with pytest.raises(GroupInputError, match="does not fit in int64"):
+            group.digest_check(2**63)
+        with pytest.raises(GroupInputError, match="is not an int"):
+            group.digest_check(1.0)  # type: ignore[arg-type]
+        assert group.digest_check(None) is None
+        pair = group.digest_check(u64_to_i64(DIGEST))
+        assert pair is not None and pair[0] == pair[1]
         assert group.agree_min([7, -3]) == [7, -3]
         with pytest.raises(GroupInputError, match=r"src=1 is outside \[0, 1\)"):
             group.broadcast_bytes(b"x", src=1)

@@ -44,6 +44,25 @@ def fmix64_int(x: int) -> int:
     return x
 
 
+_FIELD_MULT = 0xC2B2AE3D27D4EB4F  # odd, 3 mod 4
+
+
+def fold_fields(seed: int, fields: tuple[int, ...]) -> int:
+    """A 64-bit digest of ``seed`` and ``fields`` (ints, any sign): a polynomial over
+    them mod 2**64, then ``fmix64``.
+
+    The multiplier is odd, so a change of any one field always changes the result;
+    changes of several can cancel only when their differences meet a relation like
+    ``d1 == -d2 * M**k`` mod 2**64, which no natural small differences do. One mix at the
+    end, not one per field: a rank and the mirror take a digest every step, and here a
+    mix costs ~0.6 us where a multiply-add costs ~0.15 us.
+    """
+    x = seed & MASK64
+    for v in fields:
+        x = (x * _FIELD_MULT + v) & MASK64
+    return fmix64_int(x)
+
+
 def _powers(base: int, n: int) -> np.ndarray:
     out = np.empty(n, dtype=np.uint64)
     v = 1

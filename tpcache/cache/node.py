@@ -78,6 +78,10 @@ def hash_pending(tree) -> None:
     rank asks for a digest every step, after a few short new leaves.
     """
     pending, tree._unhashed = tree._unhashed, []
+    if len(pending) <= 1:  # most steps add one leaf: hash_node walks up to a hashed parent
+        if pending and pending[0].alive and pending[0].states is None:
+            hash_node(tree, pending[0])
+        return
     # Each node once, in order: a node listed twice must not add its term twice.
     todo = list(dict.fromkeys(n for n in pending if n.alive and n.states is None))
     while todo:

@@ -22,7 +22,7 @@ from tpcache.cache.errors import (
     UnknownHandle,
 )
 from tpcache.cache.events import AllBlocksCleared, KVEvent
-from tpcache.cache.hashing import fmix64_int
+from tpcache.cache.hashing import fmix64_int, fold_fields
 from tpcache.cache.keys import (
     TokenLike,
     as_slots,
@@ -50,8 +50,6 @@ from tpcache.cache.reqtable import (
     row_slots,
 )
 from tpcache.cache.tree import Node, RadixTree
-
-_MASK = (1 << 64) - 1
 
 # Called with the local shortfall in pages; evicts what it decides (see ``admit``).
 Evictor = Callable[[int], object]
@@ -347,11 +345,10 @@ class RadixCache:
         reset, are left out); any difference changes it (whp). Costs O(1)."""
         t = self.tree
         t.ensure_hashed()
-        x = fmix64_int(t.digest_sum ^ 0x5A17)
-        for v in (*self.alloc.fingerprint(), t.tick, len(t.nodes)):
-            x = fmix64_int(x ^ (v & _MASK))
-        x ^= fmix64_int((t.protected_pages << 32) ^ len(self.reqs) ^ 0x1F83D9AB)
-        return x & _MASK
+        return fold_fields(
+            fmix64_int(t.digest_sum ^ 0x5A17),
+            (*self.alloc.fingerprint(), t.tick, len(t.nodes), t.protected_pages, len(self.reqs)),
+        )
 
     def check_integrity(self) -> None:
         """Verify the conservation law, the tree, the allocator and every request row.

@@ -41,7 +41,7 @@ from tpcache.cache.errors import (
     UnknownHandle,
 )
 from tpcache.cache.events import AllBlocksCleared, KVEvent
-from tpcache.cache.hashing import fmix64_int
+from tpcache.cache.hashing import fmix64_int, fold_fields
 from tpcache.cache.keys import TokenLike, as_slots, as_tokens, pages_to_slots, slots_to_pages
 from tpcache.cache.node import hash_pending
 from tpcache.cache.policies import policy_key
@@ -61,7 +61,6 @@ from tpcache.cache.swa_node import StaleBoundary, SwaNode
 from tpcache.cache.swa_requests import HybridEvictor, RequestLifecycle
 from tpcache.cache.swa_tree import SwaTree
 
-_MASK = (1 << 64) - 1
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 
@@ -266,12 +265,19 @@ class HybridCache(RequestLifecycle):
         is left out: it would cost a lookup per change). Costs O(1) beyond hashing what waits."""
         t = self.tree
         hash_pending(t)
-        x = fmix64_int(t.digest_sum ^ 0x5A17)
-        for v in (*self.alloc.fingerprint(), t.tick, len(t.nodes)):
-            x = fmix64_int(x ^ (v & _MASK))
-        x ^= fmix64_int((t.protected_pages << 32) ^ len(self.reqs) ^ 0x1F83D9AB)
-        x = fmix64_int(x ^ (t.swa_protected << 32) ^ (t.tombstone_pages << 8) ^ t.tombstones)
-        return x & _MASK
+        return fold_fields(
+            fmix64_int(t.digest_sum ^ 0x5A17),
+            (
+                *self.alloc.fingerprint(),
+                t.tick,
+                len(t.nodes),
+                t.protected_pages,
+                len(self.reqs),
+                t.swa_protected,
+                t.tombstone_pages,
+                t.tombstones,
+            ),
+        )
 
     def check_integrity(self) -> None:
         """Verify the conservation law per pool, both pools and the mapping, the tree (see

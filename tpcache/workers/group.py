@@ -11,9 +11,11 @@ The lockstep path pays for every element instead: gloo's all-reduce splits its t
 over the ranks, so its cost grows with the element count until there is one per rank.
 ``scripts/bench_gloo.py`` here (2 cores, CPU per rank per call): 4 ranks, 1 element
 0.4 ms, 2: 0.5-0.6, 3: 1.2, 6: 1.8-2.0; 2 ranks, 1: 0.3, 2: 0.5, 3 or 6: 0.8-1.2. So the
-two collectives a step runs carry no header: ``agree_min`` for lists whose length the code fixes (one per pool
-of the cache kind every rank builds from the same spec), and ``digest_range``, two
-elements that carry a failure too.
+two collectives a step runs carry no header: ``agree_min`` for lists whose length the
+code fixes (one per pool of the cache kind every rank builds from the same spec), and
+``digest_check``, which carries a failure too: one element under gloo (a bitwise AND),
+two under NCCL (``digest_range``), which has no bitwise reduction and whose cost does
+not grow so with the element count.
 
 Unsigned 64-bit values (state digests, block hashes) travel as int64 with the same bits:
 ``u64_to_i64`` before, ``i64_to_u64`` after. The reinterpretation is a bijection, so the
@@ -80,6 +82,20 @@ def check_seconds(name: str, value: Any) -> None:
         or not (math.isfinite(value) and value > 0)
     ):
         raise GroupInputError(f"{name}={value!r} must be a finite number of seconds > 0")
+
+
+_M31 = (1 << 31) - 1
+_FLAG = 1 << 62  # set by every healthy rank in _fold_pair; a failed rank sends 0
+
+
+def _fold_pair(digest: int) -> int:
+    """A healthy rank's element for ``TPGroup.digest_check``: bit 62 set, bits 61-31 the
+    31-bit fold ``f`` of the 64-bit ``digest``, bits 30-0 ``~f``. Under a bitwise AND over
+    ranks the first field becomes the AND of the folds and the second the complement of
+    their OR. Always a positive int64."""
+    u = digest & ((1 << 64) - 1)
+    f = (u ^ (u >> 31) ^ (u >> 62)) & _M31
+    return _FLAG | f << 31 | (~f & _M31)
 
 
 def u64_to_i64(value: int) -> int:
@@ -303,6 +319,37 @@ class TPGroup:
         if lo == _I64_MIN and low_not == _I64_MIN:
             return None
         return lo, ~low_not
+
+    def digest_check(self, digest: int | None) -> tuple[int, int] | None:
+        """Whether every rank holds the same int64 ``digest``, in one all-reduce; ``None``
+        from a rank that failed. Returns ``None`` if any rank failed, else a pair that is
+        equal iff the ranks agree. Collective.
+
+        NCCL: ``digest_range``, the MIN and MAX of the whole 64 bits. gloo: one element,
+        because a second costs 0.25-0.35 ms a step here (``scripts/bench_gloo.py``). NCCL
+        has no bitwise reduction; gloo's BAND of ``_fold_pair`` gives the AND and the OR of
+        a 31-bit fold of the digests (its pair: equal iff every rank's fold is the same).
+        A failed rank sends 0, which clears the flag bit every healthy rank sets, so a
+        failure never reads as a divergence nor the reverse. What a 31-bit fold gives
+        up: a divergence that keeps the fold (chance 2**-31) passes this check, and then
+        only the coordinator's comparison of each rank's whole digest with its mirror's
+        catches it, at the same step.
+        """
+        if self._backend == "nccl":
+            return self.digest_range(digest)
+        if digest is None:
+            v = 0
+        else:
+            (d,) = self._int_list("digest_check", [digest])
+            v = _fold_pair(d)
+        t = self._tensor([v])
+        self._collective(
+            "digest_check", lambda: dist.all_reduce(t, op=dist.ReduceOp.BAND, group=self._pg)
+        )
+        got = int(t.item())
+        if not got & _FLAG:
+            return None
+        return got >> 31 & _M31, ~got & _M31  # AND and OR of the folds
 
     def all_gather_ints(self, values: Sequence[int]) -> list[list[int]]:
         """Every rank's ``values``, indexed by rank (to name the odd rank). Collective."""

@@ -9,9 +9,11 @@ What is agreed by MIN, in this order, by every rank, always:
      evicted), one ``agree_min([evictable pages])`` (hybrid cache: ``[evictable full
      pages, evictable SWA pages]``): a rank evicts ``min(asked, MIN evictable)`` per
      pool; a rank that already failed sends -1;
-  2. after the whole batch, one ``digest_range(digest)`` (``None`` from a rank that
-     failed): a failure anywhere makes every rank raise ``RankFailure``; MIN != MAX of
-     the digest makes every rank raise ``DivergenceError``.
+  2. after the whole batch, one ``digest_check(digest)`` (``None`` from a rank that
+     failed): a failure anywhere makes every rank raise ``RankFailure``; digests that
+     differ make every rank raise ``DivergenceError`` (NCCL compares all 64 bits by MIN
+     and MAX; gloo a 31-bit fold in one element; the coordinator compares each rank's
+     whole digest with its mirror's either way).
 Both carry as few elements as they can: under gloo a collective's cost grows with them
 (``tpcache.workers.group``).
 Which collectives run depends only on the batch, never on local state, so a rank that
@@ -65,7 +67,7 @@ class Agreement(Protocol):
 
     def agree_min(self, values: list[int]) -> list[int]: ...
 
-    def digest_range(self, digest: int | None) -> tuple[int, int] | None: ...
+    def digest_check(self, digest: int | None) -> tuple[int, int] | None: ...
 
     def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes: ...
 
@@ -236,15 +238,16 @@ def apply_step(
             failure = failure or f"op {type(op).__name__} did not reach its agreement"
     digest = cache.digest()
     ops_us = (time.perf_counter() - started) * 1e6
-    span = group.digest_range(u64_to_i64(digest) if failure is None else None)
+    span = group.digest_check(u64_to_i64(digest) if failure is None else None)
     if span is None:
         where = f"this rank ({rank}): {failure}" if failure else "another rank"
         raise RankFailure(step.step, f"an op failed on {where}")
     if span[0] != span[1]:
         raise DivergenceError(
             step.step,
-            f"cache digests differ across ranks (this rank {digest:#018x}, "
-            f"min {i64_to_u64(span[0]):#018x}, max {i64_to_u64(span[1]):#018x})",
+            f"cache digests differ across ranks (this rank {digest:#018x}; over the ranks "
+            f"{i64_to_u64(span[0]):#x} and {i64_to_u64(span[1]):#x}: the MIN and MAX of "
+            "the digests under NCCL, the AND and OR of their 31-bit folds under gloo)",
         )
     return StepResult(
         step.step, rank, digest, results, (time.perf_counter() - started) * 1e6, ops_us
