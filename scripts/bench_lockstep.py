@@ -161,6 +161,8 @@ def measure(cell: Cell, batch: int, steps: int, rounds: int, tag: str) -> dict:
                 cell.coord.sync()
     lat = med([x for s in unp for x in s.lat_s])
     fl = med(floor)
+    mirror = med([x for s in unp for x in s.mirror_s])
+    rank_ops = med([s.rank_ops_ms for s in unp]) * 1e-3
 
     def over(samples: list[Sample], get: Callable[[Sample], float]) -> float:
         return med([get(s) for s in samples])
@@ -172,8 +174,11 @@ def measure(cell: Cell, batch: int, steps: int, rounds: int, tag: str) -> dict:
         "floor_ms": round(fl * 1e3, 3),
         "step_ms_unpipelined": round(lat * 1e3, 3),
         "overhead_vs_floor": round(lat / fl, 2),
-        "mirror_ms": round(med([x for s in unp for x in s.mirror_s]) * 1e3, 3),
-        "rank_ops_ms": round(over(unp, lambda s: s.rank_ops_ms), 3),
+        # The same without the step's own cache work (the mirror's calls before the send,
+        # the slowest rank's ops and digest): what lockstep adds around the work.
+        "overhead_beyond_work_vs_floor": round((lat - mirror - rank_ops) / fl, 2),
+        "mirror_ms": round(mirror * 1e3, 3),
+        "rank_ops_ms": round(rank_ops * 1e3, 3),
         "collectives_per_step": round(over(unp, lambda s: s.collectives), 2),
         "steps_s_unpipelined": round(over(unp, lambda s: s.rate), 1),
         "steps_s_pipelined": round(over(pip, lambda s: s.rate), 1),
@@ -260,7 +265,8 @@ def main() -> None:
     print(f"lockstep benchmark on {where}")
     print(f"{args.steps} steps x {args.rounds} rounds per cell; medians; floor sampled each round")
     head = (
-        f"{'tp':>2} {'batch':>5} {'cache':>5} {'floor':>6} {'step':>6} {'xflr':>5} {'mirror':>6} "
+        f"{'tp':>2} {'batch':>5} {'cache':>5} {'floor':>6} {'step':>6} {'xflr':>5} {'xflr_w':>6} "
+        f"{'mirror':>6} "
         f"{'rkops':>6} {'coll':>4} {'steps/s':>7} {'piped/s':>7} {'gain':>5} {'st/msg':>6} "
         f"{'pip1/s':>7} {'gain1':>5} "
         f"{'cpu/st':>6} {'cpu/st_p':>8} {'gmax':>4} {'busy':>4} {'busy_p':>6}"
@@ -269,7 +275,8 @@ def main() -> None:
     for r in rows:
         print(
             f"{r['tp']:>2} {r['batch']:>5} {r['cache']:>5} {r['floor_ms']:>6.2f} "
-            f"{r['step_ms_unpipelined']:>6.2f} {r['overhead_vs_floor']:>5.2f} {r['mirror_ms']:>6.2f} "
+            f"{r['step_ms_unpipelined']:>6.2f} {r['overhead_vs_floor']:>5.2f} "
+            f"{r['overhead_beyond_work_vs_floor']:>6.2f} {r['mirror_ms']:>6.2f} "
             f"{r['rank_ops_ms']:>6.2f} {r['collectives_per_step']:>4.1f} "
             f"{r['steps_s_unpipelined']:>7.1f} {r['steps_s_pipelined']:>7.1f} {r['pipelining_gain']:>5.2f} "
             f"{r['steps_per_message_pipelined']:>6.2f} {r['steps_s_pipelined_uncoalesced']:>7.1f} "
@@ -279,7 +286,9 @@ def main() -> None:
         )
     print(
         "ms columns: floor, step (unpipelined latency), mirror (coordinator's calls before the "
-        "send), rkops (slowest rank's ops + digest); coll: collectives per rank per step; "
+        "send), rkops (slowest rank's ops + digest); xflr: step / floor; xflr_w: (step - "
+        "mirror - rkops) / floor, what lockstep adds beyond the step's own cache work; "
+        "coll: collectives per rank per step; "
         "piped/s, gain, st/msg: pipelined with coalescing (steps per message); pip1/s, gain1: "
         "pipelined, one step per message; cpu/st_p, busy_p: the coalescing run; "
         "cpu/st: driver + ranks CPU ms per step; gmax: cpus * step / cpu/st, the most "
