@@ -15,8 +15,8 @@ two collectives a step runs carry no header: ``agree_min`` for lists whose lengt
 code fixes (one per pool of the cache kind every rank builds from the same spec), and
 ``digest_check``, which carries a failure too: one element under gloo (a bitwise AND,
 which costs what a MIN of one does: 2 ranks 0.42-0.50 ms wall a call against 0.74-0.94
-for a MIN of two, 4 ranks 1.5-1.8 against 1.65-2.0), two under NCCL (``digest_range``),
-which has no bitwise reduction.
+for a MIN of two; 4 ranks 1.54-1.82 against 1.48-1.98, a smaller and noisier gain),
+two under NCCL (``digest_range``), which has no bitwise reduction.
 
 Unsigned 64-bit values (state digests, block hashes) travel as int64 with the same bits:
 ``u64_to_i64`` before, ``i64_to_u64`` after. The reinterpretation is a bijection, so the
