@@ -11,6 +11,9 @@ never used.
 from __future__ import annotations
 
 import operator
+import struct
+from collections.abc import Callable
+from struct import calcsize
 
 import numpy as np
 
@@ -19,6 +22,7 @@ ROOT_STATE = 0x9E3779B97F4A7C15
 _M = 0xD6E8FEB86659FD93  # odd, so invertible mod 2**64
 _M_INV = pow(_M, -1, 1 << 64)
 _C1 = np.uint64(0xFF51AFD7ED558CCD)
+_C1_INT = 0xFF51AFD7ED558CCD
 _C2 = np.uint64(0xC4CEB9FE1A85EC53)
 _S33 = np.uint64(33)
 
@@ -86,6 +90,7 @@ class PageHasher:
         width = (page_size + 1) // 2 if page_size % 2 == 0 else page_size
         self._mult = rng.integers(1, 2**62, size=width, dtype=np.int64) * 2 + 1
         self._mult_ints = self._mult.tolist()  # for chain_few
+        self._unpackers: dict[int, Callable[[bytes], tuple[int, ...]]] = {}  # by byte length
         self._pow = _powers(_M, 1)
         self._pow_inv = _powers(_M_INV, 1)
         self._c1_inv = self._pow_inv * _C1  # C1 * M**-i: page_words' last multiply
@@ -165,20 +170,28 @@ class PageHasher:
         the chain's recurrence ``state[i] = M * state[i-1] + C1 * c[i]`` directly; the
         int64 products wrap exactly as numpy's int64 matmul does once masked.
         """
-        ps = self.page_size
-        dtype = np.int64 if ps % 2 == 0 else np.int32  # premix's words: see _premix
-        words = np.frombuffer(kb, dtype=dtype).tolist()
+        words = self._words(kb)
         mult = self._mult_ints
         width = len(mult)
-        c1 = int(_C1)
         states = []
         s = parent_state
         for i in range(0, len(words), width):
             c = sum(map(operator.mul, words[i : i + width], mult)) & MASK64
             c ^= c >> 33
-            s = (_M * s + c1 * c) & MASK64
+            s = (_M * s + _C1_INT * c) & MASK64
             states.append(s)
         return states
+
+    def _words(self, kb: bytes) -> tuple[int, ...]:
+        # premix's words (int64 pairs of tokens for an even page size, else int32 tokens)
+        # as Python ints, in native order as numpy views them: struct reads them in a third of
+        # the time of numpy's frombuffer + tolist.
+        n = len(kb)
+        unpack = self._unpackers.get(n)
+        if unpack is None:
+            fmt = "q" if self.page_size % 2 == 0 else "i"
+            unpack = self._unpackers[n] = struct.Struct(f"={n // calcsize(fmt)}{fmt}").unpack
+        return unpack(kb)
 
 
 def block_hashes(states: np.ndarray) -> np.ndarray:

@@ -150,8 +150,10 @@ def hash_node(tree, node) -> None:
         parent_state = int(parent.states[-1]) if parent.states.size else ROOT_STATE
         if n.pages.size <= _FEW_PAGES:
             states = tree.hasher.chain_few(n.kb, parent_state)
-            n.term = sum(s * (p + _K) for s, p in zip(states, n.pages.tolist(), strict=True))
-            n.term &= _MASK
+            term = 0
+            for s, p in zip(states, n.pages.tolist(), strict=True):
+                term += s * (p + _K)
+            n.term = term & _MASK
             n.states = np.array(states, dtype=np.uint64)
         else:
             n.states = tree.hasher.chain(np.frombuffer(n.kb, dtype=np.int32), parent_state)
