@@ -98,6 +98,12 @@ def test_rank_killed_mid_run_recovers(ray_cluster, tmp_path):
         assert caught.value.retryable
         assert "rank 1" in str(caught.value)
         assert coord.stats()["recoveries"] == 1 and coord.stats()["replaced_ranks"] == 1
+        # Admitting it again with a bad prompt is refused, changes nothing and leaves it
+        # lost (a frontend still hears why its request is gone).
+        before = coord.stats()["digest"]
+        with pytest.raises(errors.InvalidTokens):
+            coord.admit("held", [5, -1, 7])
+        assert coord.stats()["digest"] == before
         with pytest.raises(RequestLost, match="held"):
             coord.finish("held")
         check_fresh_group_works(coord)

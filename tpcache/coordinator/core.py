@@ -69,19 +69,19 @@ class Coordinator(StepDriver):
         """
 
         def run() -> Admission:
-            key = as_tokens(tokens)
-            self._forget_lost(request_id)
             full0, swa0 = eviction_marks(self.mirror)
-            got = self.mirror.admit(request_id, key, priority)
+            got = self.mirror.admit(request_id, tokens, priority)  # validates them
+            self._forget_lost(request_id)
             full1, swa1 = eviction_marks(self.mirror)
             evicted = full1 - full0
+            key = self.mirror.reqs.get(request_id).tokens  # the mirror's checked int32 copy
             op = Admit(request_id, pack_tokens(key), priority, evicted, swa1 - swa0)
             self._emit(op, admit_result(got, evicted))
             c = self.counters
             c.queries += 1
-            c.query_tokens += int(key.size)
+            c.query_tokens += got.num_tokens
             c.hit_tokens += got.prefix_len
-            return Admission(got.prefix_len, got.pages, got.num_tokens, got.page_size)
+            return got  # the mirror's own record for this call (its pages read-only)
 
         return self._run(run)
 
