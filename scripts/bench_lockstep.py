@@ -9,7 +9,9 @@ step cannot avoid; a step's own check is two).
     .venv/bin/python scripts/bench_lockstep.py [--tp 2 4] [--steps 60] [--rounds 3] [--json]
 
 Honesty rules it keeps: the floor is sampled inside every round, next to the steps it is
-compared with (the machine is shared: load moves within a minute); every figure is a
+compared with (the machine is shared: load moves within a minute), and once more in a
+paired pass that times each unpipelined step right after its own floor ping (``xflr_p``:
+the two see the same machine); every figure is a
 median (latency over steps, rates and CPU over rounds); the unpipelined and pipelined
 runs of a cell alternate within each round (their order rotates from round to round).
 A cell also reports what the step's own cache work costs (the coordinator's mirror, and
@@ -85,9 +87,7 @@ class Cell:
     ) -> Sample:
         coord = self.coord
         coord.config = CoordinatorConfig(max_inflight=4 if pipelined else 1, coalesce=coalesce)
-        rng = np.random.default_rng(seed)
-        shared = rng.integers(1, 30_000, size=48, dtype=np.int32)
-        tails = rng.integers(1, 30_000, size=(steps, batch, 16), dtype=np.int32)
+        shared, tails = workload(batch, steps, seed)
         c0 = self.collectives()
         msg0 = coord.counters.messages
         coord.counters.rank_ops_s.clear()
@@ -98,10 +98,7 @@ class Cell:
         for s in range(steps):
             t = time.perf_counter()
             with coord.batch():
-                for tail in tails[s]:
-                    coord.admit(self.rid, np.concatenate((shared, tail)))
-                    coord.finish(self.rid, tail[:4])
-                    self.rid += 1
+                self.calls(shared, tails[s])
                 mir.append(time.perf_counter() - t)
             if not pipelined:
                 coord.sync()
@@ -122,6 +119,38 @@ class Cell:
             per_rank,
             statistics.median(ops) * 1e3 if ops else float("nan"),
         )
+
+    def calls(self, shared: np.ndarray, tails: np.ndarray) -> None:
+        """One step's calls: an admit and a finish per request."""
+        for tail in tails:
+            self.coord.admit(self.rid, np.concatenate((shared, tail)))
+            self.coord.finish(self.rid, tail[:4])
+            self.rid += 1
+
+    def paired(self, batch: int, steps: int, seed: int) -> tuple[list[float], list[float]]:
+        """``steps`` times: one floor ping, then one unpipelined step, so that each step is
+        compared with a floor taken a moment before it on a machine whose speed drifts.
+        Returns (ping seconds, step seconds)."""
+        coord = self.coord
+        coord.config = CoordinatorConfig(max_inflight=1, coalesce=1)
+        shared, tails = workload(batch, steps, seed)
+        pings: list[float] = []
+        lat: list[float] = []
+        for s in range(steps):
+            pings += floor_samples(coord, 1)
+            t = time.perf_counter()
+            with coord.batch():
+                self.calls(shared, tails[s])
+            coord.sync()
+            lat.append(time.perf_counter() - t)
+        return pings, lat
+
+
+def workload(batch: int, steps: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A shared 48-token prefix, and per step ``batch`` 16-token tails (seeded)."""
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(1, 30_000, size=48, dtype=np.int32)
+    return shared, rng.integers(1, 30_000, size=(steps, batch, 16), dtype=np.int32)
 
 
 def floor_samples(coord: Coordinator, n: int) -> list[float]:
@@ -146,6 +175,8 @@ def measure(cell: Cell, batch: int, steps: int, rounds: int, tag: str) -> dict:
     unp: list[Sample] = []
     pip: list[Sample] = []
     pip1: list[Sample] = []  # pipelined, one step per message
+    pair_floor: list[float] = []
+    pair_step: list[float] = []
     for r in range(rounds):
         floor += floor_samples(cell.coord, steps)
         order: list[tuple[bool, int, list[Sample]]] = [
@@ -159,6 +190,12 @@ def measure(cell: Cell, batch: int, steps: int, rounds: int, tag: str) -> dict:
             if tag != "evict":
                 cell.coord.reset()
                 cell.coord.sync()
+        pings, lat = cell.paired(batch, steps, 1000 * r + batch + 500)
+        pair_floor += pings
+        pair_step += lat
+        if tag != "evict":
+            cell.coord.reset()
+            cell.coord.sync()
     lat = med([x for s in unp for x in s.lat_s])
     fl = med(floor)
     mirror = med([x for s in unp for x in s.mirror_s])
@@ -174,6 +211,10 @@ def measure(cell: Cell, batch: int, steps: int, rounds: int, tag: str) -> dict:
         "floor_ms": round(fl * 1e3, 3),
         "step_ms_unpipelined": round(lat * 1e3, 3),
         "overhead_vs_floor": round(lat / fl, 2),
+        # The same from the paired pass: each step right after its own floor ping.
+        "floor_paired_ms": round(med(pair_floor) * 1e3, 3),
+        "step_paired_ms": round(med(pair_step) * 1e3, 3),
+        "overhead_vs_floor_paired": round(med(pair_step) / med(pair_floor), 2),
         # The same without the step's own cache work (the mirror's calls before the send,
         # the slowest rank's ops and digest): what lockstep adds around the work.
         "overhead_beyond_work_vs_floor": round((lat - mirror - rank_ops) / fl, 2),
@@ -265,7 +306,8 @@ def main() -> None:
     print(f"lockstep benchmark on {where}")
     print(f"{args.steps} steps x {args.rounds} rounds per cell; medians; floor sampled each round")
     head = (
-        f"{'tp':>2} {'batch':>5} {'cache':>5} {'floor':>6} {'step':>6} {'xflr':>5} {'xflr_w':>6} "
+        f"{'tp':>2} {'batch':>5} {'cache':>5} {'floor':>6} {'step':>6} {'xflr':>5} {'xflr_p':>6} "
+        f"{'xflr_w':>6} "
         f"{'mirror':>6} "
         f"{'rkops':>6} {'coll':>4} {'steps/s':>7} {'piped/s':>7} {'gain':>5} {'st/msg':>6} "
         f"{'pip1/s':>7} {'gain1':>5} "
@@ -276,6 +318,7 @@ def main() -> None:
         print(
             f"{r['tp']:>2} {r['batch']:>5} {r['cache']:>5} {r['floor_ms']:>6.2f} "
             f"{r['step_ms_unpipelined']:>6.2f} {r['overhead_vs_floor']:>5.2f} "
+            f"{r['overhead_vs_floor_paired']:>6.2f} "
             f"{r['overhead_beyond_work_vs_floor']:>6.2f} {r['mirror_ms']:>6.2f} "
             f"{r['rank_ops_ms']:>6.2f} {r['collectives_per_step']:>4.1f} "
             f"{r['steps_s_unpipelined']:>7.1f} {r['steps_s_pipelined']:>7.1f} {r['pipelining_gain']:>5.2f} "
@@ -286,7 +329,8 @@ def main() -> None:
         )
     print(
         "ms columns: floor, step (unpipelined latency), mirror (coordinator's calls before the "
-        "send), rkops (slowest rank's ops + digest); xflr: step / floor; xflr_w: (step - "
+        "send), rkops (slowest rank's ops + digest); xflr: step / floor; xflr_p: the same "
+        "from a pass that times each step right after its own floor ping; xflr_w: (step - "
         "mirror - rkops) / floor, what lockstep adds beyond the step's own cache work; "
         "coll: collectives per rank per step; "
         "piped/s, gain, st/msg: pipelined with coalescing (steps per message); pip1/s, gain1: "
