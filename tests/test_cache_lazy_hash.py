@@ -8,7 +8,7 @@ import random
 import numpy as np
 
 from tpcache.cache.blocks import cached_blocks
-from tpcache.cache.hashing import PageHasher
+from tpcache.cache.hashing import PageHasher, fold_fields
 from tpcache.cache.node import _BATCH_PAGES
 from tpcache.cache.radix import CacheConfig, RadixCache
 
@@ -153,3 +153,25 @@ def test_a_pending_node_whose_parent_is_not_listed_is_still_hashed():
     assert lazy.digest() == eager.digest()
     assert cached_blocks(lazy) == cached_blocks(eager)
     lazy.check_integrity()
+
+
+def test_fold_fields_changes_with_any_one_field():
+    # The digest's fields are folded by a polynomial with an odd multiplier: a change of
+    # any single field, by any nonzero amount (negative values too), must change it.
+    seed = 4242
+    print(f"seed={seed}")
+    rng = random.Random(seed)
+    for _ in range(300):
+        fields = tuple(rng.randrange(-(2**40), 2**40) for _ in range(rng.randrange(1, 12)))
+        seed_value = rng.getrandbits(64)
+        base = fold_fields(seed_value, fields)
+        assert 0 <= base < 2**64
+        assert fold_fields(seed_value ^ 1, fields) != base
+        for i in range(len(fields)):
+            delta = rng.choice((1, -1, 2**32, rng.randrange(1, 2**40)))
+            moved = (*fields[:i], fields[i] + delta, *fields[i + 1 :])
+            assert fold_fields(seed_value, moved) != base, (fields, i, delta)
+        if len(fields) > 1:  # order matters: swapping two different fields changes it
+            a, b = fields[0], fields[1]
+            if a != b:
+                assert fold_fields(seed_value, (b, a, *fields[2:])) != base
