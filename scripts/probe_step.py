@@ -26,11 +26,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_lockstep import group, machine
+from bench_lockstep import group, machine, workload
 
 
 def _stamp_collectives(worker: Any) -> bool:
@@ -51,17 +50,10 @@ def _stamp_collectives(worker: Any) -> bool:
     return True
 
 
-def _apply(worker: Any, data: bytes) -> bytes:
+def _stamped(worker: Any, method: str, *args: Any) -> Any:
+    """On a rank: run ``method`` and keep its stamps (start, collectives, end)."""
     worker._now = [time.perf_counter()]
-    out = worker.apply(data)
-    worker._now.append(time.perf_counter())
-    worker._stamps.append(worker._now)
-    return out
-
-
-def _ping(worker: Any) -> int:
-    worker._now = [time.perf_counter()]
-    out = worker.collective_ping()
+    out = getattr(worker, method)(*args)
     worker._now.append(time.perf_counter())
     worker._stamps.append(worker._now)
     return out
@@ -93,27 +85,23 @@ def main() -> None:
 
     def send(steps: list[bytes]) -> tuple[bool, list[Any]]:
         t = time.perf_counter()
-        refs = [a.__ray_call__.remote(_apply, steps[0]) for a in actors]
+        refs = [a.__ray_call__.remote(_stamped, "apply", steps[0]) for a in actors]
         submit_s.append(time.perf_counter() - t)
         return False, refs
 
     coord.ranks.send = send  # type: ignore[method-assign]
-    rng = np.random.default_rng(0)
-    shared = rng.integers(1, 30_000, size=48, dtype=np.int32)
+    shared, tails = workload(1, args.steps, 0)
     rows: dict[str, list[tuple[float, float, float, float]]] = {"ping": [], "step": []}
     try:
-        for _ in range(args.steps):
+        for s in range(args.steps):
             t0 = time.perf_counter()
-            refs = [a.__ray_call__.remote(_ping) for a in actors]
+            refs = [a.__ray_call__.remote(_stamped, "collective_ping") for a in actors]
             t1 = time.perf_counter()
             ray.get(refs)
             rows["ping"].append((t0, t0, t1 - t0, time.perf_counter()))
-            tail = rng.integers(1, 30_000, size=16, dtype=np.int32)
             t0 = time.perf_counter()
             with coord.batch():
-                coord.admit(cell.rid, np.concatenate((shared, tail)))
-                coord.finish(cell.rid, tail[:4])
-                cell.rid += 1
+                cell.calls(shared, tails[s])
                 sent = time.perf_counter()
             coord.sync()
             rows["step"].append((t0, sent, submit_s[-1], time.perf_counter()))

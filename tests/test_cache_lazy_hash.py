@@ -69,14 +69,19 @@ def random_run(rng: np.random.Generator, ps: int, pages: int) -> tuple[np.ndarra
     return key, int(rng.integers(0, 2**64, dtype=np.uint64))
 
 
+def seeded_hashers(seed: int) -> tuple[np.random.Generator, list[PageHasher]]:
+    """A seeded generator (the seed printed) and hashers for odd and even page sizes,
+    which take different premix paths."""
+    print(f"seed={seed}")
+    return np.random.default_rng(seed), [PageHasher(ps) for ps in (1, 3, 4, 16)]
+
+
 def test_chain_runs_equals_each_runs_chain():
     # The batched chain of a step's new nodes must give every node exactly the states
-    # its own chain gives (odd and even page sizes take different premix paths).
-    seed = 90210
-    print(f"seed={seed}")
-    rng = np.random.default_rng(seed)
-    for ps in (1, 3, 4, 16):
-        hasher = PageHasher(ps)
+    # its own chain gives.
+    rng, hashers = seeded_hashers(90210)
+    for hasher in hashers:
+        ps = hasher.page_size
         for _ in range(20):
             sizes = rng.integers(1, 40, size=rng.integers(1, 9))
             runs = [random_run(rng, ps, int(m)) for m in sizes]
@@ -123,11 +128,9 @@ def test_a_node_pending_twice_is_hashed_once():
 def test_chain_few_equals_chain():
     # A node of a few pages is hashed in Python ints: the same states as numpy's chain,
     # for odd and even page sizes, tokens up to the largest id, any parent state.
-    seed = 31337
-    print(f"seed={seed}")
-    rng = np.random.default_rng(seed)
-    for ps in (1, 3, 4, 16):
-        hasher = PageHasher(ps)
+    rng, hashers = seeded_hashers(31337)
+    for hasher in hashers:
+        ps = hasher.page_size
         for pages in (1, 2, 3, 4, 6):
             for _ in range(10):
                 key, parent = random_run(rng, ps, pages)

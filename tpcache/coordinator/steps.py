@@ -141,14 +141,13 @@ class StepDriver:
         # ~0.1 ms when not, measured here (results are checked later, at most max_inflight
         # messages on).
         cfg = self.config
-        if (
+        waits = (
             len(self._inflight) >= cfg.max_inflight
             and len(self._waiting) < cfg.coalesce
             and not self.ranks.ready(self._inflight[0].ticket)
-        ):
-            closed.digest = self.mirror.digest()
-            return
-        self._post()
+        )
+        if not waits:
+            self._post()
         # Taken after the send, while the ranks apply the step: the mirror has not changed
         # since the step closed, and a digest costs ~0.2 ms here (hashing the new nodes),
         # which an unpipelined step no longer waits for. Results are checked only later.

@@ -85,20 +85,6 @@ def check_seconds(name: str, value: Any) -> None:
         raise GroupInputError(f"{name}={value!r} must be a finite number of seconds > 0")
 
 
-_M31 = (1 << 31) - 1
-_FLAG = 1 << 62  # set by every healthy rank in _fold_pair; a failed rank sends 0
-
-
-def _fold_pair(digest: int) -> int:
-    """A healthy rank's element for ``TPGroup.digest_check``: bit 62 set, bits 61-31 the
-    31-bit fold ``f`` of the 64-bit ``digest``, bits 30-0 ``~f``. Under a bitwise AND over
-    ranks the first field becomes the AND of the folds and the second the complement of
-    their OR. Always a positive int64."""
-    u = digest & ((1 << 64) - 1)
-    f = (u ^ (u >> 31) ^ (u >> 62)) & _M31
-    return _FLAG | f << 31 | (~f & _M31)
-
-
 def u64_to_i64(value: int) -> int:
     """The int64 with the same 64 bits as unsigned ``value`` (raises ValueError if out of range)."""
     if not 0 <= value < 2**64:
@@ -111,6 +97,20 @@ def i64_to_u64(value: int) -> int:
     if not _I64_MIN <= value <= _I64_MAX:
         raise ValueError(f"{value} is not a signed 64-bit value")
     return value + 2**64 if value < 0 else value
+
+
+_M31 = (1 << 31) - 1
+_FLAG = 1 << 62  # set by every healthy rank in _fold_pair; a failed rank sends 0
+
+
+def _fold_pair(digest: int) -> int:
+    """A healthy rank's element for ``TPGroup.digest_check``: bit 62 set, bits 61-31 the
+    31-bit fold ``f`` of the 64-bit ``digest``, bits 30-0 ``~f``. Under a bitwise AND over
+    ranks the first field becomes the AND of the folds and the second the complement of
+    their OR. Always a positive int64. ``digest`` is an int64 (``u64_to_i64``'s)."""
+    u = i64_to_u64(digest)
+    f = (u ^ (u >> 31) ^ (u >> 62)) & _M31
+    return _FLAG | f << 31 | (~f & _M31)
 
 
 @dataclass(frozen=True)
@@ -327,7 +327,7 @@ class TPGroup:
         equal iff the ranks agree. Collective.
 
         NCCL: ``digest_range``, the MIN and MAX of the whole 64 bits. gloo: one element,
-        because a second costs 0.25-0.35 ms a step here (``scripts/bench_gloo.py``). NCCL
+        because a second costs 0.23-0.36 ms a step here (``scripts/bench_gloo.py``). NCCL
         has no bitwise reduction; gloo's BAND of ``_fold_pair`` gives the AND and the OR of
         a 31-bit fold of the digests (its pair: equal iff every rank's fold is the same).
         A failed rank sends 0, which clears the flag bit every healthy rank sets, so a
