@@ -20,8 +20,10 @@ allocate the rest of prompt + output, write the request's row; at the end cache 
 SGLang side that is ``RadixCache`` (LRU) with its own ``PagedTokenToKVPoolAllocator`` on
 the CPU, called as its scheduler calls them (``match_prefix``, ``path_device_indices``,
 ``inc_lock_ref``, ``evict``, ``alloc``, ``insert``, ``free_segment``/``free``,
-``dec_lock_ref``). On tpcache's side it is ``admit``, ``extend`` and ``finish``
-(``tpcache.replay``). Both hit rates are printed: equal matched tokens
+``dec_lock_ref``). On tpcache's side it is ``admit`` (with ``reserve``: the output's
+slots in the same allocation, as SGLang's side allocates them) and ``finish``
+(``tpcache.replay``), the prompt given as an immutable int32 buffer (kept without a
+copy), as SGLang's side is given its ``RadixKey``s. Both hit rates are printed: equal matched tokens
 mean they did the same work (eviction order may differ a little: both are LRU, but
 SGLang evicts whole leaf nodes and breaks ties by its own rule).
 """

@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from tpcache.cache.keys import frozen_tokens
 from tpcache.cache.radix import CacheConfig, RadixCache
 from tpcache.cache.swa_cache import HybridCache
 from tpcache.cache.swa_config import HybridConfig
@@ -28,7 +29,10 @@ TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_co
 
 def main() -> int:
     limit, mode = int(sys.argv[1]), sys.argv[2]
-    data = [(r, prompt_tokens(r), output_tokens(r)) for r in load_trace(str(TRACE), limit)]
+    data = [
+        (r, frozen_tokens(prompt_tokens(r)), output_tokens(r))
+        for r in load_trace(str(TRACE), limit)
+    ]
     if mode == "none":
         return 0
     if mode == "hybrid":
@@ -39,8 +43,7 @@ def main() -> int:
         cache = RadixCache(CacheConfig(3_000_000, 16, mode))
     started = time.thread_time()
     for req, prompt, output in data:
-        cache.admit(req.index, prompt)
-        cache.extend(req.index, output.size)
+        cache.admit(req.index, prompt, reserve=output.size)
         cache.finish(req.index, output)
     print(f"cache calls: {time.thread_time() - started:.3f} s CPU ({len(data)} requests)")
     return 0

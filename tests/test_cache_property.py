@@ -54,10 +54,10 @@ def token_runs(draw: st.DrawFn, ps: int, max_pages: int = 3, empty: bool = False
 
 
 class Req:
-    def __init__(self, tokens: list[int], pages: list[int], cached: int) -> None:
+    def __init__(self, tokens: list[int], pages: list[int], cached: int, reserve: int) -> None:
         self.tokens = tokens
         self.pages = pages
-        self.num_tokens = len(tokens)
+        self.num_tokens = len(tokens) + reserve
         self.cached = cached  # leading pages that are the tree's
 
 
@@ -144,28 +144,41 @@ class CacheMachine(RuleBasedStateMachine):
         return have, tree_pages
 
     # ---- rules --------------------------------------------------------------------------
-    @rule(rid=RIDS, data=st.data(), evict=st.booleans(), priority=st.integers(-2, 2))
-    def admit(self, rid: int, data: st.DataObject, evict: bool, priority: int) -> None:
+    @rule(
+        rid=RIDS,
+        data=st.data(),
+        evict=st.booleans(),
+        priority=st.integers(-2, 2),
+        reserve=st.sampled_from([0, 0, 1, 3, 17, 40]),
+    )
+    def admit(
+        self, rid: int, data: st.DataObject, evict: bool, priority: int, reserve: int
+    ) -> None:
         ps = self.ps
         tokens = data.draw(token_runs(ps), label="prompt")
         if rid in self.reqs:
             with pytest.raises(CacheError):
-                self.cache.admit(rid, tokens, priority)
+                self.cache.admit(rid, tokens, priority, reserve=reserve)
+            return
+        if len(tokens) + reserve > CAPACITY_PAGES * ps:
+            with pytest.raises(InvalidTokens):
+                self.cache.admit(rid, tokens, priority, reserve=reserve)
             return
         m = self._longest(tokens, (len(tokens) - 1) // ps * ps)
-        need = -(-len(tokens) // ps) - m // ps
+        need = -(-(len(tokens) + reserve) // ps) - m // ps
         point = tuple(tokens[:m])
         short = max(0, need - len(self.fifo))
         if short and (not evict or short > self._evictable(point)):
             with pytest.raises(OutOfCapacity):
-                self.cache.admit(rid, tokens, priority, evict=evict)
+                self.cache.admit(rid, tokens, priority, evict=evict, reserve=reserve)
             return
-        got = self.cache.admit(rid, tokens, priority, evict=evict)
+        got = self.cache.admit(rid, tokens, priority, evict=evict, reserve=reserve)
         if short:
             self._take_eviction(short, point)
         pages = self._pages_of(tokens, m) + self._alloc(need)
         assert (got.prefix_len, got.pages.tolist()) == (m, pages)
-        self.reqs[rid] = Req(list(tokens), pages, m // ps)
+        assert got.num_tokens == len(tokens) + reserve
+        self.reqs[rid] = Req(list(tokens), pages, m // ps, reserve)
 
     @rule(rid=RIDS, n=st.integers(0, 20), evict=st.booleans())
     def extend(self, rid: int, n: int, evict: bool) -> None:

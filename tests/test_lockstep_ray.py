@@ -52,7 +52,8 @@ def workload(seed: int, n: int = 120) -> list[tuple]:
             prompt = rng.choice(prefixes) + [
                 rng.randrange(1, 500) for _ in range(rng.randrange(1, 40))
             ]
-            calls.append(("admit", nxt, prompt))
+            # Some admits take their first output slots with the prompt (reserve).
+            calls.append(("admit", nxt, prompt, rng.choice([0, 0, 0, 1, 5, 12])))
             running[nxt] = prompt
             nxt += 1
         else:
@@ -80,7 +81,7 @@ def apply_call(target, call: tuple):
     kind, rid, *rest = call
     try:
         if kind == "admit":
-            got = target.admit(rid, rest[0])
+            got = target.admit(rid, rest[0], reserve=rest[1])
             return ("admit", got.prefix_len, got.slots.tolist())
         if kind == "extend":
             return ("extend", target.extend(rid, rest[0]).tolist())
@@ -159,6 +160,10 @@ def test_bad_input_is_rejected_and_changes_nothing(groups):
         (errors.InvalidTokens, lambda: coord.admit("neg", [1, -2, 3])),
         (errors.InvalidTokens, lambda: coord.admit("float", [1.5, 2.0])),
         (errors.CacheError, lambda: coord.admit(3.5, [1, 2])),
+        (errors.CacheError, lambda: coord.admit("r", [1, 2], reserve=-1)),
+        (errors.CacheError, lambda: coord.admit("r", [1, 2], reserve=True)),
+        (errors.CacheError, lambda: coord.admit("r", [1, 2], reserve=2.0)),
+        (errors.InvalidTokens, lambda: coord.admit("r", list(range(1, 20)), reserve=10_000)),
         (errors.InvalidTokens, lambda: coord.extend("ok", 10_000)),
         (errors.CacheError, lambda: coord.extend("ok", -1)),
         (errors.UnknownRequest, lambda: coord.abort("nobody")),
@@ -209,8 +214,8 @@ def test_msgspec_api_rejects_malformed_messages(groups):
     reply = api.decode_reply(handle(coord, raw))
     assert isinstance(reply, api.ErrorReply) and "extra" in reply.message
     assert coord.mirror.digest() == d0
-    ok = api.decode_reply(handle(coord, api.encode(api.AdmitCall("m", list(range(1, 12))))))
-    assert isinstance(ok, api.AdmitReply) and len(ok.slots) == 11
+    ok = api.decode_reply(handle(coord, api.encode(api.AdmitCall("m", list(range(1, 12)), 0, 5))))
+    assert isinstance(ok, api.AdmitReply) and len(ok.slots) == 11 + 5  # the reserve's too
     d1 = coord.mirror.digest()
     err = api.decode_reply(handle(coord, api.encode(api.AdmitCall("m", [1]))))
     assert isinstance(err, api.ErrorReply) and err.error == "DuplicateRequest"

@@ -2,9 +2,9 @@
 change is judged by.
 
 One request at a time, in file order: admit (match at most ``input_length - 1`` prompt
-tokens in whole pages, lock, evict the shortfall, allocate the rest of the prompt),
-extend by the output, then finish (cache prompt + output in whole pages, free the
-partial tail, unlock). Tokens follow ``tpcache.trace``'s rule, so other tools can
+tokens in whole pages, lock, evict the shortfall, allocate the rest of the prompt and
+the output in one allocation: ``reserve``), then finish (cache prompt + output in whole
+pages, free the partial tail, unlock). Tokens follow ``tpcache.trace``'s rule, so other tools can
 reproduce the numbers.
 """
 
@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tpcache.cache.keys import frozen_tokens
 from tpcache.cache.radix import CacheConfig, RadixCache
 from tpcache.cache.swa_cache import HybridCache
 from tpcache.cache.swa_config import HybridConfig
@@ -57,12 +58,13 @@ def replay(
     cpu_s = 0.0
     clock, cpu = time.perf_counter, time.process_time
     for i, req in enumerate(requests):
-        prompt = prompt_tokens(req)
+        # Immutable, as a prompt decoded from a frontend's message is: the cache keeps it
+        # without a copy.
+        prompt = frozen_tokens(prompt_tokens(req))
         output = output_tokens(req)
         c0 = cpu()  # outside the wall-clock window, so it does not add to it
         t0 = clock()
-        got = cache.admit(req.index, prompt)
-        cache.extend(req.index, output.size)
+        got = cache.admit(req.index, prompt, reserve=output.size)
         t1 = clock()
         cache.finish(req.index, output)
         t2 = clock()

@@ -43,8 +43,10 @@ def as_tokens(
 ) -> np.ndarray:
     """Validate token ids and return them as a contiguous int32 array.
 
-    A copy is made only if needed, or always with ``copy`` (for keys the cache keeps:
-    a caller may reuse its buffer, and a torch tensor's numpy view shares its memory).
+    A copy is made only if needed, or with ``copy`` (for keys the cache keeps: a caller
+    may reuse its buffer, and a torch tensor's numpy view shares its memory) unless the
+    tokens' memory is an immutable ``bytes`` object (``frozen_tokens``, or tokens
+    decoded from a message), which nobody can write to.
     Raises ``InvalidTokens`` for non-integers, wrong shape, negatives, ids above
     ``MAX_TOKEN_ID``, or an empty key when ``allow_empty`` is false.
 
@@ -63,9 +65,24 @@ def as_tokens(
         return arr.astype(np.int32)  # a new contiguous array
     if not defer_sign and min_value(arr) < 0:
         raise InvalidTokens(f"token ids must be >= 0, got {min_value(arr)}")
-    if copy or not arr.flags.c_contiguous:
+    if not arr.flags.c_contiguous or (copy and not is_frozen(arr)):
         return arr.copy()
     return arr
+
+
+def is_frozen(arr: np.ndarray) -> bool:
+    """Whether ``arr`` views an immutable ``bytes`` object (then no one can change it:
+    numpy refuses to make such an array, or any view of it, writeable)."""
+    base = arr.base
+    while type(base) is np.ndarray:
+        base = base.base
+    return type(base) is bytes
+
+
+def frozen_tokens(tokens: np.ndarray) -> np.ndarray:
+    """Token ids (int32) in an immutable buffer, as they are when decoded from a message:
+    the cache keeps such a key without copying it (``as_tokens``)."""
+    return np.frombuffer(np.ascontiguousarray(tokens, dtype=np.int32).tobytes(), np.int32)
 
 
 # A numpy reduction costs ~2.5 us here whatever the length; a Python min over tolist() is

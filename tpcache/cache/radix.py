@@ -16,7 +16,6 @@ from tpcache.cache.allocator import CACHED, FREE, HELD, LENT, PageAllocator
 from tpcache.cache.errors import (
     CacheError,
     IntegrityError,
-    InvalidTokens,
     LockError,
     OutOfCapacity,
     UnknownHandle,
@@ -43,6 +42,7 @@ from tpcache.cache.records import (
 from tpcache.cache.reqtable import (
     ReqTable,
     RequestId,
+    admitted_length,
     as_priority,
     check_extends,
     extended_length,
@@ -180,9 +180,15 @@ class RadixCache:
         priority: int = 0,
         *,
         evict: bool | Evictor = True,
+        reserve: int = 0,
     ) -> AdmitResult:
         """Start request ``rid``: match its prompt (reusing at most ``len - 1`` tokens),
         lock the match, evict the shortfall (if ``evict``) and allocate the rest.
+
+        ``reserve``: slots for that many tokens past the prompt are allocated with it (an
+        engine that admits a request with room for its first output tokens, or a replay
+        that knows the output length), as ``extend(rid, reserve)`` would right after,
+        in one allocation. The result's ``num_tokens`` counts them.
 
         ``evict`` may instead be an ``Evictor``: it is called once, after the lock and
         before the allocation, with the local shortfall in pages, and evicts what it
@@ -190,18 +196,18 @@ class RadixCache:
         ``OutOfCapacity`` can come after the match; the lock is released again.
 
         Raises before changing anything: ``DuplicateRequest``, ``InvalidTokens``
-        (empty, malformed, longer than the request limit), ``OutOfCapacity``.
+        (empty, malformed, longer than the request limit with the reserve),
+        ``OutOfCapacity``, ``CacheError`` (a bad id, priority or reserve).
         """
         self.reqs.check_new(rid)
-        key = as_tokens(tokens, copy=True, defer_sign=True)  # the row keeps it
+        key = as_tokens(tokens, copy=True, defer_sign=True)  # the row keeps it (if mutable)
         prio = as_priority(priority)
-        if key.size > self._limit:
-            raise InvalidTokens(f"prompt of {key.size} tokens exceeds the limit {self._limit}")
+        total = admitted_length(key.size, reserve, self._limit)
         ps = self.page_size
         n = (key.size - 1) // ps * ps
         path, pos, partial, common = self.tree.descend(key, n)
         check_sign(key, pos + common)
-        need = -(-key.size // ps) - (pos + common) // ps
+        need = -(-total // ps) - (pos + common) // ps
         if need > self.alloc.num_free:
             self._check_room(need, path, partial, common, evict)
         tree = self.tree
@@ -216,8 +222,8 @@ class RadixCache:
         parts = [p.pages for p in path]
         parts.append(pages)
         row = np.concatenate(parts)
-        self.reqs.add(rid, key, row, key.size, pos // ps, node, prio)
-        return AdmitResult(pos, row, key.size, ps)
+        self.reqs.add(rid, key, row, total, pos // ps, node, prio)
+        return AdmitResult(pos, row, total, ps)
 
     def extend(self, rid: RequestId, n: int, *, evict: bool | Evictor = True) -> np.ndarray:
         """``n`` more slots for ``rid`` (decode or a prefill chunk); returns their ids."""

@@ -60,6 +60,19 @@ def finished_tail(req: Req, out: np.ndarray, page_size: int) -> tuple[np.ndarray
     return tail, req.pages[start // ps : end // ps], end
 
 
+def admitted_length(size: int, reserve: Any, limit: int) -> int:
+    """The slots an admit takes: the prompt's ``size`` tokens and ``reserve`` more (output
+    slots allocated with the prompt); raises (changing nothing) ``CacheError`` for a bad
+    ``reserve``, ``InvalidTokens`` past the request limit."""
+    if not isinstance(reserve, int) or isinstance(reserve, bool) or reserve < 0:
+        raise CacheError(f"reserve needs an int >= 0, got {reserve!r}")
+    total = size + reserve
+    if total > limit:
+        extra = f" + {reserve} reserved" if reserve else ""
+        raise InvalidTokens(f"prompt of {size} tokens{extra} exceeds the limit {limit}")
+    return total
+
+
 def extended_length(req: Req, n: Any, limit: int) -> int:
     """The token count of ``req`` after ``extend(n)``; raises (changing nothing)
     ``CacheError`` for a bad ``n``, ``InvalidTokens`` past the request limit."""

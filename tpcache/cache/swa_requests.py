@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tpcache.cache.allocator import HELD
-from tpcache.cache.errors import InvalidTokens, OutOfCapacity
+from tpcache.cache.errors import OutOfCapacity
 from tpcache.cache.keys import TokenLike, as_tokens, check_sign
 from tpcache.cache.reqtable import (
     Req,
     RequestId,
+    admitted_length,
     as_priority,
     check_extends,
     extended_length,
@@ -47,27 +48,27 @@ class RequestLifecycle:
         priority: int = 0,
         *,
         evict: bool | HybridEvictor = True,
+        reserve: int = 0,
     ) -> SwaAdmitResult:
         """Start request ``rid``: match its prompt (window-valid, at most ``len - 1``
         tokens), lock the match, evict the shortfall of either pool (if ``evict``) and
-        allocate the rest (full and SWA pages).
+        allocate the rest (full and SWA pages), with ``reserve`` more slots past the
+        prompt as in ``RadixCache.admit``.
 
         ``evict`` may be a ``HybridEvictor``, called once after the lock with the local
         (full, SWA) shortfalls in pages; then ``OutOfCapacity`` can come after the match
         and the lock is released again. Otherwise raises before changing anything:
-        ``DuplicateRequest``, ``InvalidTokens``, ``OutOfCapacity``.
+        ``DuplicateRequest``, ``InvalidTokens``, ``OutOfCapacity``, ``CacheError``.
         """
         self.reqs.check_new(rid)
-        key = as_tokens(tokens, copy=True, defer_sign=True)  # the row keeps it
+        key = as_tokens(tokens, copy=True, defer_sign=True)  # the row keeps it (if mutable)
         prio = as_priority(priority)
-        limit = self._limit
-        if key.size > limit:
-            raise InvalidTokens(f"prompt of {key.size} tokens exceeds the limit {limit}")
+        total = admitted_length(key.size, reserve, self._limit)
         ps = self.page_size
         tree = self.tree
         path, pos, partial, common = tree.match_walk(key, (key.size - 1) // ps * ps)
         check_sign(key, pos + common)
-        need = -(-key.size // ps) - (pos + common) // ps
+        need = -(-total // ps) - (pos + common) // ps
         self._check_room(need, path, partial, common, evict)
         path, pos = tree.take_match(path, pos, partial, common)
         node = path[-1] if path else tree.root
@@ -87,9 +88,9 @@ class RequestLifecycle:
             if k > first
             else own_swa.copy()
         )
-        self.reqs.add(rid, key, row, key.size, k, node, prio)
+        self.reqs.add(rid, key, row, total, k, node, prio)
         self._tops[rid] = tree.mark_of(top)
-        return SwaAdmitResult(pos, row, key.size, ps, swa)
+        return SwaAdmitResult(pos, row, total, ps, swa)
 
     def extend(
         self: HybridCache, rid: RequestId, n: int, *, evict: bool | HybridEvictor = True

@@ -22,6 +22,7 @@ class AdmitCall(_Call, tag="admit"):
     request_id: RequestId
     tokens: list[int]
     priority: int = 0
+    reserve: int = 0
 
 
 class ExtendCall(_Call, tag="extend"):

@@ -61,25 +61,28 @@ class Coordinator(StepDriver):
     metrics_port: int | None = None
 
     # ---- the frontend API ------------------------------------------------------------------
-    def admit(self, request_id: Any, tokens: TokenLike, priority: int = 0) -> Admission:
-        """Admit a request; returns its cached prefix length and the slots of its prompt.
+    def admit(
+        self, request_id: Any, tokens: TokenLike, priority: int = 0, reserve: int = 0
+    ) -> Admission:
+        """Admit a request; returns its cached prefix length and the slots of its prompt
+        and of ``reserve`` more tokens (see ``RadixCache.admit``).
 
         Raises (before anything is logged) the cache's typed errors: DuplicateRequest,
-        InvalidTokens, OutOfCapacity, CacheError for a bad id or priority.
+        InvalidTokens, OutOfCapacity, CacheError for a bad id, priority or reserve.
         """
 
         def run() -> Admission:
             full0, swa0 = eviction_marks(self.mirror)
-            got = self.mirror.admit(request_id, tokens, priority)  # validates them
+            got = self.mirror.admit(request_id, tokens, priority, reserve=reserve)
             self._forget_lost(request_id)
             full1, swa1 = eviction_marks(self.mirror)
             evicted = full1 - full0
             key = self.mirror.reqs.get(request_id).tokens  # the mirror's checked int32 copy
-            op = Admit(request_id, pack_tokens(key), priority, evicted, swa1 - swa0)
+            op = Admit(request_id, pack_tokens(key), priority, evicted, swa1 - swa0, reserve)
             self._emit(op, admit_result(got, evicted))
             c = self.counters
             c.queries += 1
-            c.query_tokens += got.num_tokens
+            c.query_tokens += key.size
             c.hit_tokens += got.prefix_len
             return got  # the mirror's own record for this call (its pages read-only)
 

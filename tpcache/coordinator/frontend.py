@@ -37,8 +37,8 @@ def dispatch(coord: Coordinator, call: Call) -> Reply:
     """Run one call; typed errors become an ``ErrorReply``."""
     try:
         match call:
-            case AdmitCall(rid, tokens, priority):
-                got = coord.admit(rid, tokens, priority)
+            case AdmitCall(rid, tokens, priority, reserve):
+                got = coord.admit(rid, tokens, priority, reserve)
                 return AdmitReply(got.prefix_len, got.slots.tolist())
             case ExtendCall(rid, n):
                 return SlotsReply(coord.extend(rid, n).tolist())

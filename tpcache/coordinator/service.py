@@ -210,8 +210,10 @@ class Client:
             api.raise_reply_error(reply)
         return reply
 
-    def admit(self, request_id: Any, tokens: TokenLike, priority: int = 0) -> Admission:
-        r = self._call(api.AdmitCall(request_id, _ints(tokens), priority))
+    def admit(
+        self, request_id: Any, tokens: TokenLike, priority: int = 0, reserve: int = 0
+    ) -> Admission:
+        r = self._call(api.AdmitCall(request_id, _ints(tokens), priority, reserve))
         assert isinstance(r, api.AdmitReply)
         slots = np.asarray(r.slots, dtype=np.int64)
         return Admission(r.prefix_len, slots, slots.size, 1)

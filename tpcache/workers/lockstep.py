@@ -150,7 +150,9 @@ def apply_op(cache, op: Op, evict_fn: Callable[[int, int], int]) -> OpResult:
     match op:
         case Admit(rid, tokens, priority):
             evictor = _OpEvictor(op, evict_fn)
-            got = cache.admit(rid, unpack_tokens(tokens), priority, evict=evictor)
+            got = cache.admit(
+                rid, unpack_tokens(tokens), priority, evict=evictor, reserve=op.reserve
+            )
             return admit_result(got, evictor.evicted)
         case Extend(rid, n):
             evictor = _OpEvictor(op, evict_fn)

@@ -27,6 +27,7 @@ class Admit(msgspec.Struct, tag=True, frozen=True):
     priority: int = 0
     evict_pages: int = 0  # pages the coordinator's mirror evicted for this admit
     evict_swa_pages: int = 0  # SWA pages it freed (hybrid cache only), tombstoning included
+    reserve: int = 0  # slots past the prompt, allocated with it
 
 
 class Extend(msgspec.Struct, tag=True, frozen=True):
