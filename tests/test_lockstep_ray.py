@@ -102,10 +102,13 @@ def test_ranks_match_one_in_process_cache(groups, tp):
     coord = groups(tp)
     local = RadixCache(coord.mirror.config)
     calls = workload(seed)
+    queried = coord.stats()["query_tokens"]
     for i, call in enumerate(calls):
         want = apply_call(local, call)
         got = apply_call(coord, call)
         assert got == want, f"call {i} {call[:2]}: {got} != {want}"
+        if got[0] == "admit":
+            queried += len(call[2])  # prompt tokens only, not the reserve
         if i % 10 == 0:
             assert coord.mirror.digest() == local.digest()
     coord.sync()
@@ -114,6 +117,7 @@ def test_ranks_match_one_in_process_cache(groups, tp):
     assert digests == [local.digest()] * tp
     assert coord.stats()["divergences"] == 0
     assert coord.stats()["hit_tokens"] > 0
+    assert coord.stats()["query_tokens"] == queried
     for info in coord.ranks.call("info"):
         assert info["last_step"] == coord.stats()["steps_sent"] - 1
     coord.ranks.call("check_integrity")

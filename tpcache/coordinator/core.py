@@ -77,7 +77,8 @@ class Coordinator(StepDriver):
             self._forget_lost(request_id)
             full1, swa1 = eviction_marks(self.mirror)
             evicted = full1 - full0
-            key = self.mirror.reqs.get(request_id).tokens  # the mirror's checked int32 copy
+            # The mirror's checked int32 tokens (its copy, or the caller's immutable buffer).
+            key = self.mirror.reqs.get(request_id).tokens
             op = Admit(request_id, pack_tokens(key), priority, evicted, swa1 - swa0, reserve)
             self._emit(op, admit_result(got, evicted))
             c = self.counters
