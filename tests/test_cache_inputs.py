@@ -20,7 +20,7 @@ from tpcache.cache.errors import (
     UnknownHandle,
     UnknownRequest,
 )
-from tpcache.cache.keys import int_sum, joined_key, key_bytes, min_value
+from tpcache.cache.keys import int_sum, join_pages, joined_key, key_bytes, min_value
 from tpcache.cache.radix import CacheConfig, Handle, RadixCache
 
 P = list(range(100, 110))  # 10 tokens: 2 whole pages of 4 and a partial one
@@ -320,6 +320,27 @@ def test_joined_keys_hand_their_bytes_to_the_tree_once() -> None:
     cache.extend(1, 2)
     cache.finish(1, [50, 51])
     assert cache.match_prefix([*range(1, 11), 50, 51, 9]).prefix_len == 12
+
+
+def test_join_pages_equals_concatenate_in_a_new_writable_array() -> None:
+    ring = np.arange(40, dtype=np.int64)
+    parts = [ring[3:9], np.zeros(0, np.int64), ring[30:], np.array([7, -1], np.int64)]
+    got = join_pages(parts)
+    assert got.dtype == np.int64 and got.tolist() == np.concatenate(parts).tolist()
+    assert got.flags.writeable and not any(np.shares_memory(got, p) for p in parts)
+    got[0] = 99  # its own memory
+    assert ring[3] == 3
+    assert join_pages([]).tolist() == []
+    # A long conversation's match joins one page array per node on its path.
+    c = RadixCache(CacheConfig(256, 4))
+    prompt = list(range(1, 65))
+    for i in range(1, 5):
+        c.admit(i, prompt[: 16 * i])
+        c.finish(i)
+    m = c.match_prefix(prompt + [1])
+    assert m.prefix_len == 64 and m.pages.tolist() == list(range(16))
+    m.pages[:] = 0  # the caller's copy: the cache's pages stay
+    assert c.match_prefix(prompt + [1]).pages.tolist() == list(range(16))
 
 
 def test_a_bool_id_is_refused_even_when_an_equal_int_id_is_running() -> None:

@@ -7,6 +7,7 @@ vocabulary fits. Conversion is vectorised; nothing here loops over tokens in Pyt
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -162,6 +163,17 @@ def joined_key(*parts: np.ndarray) -> np.ndarray:
     """The concatenation of int32 key arrays as a read-only view of one bytes object, so
     that a tree node can keep those bytes (``key_bytes``) without a second copy."""
     return np.frombuffer(b"".join(parts), dtype=np.int32)
+
+
+def join_pages(parts: Iterable[np.ndarray]) -> np.ndarray:
+    """Contiguous int64 page arrays back to back, as a new writable int64 array.
+
+    Why not ``np.concatenate``: it costs about 0.25 us per array here, a bytearray join
+    of their buffers a fraction of that (32 arrays: 2.0 us against 8.6 us; 2 arrays: 0.8
+    against 1.2). Every page array of the cache is int64 (the allocator's ids), which
+    this relies on: it joins bytes, it does not convert.
+    """
+    return np.frombuffer(bytearray().join(parts), np.int64)
 
 
 def read_only(arr: np.ndarray) -> np.ndarray:

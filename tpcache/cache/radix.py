@@ -27,6 +27,7 @@ from tpcache.cache.keys import (
     as_slots,
     as_tokens,
     check_sign,
+    join_pages,
     pages_to_slots,
     slots_to_pages,
 )
@@ -90,7 +91,7 @@ class RadixCache:
     def _match_result(self, path: list[Node], n: int) -> MatchResult:
         node = path[-1] if path else self.tree.root
         if len(path) > 1:
-            pages = np.concatenate([p.pages for p in path])
+            pages = join_pages([p.pages for p in path])
         else:  # a copy either way: the caller must not get the tree's own array
             pages = path[0].pages.copy() if path else np.zeros(0, np.int64)
         return MatchResult(n, pages, Handle(node.id), self.page_size)
@@ -221,7 +222,7 @@ class RadixCache:
             raise
         parts = [p.pages for p in path]
         parts.append(pages)
-        row = np.concatenate(parts)
+        row = join_pages(parts)
         self.reqs.add(rid, key, row, total, pos // ps, node, prio)
         return AdmitResult(pos, row, total, ps)
 
@@ -234,7 +235,7 @@ class RadixCache:
         if need > self.alloc.num_free:
             self._check_room(need, [], None, 0, evict)
         if need or callable(evict):
-            req.pages = np.concatenate((req.pages, self._take_pages(need, evict)))
+            req.pages = join_pages((req.pages, self._take_pages(need, evict)))
         start, req.num_tokens = req.num_tokens, end
         return row_slots(req, start, end, ps)
 

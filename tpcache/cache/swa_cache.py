@@ -42,7 +42,14 @@ from tpcache.cache.errors import (
 )
 from tpcache.cache.events import AllBlocksCleared, KVEvent
 from tpcache.cache.hashing import fmix64_int, fold_fields
-from tpcache.cache.keys import TokenLike, as_slots, as_tokens, pages_to_slots, slots_to_pages
+from tpcache.cache.keys import (
+    TokenLike,
+    as_slots,
+    as_tokens,
+    join_pages,
+    pages_to_slots,
+    slots_to_pages,
+)
 from tpcache.cache.node import hash_pending
 from tpcache.cache.policies import policy_key
 from tpcache.cache.records import CacheSizes
@@ -110,7 +117,7 @@ class HybridCache(RequestLifecycle):
         tree.touch(path)
         node = path[-1] if path else tree.root
         handle = SwaHandle(node.id, tree.mark_of(tree.boundary(node)))
-        pages = np.concatenate([p.pages for p in path]) if path else _EMPTY
+        pages = join_pages([p.pages for p in path]) if path else _EMPTY
         swa = self.alloc.swa_of(pages[max(0, pos - self.window) // self.page_size :])
         return SwaMatchResult(pos, pages, handle, self.page_size, swa)
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from tpcache.cache.allocator import HELD
 from tpcache.cache.errors import OutOfCapacity
-from tpcache.cache.keys import TokenLike, as_tokens, check_sign
+from tpcache.cache.keys import TokenLike, as_tokens, check_sign, join_pages
 from tpcache.cache.reqtable import (
     Req,
     RequestId,
@@ -80,7 +80,7 @@ class RequestLifecycle:
         except OutOfCapacity:
             tree.unlock(node, top)
             raise
-        row = np.concatenate([*(p.pages for p in path), pages])
+        row = join_pages([*(p.pages for p in path), pages])
         k, first = pos // ps, max(0, pos - self.window) // ps
         # The matched window has SWA KV (the match is window-valid), so no check here.
         swa = (
@@ -103,7 +103,7 @@ class RequestLifecycle:
         if need > self.alloc.num_free:
             self._check_room(need, [], None, 0, evict)
         if need or callable(evict):
-            req.pages = np.concatenate((req.pages, self._take_pages(need, evict)[0]))
+            req.pages = join_pages((req.pages, self._take_pages(need, evict)[0]))
         start, req.num_tokens = req.num_tokens, end
         return row_slots(req, start, end, ps)
 

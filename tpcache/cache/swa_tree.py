@@ -28,7 +28,7 @@ from tpcache.cache.allocator import CACHED, HELD
 from tpcache.cache.errors import InvalidSlots
 from tpcache.cache.events import BlockStored, KVEvent
 from tpcache.cache.hashing import PageHasher, block_hashes
-from tpcache.cache.keys import key_bytes
+from tpcache.cache.keys import join_pages, key_bytes
 from tpcache.cache.node import defer_hash, descend, page_terms
 from tpcache.cache.policies import KeyFn
 from tpcache.cache.swa_allocator import PairedAllocator
@@ -282,7 +282,7 @@ class SwaTree(SwaEvictor, SwaLocks):
             pieces = [p.pages for p in path]
             if partial is not None:
                 pieces.append(partial.pages[: common // ps])
-            known = np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+            known = join_pages(pieces) if len(pieces) > 1 else pieces[0]
             given = pages[k0:k]
             differ = given != known
             dups = given[differ]
@@ -345,7 +345,7 @@ class SwaTree(SwaEvictor, SwaLocks):
         parts = [pages[:k0], known] if k0 else [known]
         if have < n:
             parts.append(end.pages)
-        return have, np.concatenate(parts), end
+        return have, join_pages(parts), end
 
     def _revivable(
         self, path: list[SwaNode], partial: SwaNode | None, differ: np.ndarray

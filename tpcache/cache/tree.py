@@ -27,7 +27,7 @@ from tpcache.cache.allocator import CACHED, HELD, PageAllocator
 from tpcache.cache.errors import InvalidSlots, LockError
 from tpcache.cache.events import BlockRemoved, BlockStored, KVEvent
 from tpcache.cache.hashing import PageHasher, block_hashes
-from tpcache.cache.keys import key_bytes
+from tpcache.cache.keys import join_pages, key_bytes
 from tpcache.cache.node import (
     _EMPTY_PAGES,
     _EMPTY_STATES,
@@ -209,7 +209,7 @@ class RadixTree:
             pieces = [p.pages for p in path]
             if partial is not None:
                 pieces.append(partial.pages[: common // ps])
-            known = np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+            known = join_pages(pieces) if len(pieces) > 1 else pieces[0]
             given = pages[k0:k]
             dups = given[given != known]
         else:
@@ -245,7 +245,7 @@ class RadixTree:
         parts = [pages[:k0], known] if k0 else [known]
         if have < n:
             parts.append(fresh)  # the new leaf's pages (a policy may have split it)
-        return have, np.concatenate(parts), end
+        return have, join_pages(parts), end
 
     def _add_child(
         self, parent: Node, key: np.ndarray, pages: np.ndarray, priority: int, owner: int
@@ -376,7 +376,7 @@ class RadixTree:
             if not parent.children and parent is not self.root:
                 self._queue(parent)
         if freed_pages:
-            pages = np.concatenate(freed_pages) if len(freed_pages) > 1 else freed_pages[0]
+            pages = join_pages(freed_pages) if len(freed_pages) > 1 else freed_pages[0]
             self.cached_pages -= pages.size
             self.digest_sum = (self.digest_sum - terms) & _MASK
             self.alloc.free(pages, CACHED, checked=False)
