@@ -337,10 +337,10 @@ def test_join_pages_equals_concatenate_in_a_new_writable_array() -> None:
     for i in range(1, 5):
         c.admit(i, prompt[: 16 * i])
         c.finish(i)
-    m = c.match_prefix(prompt + [1])
+    m = c.match_prefix([*prompt, 1])
     assert m.prefix_len == 64 and m.pages.tolist() == list(range(16))
     m.pages[:] = 0  # the caller's copy: the cache's pages stay
-    assert c.match_prefix(prompt + [1]).pages.tolist() == list(range(16))
+    assert c.match_prefix([*prompt, 1]).pages.tolist() == list(range(16))
 
 
 def test_a_bool_id_is_refused_even_when_an_equal_int_id_is_running() -> None:

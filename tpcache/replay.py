@@ -4,8 +4,8 @@ change is judged by.
 One request at a time, in file order: admit (match at most ``input_length - 1`` prompt
 tokens in whole pages, lock, evict the shortfall, allocate the rest of the prompt and
 the output in one allocation: ``reserve``), then finish (cache prompt + output in whole
-pages, free the partial tail, unlock). Tokens follow ``tpcache.trace``'s rule, so other tools can
-reproduce the numbers.
+pages, free the partial tail, unlock). Tokens follow ``tpcache.trace``'s rule, so other
+tools can reproduce the numbers.
 """
 
 from __future__ import annotations

@@ -45,6 +45,7 @@ from tpcache.cache.reqtable import (
     RequestId,
     admitted_length,
     as_priority,
+    check_count,
     check_extends,
     extended_length,
     finished_tail,
@@ -118,8 +119,7 @@ class RadixCache:
         The caller gives them back with ``insert`` or ``free_slots``. Raises
         ``OutOfCapacity`` (nothing taken) if not enough pages are free.
         """
-        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
-            raise CacheError(f"alloc_slots needs an int >= 0, got {num_tokens!r}")
+        check_count(num_tokens, "alloc_slots' num_tokens")
         pages = self.alloc.alloc(-(-num_tokens // self.page_size), LENT)
         return pages_to_slots(pages, self.page_size, num_tokens)
 

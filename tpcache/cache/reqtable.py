@@ -64,9 +64,7 @@ def admitted_length(size: int, reserve: Any, limit: int) -> int:
     """The slots an admit takes: the prompt's ``size`` tokens and ``reserve`` more (output
     slots allocated with the prompt); raises (changing nothing) ``CacheError`` for a bad
     ``reserve``, ``InvalidTokens`` past the request limit."""
-    if not isinstance(reserve, int) or isinstance(reserve, bool) or reserve < 0:
-        raise CacheError(f"reserve needs an int >= 0, got {reserve!r}")
-    total = size + reserve
+    total = size + check_count(reserve, "reserve")
     if total > limit:
         extra = f" + {reserve} reserved" if reserve else ""
         raise InvalidTokens(f"prompt of {size} tokens{extra} exceeds the limit {limit}")
@@ -76,9 +74,7 @@ def admitted_length(size: int, reserve: Any, limit: int) -> int:
 def extended_length(req: Req, n: Any, limit: int) -> int:
     """The token count of ``req`` after ``extend(n)``; raises (changing nothing)
     ``CacheError`` for a bad ``n``, ``InvalidTokens`` past the request limit."""
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-        raise CacheError(f"extend needs an int >= 0, got {n!r}")
-    end = req.num_tokens + n
+    end = req.num_tokens + check_count(n, "extend's n")
     if end > limit:
         raise InvalidTokens(f"request {req.rid!r} would hold {end} tokens, limit {limit}")
     return end
@@ -105,6 +101,14 @@ def check_extends(rid: RequestId, known: np.ndarray, key: np.ndarray, limit: int
         raise InvalidTokens(f"tokens for {rid!r} do not extend the {known.size} tokens it has")
     if key.size > limit:
         raise InvalidTokens(f"{key.size} tokens for {rid!r}, but it holds KV for only {limit}")
+
+
+def check_count(value: Any, what: str) -> int:
+    """``value`` if it is an int >= 0 (a count of tokens), else ``CacheError`` naming
+    ``what``. A bool is refused: ``True`` is an int, but never a count."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise CacheError(f"{what} must be an int >= 0, got {value!r}")
+    return value
 
 
 def as_priority(priority: object) -> int:

@@ -34,7 +34,6 @@ import numpy as np
 from tpcache.cache.allocator import HELD, LENT
 from tpcache.cache.errors import (
     AllocatorError,
-    CacheError,
     IntegrityError,
     InvalidSlots,
     LockError,
@@ -53,7 +52,7 @@ from tpcache.cache.keys import (
 from tpcache.cache.node import hash_pending
 from tpcache.cache.policies import policy_key
 from tpcache.cache.records import CacheSizes
-from tpcache.cache.reqtable import ReqTable, RequestId, as_priority
+from tpcache.cache.reqtable import ReqTable, RequestId, as_priority, check_count
 from tpcache.cache.swa_allocator import PairedAllocator
 from tpcache.cache.swa_check import check_locks, check_requests, check_tree
 from tpcache.cache.swa_config import (
@@ -145,8 +144,7 @@ class HybridCache(RequestLifecycle):
         (no eviction); returns the full slot ids (``swa_slots`` maps them). The caller
         gives them back with ``insert`` or ``free_slots``. Raises ``OutOfCapacity``
         (nothing taken) if either pool has too few free pages."""
-        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
-            raise CacheError(f"alloc_slots needs an int >= 0, got {num_tokens!r}")
+        check_count(num_tokens, "alloc_slots' num_tokens")
         pages = self.alloc.alloc(-(-num_tokens // self.page_size), LENT)
         return pages_to_slots(pages, self.page_size, num_tokens)
 
@@ -206,9 +204,8 @@ class HybridCache(RequestLifecycle):
         are freed, then from the SWA order (tombstoning internal nodes, deleting leaves)
         until ``swa_tokens`` SWA KV tokens are freed. Frees less if not enough is
         evictable. Removal events are queued."""
-        for name, value in (("full_tokens", full_tokens), ("swa_tokens", swa_tokens)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise CacheError(f"evict needs {name} as an int >= 0, got {value!r}")
+        check_count(full_tokens, "evict's full_tokens")
+        check_count(swa_tokens, "evict's swa_tokens")
         ps = self.page_size
         full, swa, nodes, tombs = self.tree.evict(-(-full_tokens // ps), -(-swa_tokens // ps))
         return SwaEvictResult(full * ps, nodes, swa * ps, tombs)
