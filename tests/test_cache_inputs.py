@@ -188,7 +188,8 @@ def test_bad_counts_and_limits() -> None:
         c.cache_unfinished("run", P[:8])  # shorter than what it has
     with pytest.raises(InvalidTokens, match="holds KV for only 10"):
         c.cache_unfinished("run", [*P[:8], 1, 2, 3])
-    for n in (-1, 2.5, "3", None):
+    # True: evict took it as 1 and evicted a page (regression).
+    for n in (-1, 2.5, "3", None, True):
         with pytest.raises(CacheError):
             c.evict(n)  # type: ignore[arg-type]
         with pytest.raises(CacheError):

@@ -129,6 +129,14 @@ def test_the_request_limit_counts_the_reserve() -> None:
         c.extend("a", 1)
 
 
+def test_frozen_tokens_refuses_what_as_tokens_refuses() -> None:
+    # Regression: it cast to int32 unchecked, so 2**40 became 0 and -3 stayed -3.
+    for bad in ([2**40], [1, -3], [1.5], [[1, 2]]):
+        with pytest.raises(InvalidTokens):
+            frozen_tokens(bad)
+    assert frozen_tokens([5, 6]).tolist() == [5, 6] and frozen_tokens([]).size == 0
+
+
 def test_a_frozen_prompt_is_kept_without_a_copy_and_a_mutable_one_is_copied() -> None:
     src = np.arange(1, 41, dtype=np.int32)
     frozen = frozen_tokens(src)

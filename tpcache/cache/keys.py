@@ -80,10 +80,11 @@ def is_frozen(arr: np.ndarray) -> bool:
     return type(base) is bytes
 
 
-def frozen_tokens(tokens: np.ndarray) -> np.ndarray:
+def frozen_tokens(tokens: TokenLike) -> np.ndarray:
     """Token ids (int32) in an immutable buffer, as they are when decoded from a message:
-    the cache keeps such a key without copying it (``as_tokens``)."""
-    return np.frombuffer(np.ascontiguousarray(tokens, dtype=np.int32).tobytes(), np.int32)
+    the cache keeps such a key without copying it (``as_tokens``). Raises
+    ``InvalidTokens`` as ``as_tokens`` does."""
+    return joined_key(as_tokens(tokens, allow_empty=True))
 
 
 # A numpy reduction costs ~2.5 us here whatever the length; a Python min over tolist() is

@@ -14,7 +14,6 @@ import numpy as np
 
 from tpcache.cache.allocator import CACHED, FREE, HELD, LENT, PageAllocator
 from tpcache.cache.errors import (
-    CacheError,
     IntegrityError,
     LockError,
     OutOfCapacity,
@@ -158,8 +157,7 @@ class RadixCache:
 
         Frees less if not enough is evictable. Events of the removals are queued.
         """
-        if not isinstance(num_tokens, int) or num_tokens < 0:
-            raise CacheError(f"evict needs an int >= 0, got {num_tokens!r}")
+        check_count(num_tokens, "evict's num_tokens")
         pages, nodes = self.tree.evict(-(-num_tokens // self.page_size))
         return EvictResult(pages * self.page_size, nodes)
 
