@@ -3,16 +3,22 @@ simulator of scripts/belady.py, checked by hand and against a naive per-page mod
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+import tpcache.trace
 from tpcache.trace import (
+    DEFAULT_TRACE,
     TraceError,
+    TraceNotFound,
     TraceRequest,
     load_trace,
     output_tokens,
@@ -25,7 +31,9 @@ sys.path.insert(0, str(SCRIPTS))
 from page_replay import build_replay, next_uses  # noqa: E402
 from pagesim import POLICIES, simulate  # noqa: E402
 
-REAL_TRACE = Path("/work/shared/traces/mooncake_conversation.jsonl")
+REPO = Path(__file__).resolve().parents[1]
+# data/README.md gives this digest of the uncompressed trace.
+TRACE_SHA256 = "b8cbb061a85206d729d91cdc2981f43c9e0d99209dce588d3af5f7934408b9df"
 
 
 def _line(n: int, m: int, ids: list[object], ts: object = 0) -> str:
@@ -117,6 +125,69 @@ def test_limit_reads_only_the_first_requests(tmp_path: Path) -> None:
         load_trace(path, limit=-1)
 
 
+# --- reading files: gzip, missing files, the default trace ------------------------------
+
+
+def test_a_gzip_trace_reads_like_the_plain_one_whatever_its_name(tmp_path: Path) -> None:
+    plain = _write(tmp_path, [_line(600, 3, [3, 7]), "", _line(5, 0, [1]), _line(9, 2, [4])])
+    # No .gz suffix: the loader goes by gzip's magic bytes, not by the name.
+    packed = tmp_path / "trace.bin"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert len(load_trace(plain)) == 3
+    assert load_trace(packed) == load_trace(plain)
+    assert load_trace(packed, limit=2) == load_trace(plain, limit=2)
+
+
+# Each damage is found at a different place: the end of a cut stream (EOFError), the
+# trailer's CRC or the header's method byte (gzip.BadGzipFile), the first deflate block
+# (zlib.error).
+@pytest.mark.parametrize("damage", ["cut", "crc", "method", "block"])
+def test_damaged_gzip_data_raises_trace_error_naming_the_file(tmp_path: Path, damage: str) -> None:
+    lines = [_line(5, i % 7, [i]) for i in range(2000)]
+    data = bytearray(gzip.compress("\n".join(lines).encode()))
+    if damage == "cut":
+        data = data[: len(data) // 2]
+    elif damage == "crc":
+        data[-8] ^= 0xFF  # the trailer: CRC-32 of the data, then its size
+    elif damage == "method":
+        data[2] = 0  # the header: 8 (deflate) is the only method there is
+    else:
+        data[10] ^= 0xFF  # the first deflate block, right after the 10-byte header
+    path = tmp_path / "bad.jsonl.gz"
+    path.write_bytes(bytes(data))
+    with pytest.raises(
+        TraceError, match=rf"^{re.escape(str(path))}: bad gzip data after line \d+: "
+    ):
+        load_trace(path)
+
+
+def test_a_missing_trace_raises_trace_not_found_naming_the_path(tmp_path: Path) -> None:
+    path = tmp_path / "nope.jsonl"
+    with pytest.raises(TraceNotFound, match=f"^no trace file at {re.escape(str(path))}$") as info:
+        load_trace(path)
+    # one type for both kinds of caller: those that catch OSError and those that catch TraceError
+    assert isinstance(info.value, FileNotFoundError)
+    assert isinstance(info.value, TraceError)
+
+
+def test_a_missing_default_trace_says_where_it_ships(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gone = (tmp_path / "data" / "mooncake_conversation.jsonl.gz").resolve()
+    monkeypatch.setattr(tpcache.trace, "DEFAULT_TRACE", gone)
+    with pytest.raises(
+        TraceNotFound, match=rf"^no trace file at {re.escape(str(gone))} \(the default trace: "
+    ):
+        load_trace(gone)
+
+
+def test_the_default_trace_is_the_compressed_file_in_the_repository() -> None:
+    assert DEFAULT_TRACE == REPO / "data" / "mooncake_conversation.jsonl.gz"
+    assert DEFAULT_TRACE.read_bytes()[:2] == b"\x1f\x8b"
+    with gzip.open(DEFAULT_TRACE, "rb") as f:
+        assert hashlib.sha256(f.read()).hexdigest() == TRACE_SHA256
+
+
 def test_int32_guard_on_prompt_tokens() -> None:
     # 4_194_302 * 512 + 512 = 2**31 - 512 fits; one more id reaches 2**31.
     assert int(prompt_tokens(_req(0, [4_194_302], 512))[-1]) == 2**31 - 512
@@ -136,9 +207,8 @@ def test_int32_guard_on_output_tokens(tmp_path: Path) -> None:
         load_trace(_write(tmp_path, lines))
 
 
-@pytest.mark.skipif(not REAL_TRACE.exists(), reason="real trace not present")
 def test_real_trace_loads_within_int32() -> None:
-    reqs = load_trace(REAL_TRACE)
+    reqs = load_trace(DEFAULT_TRACE)
     assert len(reqs) == 12_031
     assert sum(r.input_length for r in reqs) == 144_793_823
     assert max(max(r.hash_ids) for r in reqs) * 512 + 512 < 2**31 - 1
@@ -295,9 +365,7 @@ def test_page_size_not_dividing_512_uses_token_hashing() -> None:
 
 @pytest.fixture(scope="module")
 def real_slice() -> list[TraceRequest]:
-    if not REAL_TRACE.exists():
-        pytest.skip("real trace not present")
-    return load_trace(REAL_TRACE, limit=300)
+    return load_trace(DEFAULT_TRACE, limit=300)
 
 
 @pytest.mark.parametrize("page", [16, 128])

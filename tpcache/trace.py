@@ -15,17 +15,28 @@ requests). Equal block chains give equal token prefixes and different hash ids g
 disjoint tokens, so a prefix cache sees exactly the sharing the trace describes.
 Every token fits in int32; a trace that would not is rejected.
 
+A trace file is plain JSONL or gzip-compressed JSONL (told apart by gzip's magic bytes,
+not by the name). ``DEFAULT_TRACE`` is the Mooncake conversation trace that ships in the
+repository's ``data/`` folder; it is found relative to this file, so it is there in a
+clone and in an editable install, not in a wheel installed without the repository.
+
 This module imports only numpy and the standard library (no other tpcache module), so
 scripts and other tools can use it alone.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import numpy as np
+
+DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "data" / "mooncake_conversation.jsonl.gz"
+_GZIP_MAGIC = b"\x1f\x8b"
 
 BLOCK_TOKENS = 512
 OUTPUT_TOKEN_BASE = 1_000_000_000
@@ -37,6 +48,11 @@ _FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 
 class TraceError(ValueError):
     """A trace line, or a request built by hand, breaks the trace format or the token rule."""
+
+
+class TraceNotFound(TraceError, FileNotFoundError):
+    """There is no trace file at the path given. Both a ``TraceError`` and an ``OSError``
+    (``FileNotFoundError``), so a caller that catches either kind sees it."""
 
 
 def _is_int(value: object) -> bool:
@@ -144,28 +160,58 @@ def _parse_line(text: str, index: int) -> TraceRequest:
 
 
 def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
-    """Read the first ``limit`` requests (all when ``None``) of the JSONL trace at ``path``.
+    """Read the first ``limit`` requests (all when ``None``) of the JSONL trace at ``path``,
+    plain or gzip-compressed (``DEFAULT_TRACE`` is the trace that ships with tpcache).
 
     Blank lines are skipped and are not requests; request ``index`` counts the others
     from 0. Raises ``TraceError`` naming the 1-based line number for a malformed line
     (bad JSON, a missing field, a negative length, too few blocks for ``input_length``,
-    a non-int or negative hash id, tokens beyond int32); ``ValueError`` for a negative
-    ``limit``; ``OSError`` when the file cannot be read. Lines after the ``limit``-th
-    request are not read.
+    a non-int or negative hash id, tokens beyond int32) or for gzip data that is cut
+    short or corrupt; ``TraceNotFound`` (also an ``OSError``) naming the path when there
+    is no file there; ``ValueError`` for a negative ``limit``; ``OSError`` when the file
+    cannot be read. Lines after the ``limit``-th request are not read.
     """
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0 or None, got {limit}")
     requests: list[TraceRequest] = []
     if limit == 0:
         return requests
-    with open(path, encoding="utf-8") as lines:
-        for line_no, text in enumerate(lines, start=1):
-            if not text.strip():
-                continue
-            try:
-                requests.append(_parse_line(text, len(requests)))
-            except TraceError as exc:
-                raise TraceError(f"{path}: line {line_no}: {exc}") from None
-            if len(requests) == limit:
-                break
+    line_no = 0
+    with _open_text(path) as lines:
+        try:
+            for line_no, text in enumerate(lines, start=1):
+                if not text.strip():
+                    continue
+                try:
+                    requests.append(_parse_line(text, len(requests)))
+                except TraceError as exc:
+                    raise TraceError(f"{path}: line {line_no}: {exc}") from None
+                if len(requests) == limit:
+                    break
+        except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
+            # The gzip module reports a cut-short stream as EOFError, not OSError: name the
+            # file and how far it read instead of letting a bare EOFError out.
+            raise TraceError(f"{path}: bad gzip data after line {line_no}: {exc}") from None
     return requests
+
+
+def _open_text(path: str | Path) -> IO[str]:
+    """The file at ``path`` as text lines, decompressed when it starts with gzip's magic."""
+    try:
+        with open(path, "rb") as raw:
+            magic = raw.read(len(_GZIP_MAGIC))
+    except FileNotFoundError:
+        raise _not_found(path) from None
+    if magic == _GZIP_MAGIC:
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")  # the caller closes it
+
+
+def _not_found(path: str | Path) -> TraceNotFound:
+    message = f"no trace file at {path}"
+    if Path(path).resolve() == DEFAULT_TRACE:
+        message += (
+            " (the default trace: it ships in the data/ folder of a tpcache clone, which an"
+            " install without the repository lacks; pass the path of a trace)"
+        )
+    return TraceNotFound(message)
