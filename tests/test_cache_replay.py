@@ -9,13 +9,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from tpcache.replay import ReplayOptions, replay
+from tpcache.trace import DEFAULT_TRACE as TRACE
 from tpcache.trace import load_trace, output_tokens, prompt_tokens
-
-TRACE = Path("/work/shared/traces/mooncake_conversation.jsonl")
-needs_trace = pytest.mark.skipif(not TRACE.exists(), reason=f"{TRACE} is not here")
 
 
 def ideal_matched_tokens(requests: list, page_size: int) -> int:
@@ -42,7 +39,6 @@ def ideal_matched_tokens(requests: list, page_size: int) -> int:
     return matched
 
 
-@needs_trace
 def test_hit_rate_at_infinite_capacity_is_the_ideal_prefix_reuse() -> None:
     requests = load_trace(TRACE, 400)
     got = replay(requests, ReplayOptions(capacity=None, page_size=16))
@@ -56,7 +52,6 @@ def test_hit_rate_at_infinite_capacity_is_the_ideal_prefix_reuse() -> None:
     assert 0.05 < got["hit_rate"] < 0.9  # the slice really reuses prefixes
 
 
-@needs_trace
 def test_a_small_cache_hits_less_and_evicts() -> None:
     requests = load_trace(TRACE, 200)
     inf = replay(requests, ReplayOptions(capacity=None, page_size=16))
@@ -66,7 +61,6 @@ def test_a_small_cache_hits_less_and_evicts() -> None:
     assert small["cached_tokens_end"] <= 300_000
 
 
-@needs_trace
 def test_cli_replay_json_prints_the_required_keys() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "tpcache", "replay", str(TRACE), "--limit", "50", "--json"],

@@ -10,15 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tpcache.trace import TraceRequest, load_trace
+from tpcache.trace import DEFAULT_TRACE, TraceRequest, load_trace
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 from page_replay import build_replay, next_uses  # noqa: E402
 from pagesim import simulate  # noqa: E402
 from policy_bounds import features, hull_bound, simulate_admitted  # noqa: E402
-
-REAL_TRACE = Path("/work/shared/traces/mooncake_conversation.jsonl")
 
 
 def test_hull_bound_takes_a_share_of_a_lifetime_that_does_not_fit_whole() -> None:
@@ -51,9 +49,8 @@ def test_features_of_a_hand_made_trace() -> None:
     assert f["gap"].tolist() == [2, 2, 4, math.inf, math.inf, math.inf, math.inf, math.inf]
 
 
-@pytest.mark.skipif(not REAL_TRACE.exists(), reason="real trace not present")
 def test_oracle_simulations_agree_with_pagesim_and_order_sensibly() -> None:
-    rep = build_replay(load_trace(REAL_TRACE, limit=400), 16)
+    rep = build_replay(load_trace(DEFAULT_TRACE, limit=400), 16)
     nxt = next_uses(rep)
     cap = 400_000
     every = np.ones(len(rep.pages), dtype=bool)

@@ -28,7 +28,6 @@ from tpcache.cache.policy_resight import ResightParams, ResightPolicy
 from tpcache.cache.radix import CacheConfig, RadixCache
 
 PS = 4
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
 
 
 def toks(block: int, pages: int, extra: int = 0) -> list[int]:
@@ -394,12 +393,11 @@ TestResightMachine = settings(
 
 
 # ---- the real trace --------------------------------------------------------------------------
-@pytest.mark.skipif(not TRACE.exists(), reason="the shared trace is not here")
 def test_on_a_slice_of_the_trace_it_hits_at_least_as_often_as_lru() -> None:
     from tpcache.replay import ReplayOptions, replay
-    from tpcache.trace import load_trace
+    from tpcache.trace import DEFAULT_TRACE, load_trace
 
-    requests = load_trace(TRACE, 1000)
+    requests = load_trace(DEFAULT_TRACE, 1000)
     got = {
         p: replay(requests, ReplayOptions(capacity=1_000_000, page_size=16, policy=p))["hit_rate"]
         for p in ("lru", "resight")

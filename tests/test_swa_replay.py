@@ -9,14 +9,12 @@ import pytest
 
 from tpcache.cli import main
 from tpcache.replay import ReplayOptions, replay
+from tpcache.trace import DEFAULT_TRACE as TRACE
 from tpcache.trace import load_trace
 
-TRACE = Path("/work/shared/traces/mooncake_conversation.jsonl")
-needs_trace = pytest.mark.skipif(not TRACE.exists(), reason=f"{TRACE} is not here")
 SAME = ("prompt_tokens", "matched_tokens", "hit_rate", "evicted_tokens", "cached_tokens_end")
 
 
-@needs_trace
 def test_an_swa_pool_as_large_as_the_full_pool_replays_like_the_base_cache() -> None:
     # Every cached page has SWA KV and both pools run short together, so the hybrid
     # cache evicts exactly the base cache's leaves: same hits, same evictions.
@@ -30,7 +28,6 @@ def test_an_swa_pool_as_large_as_the_full_pool_replays_like_the_base_cache() -> 
     assert (hyb["tombstones_end"], hyb["tombstone_tokens_end"]) == (0, 0)
 
 
-@needs_trace
 def test_a_small_swa_pool_hits_less_and_reports_its_pools() -> None:
     requests = load_trace(TRACE, 300)
     full = replay(requests, ReplayOptions(capacity=None, page_size=16, swa_window=1024))
