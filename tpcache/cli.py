@@ -8,11 +8,6 @@ import json
 import math
 import platform
 import sys
-from pathlib import Path
-
-DEFAULT_TRACE = (
-    Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
-)
 
 
 def _capacity(text: str) -> int | None:
@@ -80,8 +75,8 @@ def _add_swa_options(p: argparse.ArgumentParser) -> None:
 def _cmd_replay(args: argparse.Namespace) -> int:
     from tpcache.cache.errors import CacheError
     from tpcache.cache.policies import CACHE_POLICIES
-    from tpcache.replay import ReplayOptions, replay, terminal_progress
-    from tpcache.trace import TraceError, load_trace
+    from tpcache.replay import Progress, ReplayOptions, replay
+    from tpcache.trace import DEFAULT_TRACE, TraceError, load_trace
 
     if args.policy not in CACHE_POLICIES:
         print(
@@ -90,7 +85,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        requests = load_trace(args.trace, args.limit)
+        requests = load_trace(args.trace or DEFAULT_TRACE, args.limit)
     except (OSError, TraceError) as exc:
         print(f"tpcache replay: {exc}", file=sys.stderr)
         return 2
@@ -108,7 +103,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         swa_capacity=args.swa_capacity,
     )
     try:
-        summary = replay(requests, opts, None if args.json else terminal_progress)
+        # Progress goes to stderr either way: stdout stays the summary alone.
+        summary = replay(requests, opts, Progress(sys.stderr))
     except CacheError as exc:
         print(f"tpcache replay: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
@@ -329,8 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "trace",
         nargs="?",
-        default=str(DEFAULT_TRACE),
-        help="JSONL trace (default: the shared Mooncake trace)",
+        default=None,
+        help="Mooncake-format JSONL trace, plain or gzip (default: the Mooncake "
+        "conversation trace in the repository, data/mooncake_conversation.jsonl.gz)",
     )
     add_trace_options(p)
     _add_swa_options(p)

@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TextIO
 
 from tpcache.cache.keys import frozen_tokens
 from tpcache.cache.radix import CacheConfig, RadixCache
@@ -49,7 +49,10 @@ def replay(
     opts: ReplayOptions,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
-    """Replay ``requests`` and return the summary (see ``tpcache replay --json``)."""
+    """Replay ``requests`` and return the summary (see ``tpcache replay --json``).
+
+    ``progress(done, total)``, when given, is called every 100 requests and after the
+    last one, outside the timed calls."""
     capacity = opts.capacity or infinite_capacity(requests, opts.page_size)
     cache = make_cache(opts, capacity)
     match_s: list[float] = []
@@ -73,7 +76,7 @@ def replay(
         insert_s.append(t2 - t1)
         prompt_total += req.input_length
         matched += got.prefix_len
-        if progress is not None and (i + 1) % 500 == 0:
+        if progress is not None and ((i + 1) % 100 == 0 or i + 1 == len(requests)):
             progress(i + 1, len(requests))
     cache.check_integrity()
     evicts = cache.tree.evict_seconds
@@ -128,6 +131,48 @@ def _median_us(values: list[float]) -> float:
     return round(statistics.median(values) * 1e6, 2) if values else 0.0
 
 
-def terminal_progress(done: int, total: int) -> None:
-    if sys.stderr.isatty():
-        print(f"\r  {done}/{total} requests", end="" if done < total else "\n", file=sys.stderr)
+class Progress:
+    """How far a replay has got, written to ``stream`` (stderr; stdout is kept for the
+    result, which ``--json`` makes one JSON object).
+
+    On a terminal, one counter rewritten in place. Anywhere else (a pipe, a log, CI) a
+    carriage return would pile up, so it writes plain lines: the first once ``quiet_s``
+    have passed (a short run prints nothing), then one every ``every_s``, and a last one
+    at the end if any was written. ``tty`` defaults to ``stream.isatty()``; ``clock`` is
+    read once on construction, when the run starts, and at each call. A call writes at
+    most one line or counter update and raises nothing for ``0 <= done <= total``.
+    """
+
+    def __init__(
+        self,
+        stream: TextIO | None = None,
+        *,
+        tty: bool | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        quiet_s: float = 5.0,
+        every_s: float = 10.0,
+    ) -> None:
+        self.stream = sys.stderr if stream is None else stream
+        self.tty = self.stream.isatty() if tty is None else tty
+        self.clock = clock
+        self.every_s = every_s
+        self.started = clock()
+        self.next_line = self.started + quiet_s  # set by __call__: when a plain line is due
+        self.wrote = False  # set by __call__: a plain line was written
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.tty:
+            end = "\n" if done == total else ""
+            print(f"\r  {done:,}/{total:,} requests", end=end, file=self.stream, flush=True)
+            return
+        now = self.clock()
+        if now < self.next_line and not (done == total and self.wrote):
+            return
+        self.wrote = True
+        self.next_line = now + self.every_s
+        share = 100 * done // total if total else 100
+        print(
+            f"replay: {done:,}/{total:,} requests ({share}%), {now - self.started:.0f} s",
+            file=self.stream,
+            flush=True,
+        )
