@@ -1,8 +1,9 @@
 """Page-level prefix-cache hit rates of a Mooncake trace under LRU, Belady,
 admit-on-second-sighting LRU and an infinite cache: reference figures for tpcache.
 
-    python scripts/belady.py /work/shared/traces/mooncake_conversation.jsonl \\
-        --capacity 3M,1M --page-size 16 [--tree] [--json]
+    python scripts/belady.py [TRACE] --capacity 3M,1M --page-size 16 [--tree] [--json]
+
+TRACE defaults to the conversation trace in the repository, data/mooncake_conversation.jsonl.gz.
 
 Semantics are in ``pagesim`` (this is its command line). Belady here is the page-level
 farthest-next-use rule, an upper reference for the online policies, not a proof of
@@ -26,7 +27,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from page_replay import build_replay, next_uses  # noqa: E402
 from pagesim import POLICIES, Policy, SimResult, simulate  # noqa: E402
 
-from tpcache.trace import load_trace  # noqa: E402
+from tpcache.trace import DEFAULT_TRACE, load_trace  # noqa: E402
 
 _SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9}
 
@@ -52,7 +53,13 @@ def parse_capacities(text: str) -> list[float]:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("trace", type=Path, help="Mooncake-format JSONL trace")
+    parser.add_argument(
+        "trace",
+        nargs="?",
+        type=Path,
+        default=DEFAULT_TRACE,
+        help="Mooncake-format JSONL trace, plain or gzip (default: the one in data/)",
+    )
     parser.add_argument(
         "--capacity",
         action="append",

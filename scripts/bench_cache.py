@@ -28,11 +28,10 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
+from tpcache.trace import DEFAULT_TRACE as TRACE
 
 # name -> ReplayOptions keyword arguments. "bar" is the figure for cache_ops_s.
 ROWS: list[dict] = [
@@ -157,7 +156,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--repeat", type=int, default=1, help="rounds of runs; medians are shown")
-    p.add_argument("--trace", default=str(TRACE))
+    p.add_argument(
+        "--trace", default=str(TRACE), help="Mooncake-format trace (default: the one in data/)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
         "--only", nargs="*", default=None, help="run only the rows whose name contains one of these"

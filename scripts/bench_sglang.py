@@ -39,13 +39,11 @@ import subprocess
 import sys
 import time
 from array import array
-from pathlib import Path
 from typing import Any
 
 from tpcache.replay import ReplayOptions, replay
+from tpcache.trace import DEFAULT_TRACE as TRACE
 from tpcache.trace import TraceRequest, load_trace, output_tokens, prompt_tokens
-
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
 
 
 def sglang_replay(requests: list[TraceRequest], capacity: int, page_size: int) -> dict[str, Any]:
@@ -135,7 +133,9 @@ def run_side(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trace", default=str(TRACE))
+    ap.add_argument(
+        "--trace", default=str(TRACE), help="Mooncake-format trace (default: the one in data/)"
+    )
     ap.add_argument("--limit", type=int, default=None, help="first N requests only")
     ap.add_argument("--capacity", type=int, default=3_000_000, help="tokens (default 3M)")
     ap.add_argument("--page-size", type=int, default=16)

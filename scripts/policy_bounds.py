@@ -4,6 +4,8 @@ gap into what knowing *which* pages come back is worth and what knowing *when* i
     python scripts/policy_bounds.py [TRACE] --capacity 1M,3M,10M [--page-size 16]
         [--limit N] [--out results/policy_bounds]
 
+TRACE defaults to the conversation trace in the repository, data/mooncake_conversation.jsonl.gz.
+
 Two kinds of figures, both on the page-level replay of ``pagesim`` (plain page mode):
 
 - Simulations with an oracle: Belady over all pages; Belady over only the pages an
@@ -39,9 +41,9 @@ from belady import parse_capacities  # noqa: E402
 from page_replay import PagedReplay, build_replay, next_uses  # noqa: E402
 from pagesim import _PageCache  # noqa: E402
 
+from tpcache.trace import DEFAULT_TRACE as TRACE  # noqa: E402
 from tpcache.trace import load_trace  # noqa: E402
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
 GRID = 240  # lifetimes tried per class, log-spaced
 
 

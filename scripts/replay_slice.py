@@ -1,5 +1,6 @@
-"""The first N requests of the conversation trace through one cache, for instruction
-counts that machine load does not move (valgrind's callgrind counts instructions).
+"""The first N requests of the conversation trace (the one in data/) through one cache,
+for instruction counts that machine load does not move (valgrind's callgrind counts
+instructions).
 
     valgrind --tool=callgrind --callgrind-out-file=/tmp/cg.none \
         .venv/bin/python scripts/replay_slice.py 3000 none
@@ -16,22 +17,19 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
 from tpcache.cache.keys import frozen_tokens
 from tpcache.cache.radix import CacheConfig, RadixCache
 from tpcache.cache.swa_cache import HybridCache
 from tpcache.cache.swa_config import HybridConfig
-from tpcache.trace import load_trace, output_tokens, prompt_tokens
-
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
+from tpcache.trace import DEFAULT_TRACE, load_trace, output_tokens, prompt_tokens
 
 
 def main() -> int:
     limit, mode = int(sys.argv[1]), sys.argv[2]
     data = [
         (r, frozen_tokens(prompt_tokens(r)), output_tokens(r))
-        for r in load_trace(str(TRACE), limit)
+        for r in load_trace(DEFAULT_TRACE, limit)
     ]
     if mode == "none":
         return 0

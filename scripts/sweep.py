@@ -6,6 +6,7 @@ references (LRU, offline Belady, admit-on-second-sighting LRU, infinite) drawn i
         [--timing-repeat 3 --timing-capacity 3M --timing-policy resight] \\
         [--out results/policy_sweep]
 
+TRACE defaults to the conversation trace in the repository, data/mooncake_conversation.jsonl.gz.
 Every (policy, capacity) is a ``tpcache.replay`` run of the whole trace (page 16 unless
 ``--page-size``), in worker processes (``--jobs``). The references come from
 ``pagesim`` (the independent page-level simulator of ``scripts/belady.py``). Writes
@@ -36,9 +37,9 @@ from belady import parse_capacities  # noqa: E402
 
 from tpcache.cache.policies import CACHE_POLICIES  # noqa: E402
 from tpcache.replay import ReplayOptions, replay  # noqa: E402
+from tpcache.trace import DEFAULT_TRACE as TRACE  # noqa: E402
 from tpcache.trace import load_trace  # noqa: E402
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
 REFERENCES = ("lru", "belady", "admit2-lru")  # pagesim policies, plus "inf" once
 
 
