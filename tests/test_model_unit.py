@@ -17,7 +17,7 @@ from model_helpers import local_engine
 
 from tpcache.coordinator.modelcheck import Workload, run_script, run_workload
 from tpcache.workers.context import ForwardError, build_forward, check_forward
-from tpcache.workers.group import GroupInputError, GroupSpec, TPGroup
+from tpcache.workers.group import GroupInputError, TPGroup
 from tpcache.workers.model import (
     ModelConfigError,
     ModelSpec,
@@ -201,7 +201,15 @@ def test_load_model_checks_the_pool_shape():
 
 
 def test_all_reduce_sum_rejects_non_float_tensors_before_the_collective():
-    group = TPGroup(GroupSpec(0, 1, "127.0.0.1", 1), "gloo", torch.device("cpu"))
+    group = TPGroup(
+        None,
+        rank=0,
+        world_size=1,
+        backend="gloo",
+        device=torch.device("cpu"),
+        timeout_s=1.0,
+        where="a test group",
+    )
     with pytest.raises(GroupInputError, match="floating-point"):
         group.all_reduce_sum(torch.arange(3))
     with pytest.raises(GroupInputError):

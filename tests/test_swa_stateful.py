@@ -6,9 +6,12 @@ locking and the pool sizes must give. Eviction choices are the cache's: after an
 may evict, the model checks that what went was allowed (nothing locked, nothing new, SWA
 KV not restored, the targets met or nothing evictable left) and adopts the tree's state.
 
-Two caches get the same ops: their results and digests must agree after every op
-(determinism), and both pass ``check_integrity()`` after every op. Page sizes 1 and 4,
-windows of one page up to more than a node.
+Two caches get the same ops: the first is a coordinator's mirror (called directly), the
+second a TP rank that replays the mirror's op log (``apply_op``, its evictions repeating
+the mirror's decision) for the request lifecycle and evictions, and is called directly for
+the tree-level calls a frontend makes (match, lock, insert). Their results and digests
+must agree after every op, and both pass ``check_integrity()`` after every op. Page sizes
+1 and 4, windows of one page up to more than a node.
 """
 
 from __future__ import annotations
@@ -23,6 +26,14 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from tpcache.cache.errors import CacheError, LockError, OutOfCapacity, UnknownHandle
 from tpcache.cache.swa_cache import HybridCache
 from tpcache.cache.swa_config import HybridConfig, SwaHandle
+from tpcache.workers.lockstep import (
+    apply_op,
+    evict_result,
+    local_evict,
+    logged_admit,
+    logged_extend,
+)
+from tpcache.workers.ops import Abort, CacheUnfinished, Evict, Finish, OpResult, pack_tokens
 
 Key = tuple[int, ...]
 _CUT = st.integers(-1, 60) | st.just(-1)  # where a prompt leaves a known sequence
@@ -99,6 +110,34 @@ class HybridMachine(RuleBasedStateMachine):
         else:
             assert _plain(v1) == _plain(v2), (name, v1, v2)
         return k1, v1
+
+    def logged(self, name: str, *args):
+        """A lifecycle call on the mirror (caches[0]); its op replayed on the rank
+        (caches[1]), whose result must be the mirror's. ("ok", the mirror's result) or
+        ("err", error type) with nothing logged."""
+        mirror, rank = self.caches
+        try:
+            if name == "admit":
+                got, op, expected = logged_admit(mirror, *args)
+            elif name == "extend":
+                got, op, expected = logged_extend(mirror, *args)
+            elif name == "evict":
+                got = mirror.evict(*args)
+                op = Evict(*args)
+                ps = self.ps
+                expected = evict_result((got.num_tokens // ps, got.swa_tokens // ps))
+            elif name == "abort":
+                got = mirror.abort(*args)
+                op, expected = Abort(*args), OpResult()
+            else:
+                rid, tokens = args
+                got = getattr(mirror, name)(rid, tokens)
+                kind = CacheUnfinished if name == "cache_unfinished" else Finish
+                op, expected = kind(rid, _packed(tokens)), OpResult(prefix_len=got)
+        except CacheError as exc:
+            return "err", type(exc)
+        assert apply_op(rank, op, local_evict(rank)) == expected, (name, args)
+        return "ok", got
 
     def fresh_tokens(self, n: int) -> list[int]:
         self.next_token += n
@@ -183,7 +222,7 @@ class HybridMachine(RuleBasedStateMachine):
         self.next_rid += 1
         expect = self.model_match(tokens, (len(tokens) - 1) // self.ps * self.ps)
         before = self.caches[0].digest()
-        kind, got = self.both("admit", rid, tokens)
+        kind, got = self.logged("admit", rid, tokens)
         if kind == "err":
             assert got is OutOfCapacity
             assert self.caches[0].digest() == before
@@ -209,7 +248,7 @@ class HybridMachine(RuleBasedStateMachine):
         r = self.reqs[rid]
         if r.num_tokens + n > self.limit:
             return
-        kind, got = self.both("extend", rid, n)
+        kind, got = self.logged("extend", rid, n)
         if kind == "err":
             assert got is OutOfCapacity
             return
@@ -232,7 +271,7 @@ class HybridMachine(RuleBasedStateMachine):
         n = min(len(seq), r.num_tokens) // self.ps
         swa = [r.own_swa.get(p) for p in range(len(r.row))]
         if chunk:
-            kind, got = self.both("cache_unfinished", rid, seq)
+            kind, got = self.logged("cache_unfinished", rid, seq)
             assert kind == "ok" and got == n * self.ps
             self.model_insert(seq, r.cached, n, r.row, swa)
             r.row = self.caches[0].reqs.get(rid).pages.tolist()
@@ -241,7 +280,7 @@ class HybridMachine(RuleBasedStateMachine):
                 r.own_swa.pop(p, None)
             r.tokens, r.cached = seq, n
         else:
-            kind, got = self.both("finish", rid, extra)
+            kind, got = self.logged("finish", rid, extra)
             assert kind == "ok" and got == n * self.ps
             self.model_insert(seq, r.cached, n, r.row, swa)
             del self.reqs[rid]
@@ -251,7 +290,7 @@ class HybridMachine(RuleBasedStateMachine):
     @rule(pick=st.integers(0, 99))
     def abort(self, pick: int) -> None:
         rid = sorted(self.reqs)[pick % len(self.reqs)]
-        assert self.both("abort", rid)[0] == "ok"
+        assert self.logged("abort", rid)[0] == "ok"
         del self.reqs[rid]
 
     @rule(base=st.integers(0, 50), cut=_CUT, tail=st.integers(0, 3), lock=st.booleans())
@@ -302,7 +341,7 @@ class HybridMachine(RuleBasedStateMachine):
     @rule(full=st.integers(0, 12) | st.just(0), swa=st.integers(0, 12))
     def evict(self, full: int, swa: int) -> None:
         ps = self.ps
-        kind, got = self.both("evict", full * ps, swa * ps)
+        kind, got = self.logged("evict", full * ps, swa * ps)
         assert kind == "ok"
         before = len(self.blocks), sum(b[1] is not None for b in self.blocks.values())
         self.reconcile(got, full * ps, swa * ps)
@@ -355,6 +394,12 @@ class HybridMachine(RuleBasedStateMachine):
             s.swa.capacity - swa_cached - held,
         )
         assert s.tombstone_tokens == cached - swa_cached
+
+
+def _packed(tokens: list[int]) -> bytes:
+    import numpy as np
+
+    return pack_tokens(np.asarray(tokens, dtype=np.int32))
 
 
 def _plain(value):

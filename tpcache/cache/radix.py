@@ -76,6 +76,9 @@ class RadixCache:
         # lock() calls not yet undone, per handle (node id). Owned here: a handle's unlock
         # must never take a lock that a running request holds on the same node.
         self._handle_locks: dict[int, int] = {}
+        # Pages per pool the last admit or extend asked the eviction for (its shortfall
+        # after the lock): the decision a TP rank repeats (see ``eviction_ask``).
+        self._ask: tuple[int] = (0,)
 
     # ---- tree-level operations ------------------------------------------------------------
     def match_prefix(self, tokens: TokenLike) -> MatchResult:
@@ -161,6 +164,27 @@ class RadixCache:
         pages, nodes = self.tree.evict(-(-num_tokens // self.page_size))
         return EvictResult(pages * self.page_size, nodes)
 
+    # ---- eviction as the lockstep asks for it (one entry per pool: the full pool) ------
+    @property
+    def eviction_ask(self) -> tuple[int]:
+        """Pages per pool that the last ``admit`` or ``extend`` asked the eviction for
+        (``(0,)`` if it evicted nothing). ``evict_pages(eviction_ask)`` on a cache in the
+        state that call left after its lock evicts exactly the same nodes."""
+        return self._ask
+
+    def evictable_pages(self) -> tuple[int]:
+        """Pages per pool that eviction could free now. Pure."""
+        return (self.tree.cached_pages - self.tree.protected_pages,)
+
+    def evict_pages(self, asks: tuple[int, ...]) -> tuple[int]:
+        """Evict as an ``admit``/``extend`` asking ``asks`` pages per pool does; returns the
+        pages freed per pool. For the lockstep (asks already agreed; not validated)."""
+        return (self.tree.evict(asks[0])[0],)
+
+    def eviction_marks(self) -> tuple[int]:
+        """Pages evicted so far, per pool (a counter that only grows, reset included)."""
+        return (self.tree.evicted_pages,)
+
     def _node(self, handle: Handle) -> Node:
         if not isinstance(handle, Handle):
             raise UnknownHandle(f"not a handle of this cache: {handle!r}")
@@ -202,6 +226,7 @@ class RadixCache:
         key = as_tokens(tokens, copy=True, defer_sign=True)  # the row keeps it (if mutable)
         prio = as_priority(priority)
         total = admitted_length(key.size, reserve, self._limit)
+        self._ask = (0,)
         ps = self.page_size
         n = (key.size - 1) // ps * ps
         path, pos, partial, common = self.tree.descend(key, n)
@@ -228,6 +253,7 @@ class RadixCache:
         """``n`` more slots for ``rid`` (decode or a prefill chunk); returns their ids."""
         req = self.reqs.get(rid)
         end = extended_length(req, n, self._limit)
+        self._ask = (0,)
         ps = self.page_size
         need = -(-end // ps) - req.pages.size
         if need > self.alloc.num_free:
@@ -311,6 +337,7 @@ class RadixCache:
         if callable(evict):
             evict(short)  # called even when nothing is short: it may enter a collective
         elif short and evict:
+            self._ask = (short,)
             self.tree.evict(short)
         return self.alloc.alloc(need, HELD, copy=False)  # callers copy it into the row
 
@@ -322,6 +349,7 @@ class RadixCache:
         self.tree._clear()
         self.reqs = ReqTable()
         self._handle_locks = {}
+        self._ask = (0,)
         if self.config.record_events:
             events.append(AllBlocksCleared())
         self.tree.events = events
@@ -341,6 +369,11 @@ class RadixCache:
             protected=t.protected_pages * ps,
             held=(self.alloc.count(HELD) + self.alloc.count(LENT)) * ps,
         )
+
+    def pool_sizes(self) -> tuple[CacheSizes, ...]:
+        """``sizes()`` per pool (here one: the full pool), for callers that treat every
+        cache kind alike."""
+        return (self.sizes(),)
 
     def digest(self) -> int:
         """64-bit digest of the cached contents and their slots, page ownership, locks,

@@ -10,8 +10,10 @@ The full pool is a ``PageAllocator`` (owner tags FREE/HELD/CACHED/LENT, a FIFO o
 frees). An SWA page's owner is its full page's owner, so the SWA pool keeps no tags of
 its own: ``SwaPool`` is only the FIFO of its free pages, and a page is in use exactly
 when a full page that is not free maps to it. That makes moving pages from a request to
-the tree a full-pool-only change and an SWA free one ring write (no sort): the order is
-still defined, since SWA pages go back in the order of the full pages freed with them.
+the tree a full-pool-only change. A free group goes back sorted, as the full pool's
+does, so the order SWA pages are handed out in depends only on which pages were freed
+together, never on the order an eviction happened to visit them; the pool's log folds
+each group's ids with position weights, so the digest sees that order.
 ``check_integrity`` catches a double free or a leaked SWA page from the mapping.
 """
 
@@ -23,24 +25,32 @@ from tpcache.cache.allocator import (
     FREE,
     HELD,
     PageAllocator,
-    log_free,
     log_one_group,
     ring_put,
     ring_take,
 )
 from tpcache.cache.errors import AllocatorError, IntegrityError, OutOfCapacity
+from tpcache.cache.hashing import fmix64
+
+_MASK = (1 << 64) - 1
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 
 class SwaPool:
-    """The free SWA pages: a FIFO ring, ``0..n-1`` at start; frees append in the order
-    given. Owned by ``PairedAllocator``; its fingerprint is the free count, the head and
-    the log of free groups (as ``PageAllocator``'s)."""
+    """The free SWA pages: a FIFO ring, ``0..n-1`` at start; each free appends its group
+    sorted. Owned by ``PairedAllocator``; its fingerprint is the free count, the head and
+    a log of the free groups that covers their ids in ring order (``_group_sum``)."""
 
     def __init__(self, num_pages: int) -> None:
         self.num_pages = num_pages
         self._fifo = np.empty(num_pages, dtype=np.int64)
+        # Odd pseudo-random int64 weight per position in a group: a group's log term is
+        # sum(page * weight), which changes when any page or its place in the ring does
+        # (one dot product, where a mix per page would cost 4x).
+        w = fmix64(np.arange(1, num_pages + 1, dtype=np.uint64)) | np.uint64(1)
+        self._weights = w.view(np.int64)
+        self._w0 = int(self._weights[0])
         self.reset()
 
     def reset(self) -> None:
@@ -60,19 +70,25 @@ class SwaPool:
         return pages
 
     def give(self, pages: np.ndarray) -> None:
-        """Append ``pages`` (in use until now; the caller checked) to the ring, in order."""
+        """Append ``pages`` (in use until now; the caller checked) to the ring, sorted."""
         n = pages.size
         if n == 0:
             return
+        if n > 1:
+            pages = np.sort(pages, kind="stable")  # a few ascending runs, most often
         ring_put(self._fifo, (self._head + self.num_free) % self.num_pages, pages)
         self.num_free += n
-        self._free_log = log_free(self._free_log, pages)
+        self._free_log = log_one_group(self._free_log, self._group_sum(pages), n)
 
     def give_one(self, page: int) -> None:
         """``give`` of one page, with Python ints."""
         self._fifo[(self._head + self.num_free) % self.num_pages] = page
         self.num_free += 1
-        self._free_log = log_one_group(self._free_log, page, 1)
+        self._free_log = log_one_group(self._free_log, (page * self._w0) & _MASK, 1)
+
+    def _group_sum(self, pages: np.ndarray) -> int:
+        # int64 products and sum wrap mod 2**64, as the log does.
+        return int(pages @ self._weights[: pages.size]) & _MASK
 
     def free_pages(self) -> np.ndarray:
         """The free pages in FIFO order (a copy)."""

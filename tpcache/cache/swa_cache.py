@@ -100,6 +100,9 @@ class HybridCache(RequestLifecycle):
         # lock() calls not yet undone, per handle (node id, boundary mark). Owned here: a
         # handle's unlock must never take a lock that a running request holds.
         self._handle_locks: dict[tuple[int, int], int] = {}
+        # (full, SWA) pages the last admit or extend asked the eviction for: the decision
+        # a TP rank repeats (``eviction_ask``). Set in ``RequestLifecycle``.
+        self._ask: tuple[int, int] = (0, 0)
 
     # ---- tree-level operations ------------------------------------------------------------
     def match_prefix(self, tokens: TokenLike) -> SwaMatchResult:
@@ -210,6 +213,30 @@ class HybridCache(RequestLifecycle):
         full, swa, nodes, tombs = self.tree.evict(-(-full_tokens // ps), -(-swa_tokens // ps))
         return SwaEvictResult(full * ps, nodes, swa * ps, tombs)
 
+    # ---- eviction as the lockstep asks for it (per pool: full, SWA) ----------------------
+    @property
+    def eviction_ask(self) -> tuple[int, int]:
+        """(full, SWA) pages that the last ``admit`` or ``extend`` asked the eviction for
+        (zeros if it evicted nothing). The SWA order runs only after the full one, so the
+        counts evicted cannot replay a decision (an SWA-only ask deletes leaves, which
+        frees full pages too): a rank repeats the ask, ``evict_pages(eviction_ask)``."""
+        return self._ask
+
+    def evictable_pages(self) -> tuple[int, int]:
+        """(full, SWA) pages that eviction could free now. Pure."""
+        t = self.tree
+        return (t.cached_pages - t.protected_pages, t.swa_pages - t.swa_protected)
+
+    def evict_pages(self, asks: tuple[int, ...]) -> tuple[int, int]:
+        """Evict as an ``admit``/``extend`` asking ``asks`` (full, SWA) pages does; returns
+        the pages freed per pool. For the lockstep (asks already agreed; not validated)."""
+        full, swa, _, _ = self.tree.evict(asks[0], asks[1] if len(asks) > 1 else 0)
+        return full, swa
+
+    def eviction_marks(self) -> tuple[int, int]:
+        """(full, SWA) pages evicted so far (counters that only grow, reset included)."""
+        return self.tree.evicted_pages, self.tree.evicted_swa_pages
+
     def _node(self, handle: SwaHandle) -> SwaNode:
         if not isinstance(handle, SwaHandle):
             raise UnknownHandle(f"not a handle of a hybrid cache: {handle!r}")
@@ -229,6 +256,7 @@ class HybridCache(RequestLifecycle):
         self.reqs = ReqTable()
         self._tops = {}
         self._handle_locks = {}
+        self._ask = (0, 0)
         if self.config.record_events:
             events.append(AllBlocksCleared())
         self.tree.events = events
@@ -260,6 +288,11 @@ class HybridCache(RequestLifecycle):
             tombstones=t.tombstones,
             tombstone_tokens=t.tombstone_pages * ps,
         )
+
+    def pool_sizes(self) -> tuple[CacheSizes, CacheSizes]:
+        """``sizes()`` per pool: (full, SWA)."""
+        s = self.sizes()
+        return s.full, s.swa
 
     def digest(self) -> int:
         """64-bit digest as ``RadixCache.digest`` (cached contents and their full pages,

@@ -64,6 +64,7 @@ class RequestLifecycle:
         key = as_tokens(tokens, copy=True, defer_sign=True)  # the row keeps it (if mutable)
         prio = as_priority(priority)
         total = admitted_length(key.size, reserve, self._limit)
+        self._ask = (0, 0)
         ps = self.page_size
         tree = self.tree
         path, pos, partial, common = tree.match_walk(key, (key.size - 1) // ps * ps)
@@ -98,6 +99,7 @@ class RequestLifecycle:
         """``n`` more slots for ``rid`` (decode or a prefill chunk); returns their full ids."""
         req = self.reqs.get(rid)
         end = extended_length(req, n, self._limit)
+        self._ask = (0, 0)
         ps = self.page_size
         need = -(-end // ps) - req.pages.size
         if need > self.alloc.num_free:
@@ -217,5 +219,6 @@ class RequestLifecycle:
         if callable(evict):
             evict(short_full, short_swa)  # called even when nothing is short
         elif (short_full or short_swa) and evict:
+            self._ask = (short_full, short_swa)
             self.tree.evict(short_full, short_swa)
         return self.alloc.alloc_pair(need, HELD, copy=False)  # callers copy them at once

@@ -14,8 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from tpcache.cache.keys import TokenLike, as_tokens, int_sum
+from tpcache.cache.errors import CacheError
+from tpcache.cache.keys import TokenLike, as_tokens
 from tpcache.cache.radix import AdmitResult
+from tpcache.cache.reqtable import check_count
 from tpcache.coordinator.step_types import (
     CoordinatorConfig,
     RankCallError,
@@ -23,13 +25,11 @@ from tpcache.coordinator.step_types import (
     StepObserver,
 )
 from tpcache.coordinator.steps import StepDriver
-from tpcache.workers.lockstep import admit_result, eviction_marks
+from tpcache.workers.lockstep import evict_result, logged_admit, logged_extend
 from tpcache.workers.ops import (
     Abort,
-    Admit,
     CacheUnfinished,
     Evict,
-    Extend,
     Finish,
     OpResult,
     Reset,
@@ -72,18 +72,12 @@ class Coordinator(StepDriver):
         """
 
         def run() -> Admission:
-            full0, swa0 = eviction_marks(self.mirror)
-            got = self.mirror.admit(request_id, tokens, priority, reserve=reserve)
+            got, op, expected = logged_admit(self.mirror, request_id, tokens, priority, reserve)
             self._forget_lost(request_id)
-            full1, swa1 = eviction_marks(self.mirror)
-            evicted = full1 - full0
-            # The mirror's checked int32 tokens (its copy, or the caller's immutable buffer).
-            key = self.mirror.reqs.get(request_id).tokens
-            op = Admit(request_id, pack_tokens(key), priority, evicted, swa1 - swa0, reserve)
-            self._emit(op, admit_result(got, evicted))
+            self._emit(op, expected)
             c = self.counters
             c.queries += 1
-            c.query_tokens += key.size
+            c.query_tokens += len(op.tokens) // 4  # int32 tokens
             c.hit_tokens += got.prefix_len
             return got  # the mirror's own record for this call (its pages read-only)
 
@@ -94,14 +88,8 @@ class Coordinator(StepDriver):
 
         def run() -> np.ndarray:
             self._check_lost(request_id)
-            full0, swa0 = eviction_marks(self.mirror)
-            slots = self.mirror.extend(request_id, n)
-            full1, swa1 = eviction_marks(self.mirror)
-            evicted = full1 - full0
-            self._emit(
-                Extend(request_id, n, evicted, swa1 - swa0),
-                OpResult(0, int(slots.size), int_sum(slots), evicted),
-            )
+            slots, op, expected = logged_extend(self.mirror, request_id, n)
+            self._emit(op, expected)
             return slots
 
         return self._run(run)
@@ -140,15 +128,23 @@ class Coordinator(StepDriver):
 
         self._run(run)
 
-    def evict(self, num_tokens: int) -> int:
-        """Evict at least ``num_tokens`` if that much is evictable; returns tokens evicted."""
+    def evict(self, num_tokens: int, swa_tokens: int = 0) -> int:
+        """Evict at least ``num_tokens`` of full KV if that much is evictable, then (hybrid
+        cache) at least ``swa_tokens`` of SWA KV, counting what the first part freed;
+        returns full-KV tokens evicted. Raises ``CacheError`` for a bad count, or SWA
+        tokens asked of a cache without an SWA pool, before anything changes."""
 
         def run() -> int:
-            got = self.mirror.evict(num_tokens)
-            self._emit(
-                Evict(num_tokens), OpResult(evicted_pages=got.num_tokens // self.mirror.page_size)
-            )
-            return got.num_tokens
+            check_count(num_tokens, "evict's num_tokens")
+            check_count(swa_tokens, "evict's swa_tokens")
+            pools = len(self.mirror.evictable_pages())
+            if swa_tokens and pools < 2:
+                raise CacheError("swa_tokens needs the hybrid cache (this one has no SWA pool)")
+            ps = self.mirror.page_size
+            asks = (-(-num_tokens // ps), -(-swa_tokens // ps))[:pools]
+            freed = self.mirror.evict_pages(asks)
+            self._emit(Evict(num_tokens, swa_tokens), evict_result(freed))
+            return freed[0] * ps
 
         return self._run(run)
 

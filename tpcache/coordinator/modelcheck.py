@@ -19,7 +19,6 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from tpcache.coordinator.engine import ModelEngine
-from tpcache.workers.lockstep import eviction_marks
 from tpcache.workers.model import ModelSpec, reference_logits
 
 
@@ -179,7 +178,7 @@ def run_requests(
     finish; then compare every computed row and greedy token with full recompute."""
     rep = Report(seed=seed)
     c0 = _snapshot(engine)
-    marks0 = eviction_marks(engine.coord.mirror)
+    marks0 = engine.coord.mirror.eviction_marks()
     finished: list[list[int]] = []
     while (prompts := next_wave(finished)) is not None:
         rids = [f"{rid_prefix}{seed}-{len(finished) + i}" for i in range(len(prompts))]
@@ -204,14 +203,14 @@ def run_requests(
             rep.decode_tokens += len(generated[rid])
             rep.prefix_lens.append(prefix[rid])
     c1 = _snapshot(engine)
-    marks1 = eviction_marks(engine.coord.mirror)
+    marks1 = engine.coord.mirror.eviction_marks()
     rep.hit_tokens = c1["hit_tokens"] - c0["hit_tokens"]
     rep.computed_tokens = c1["computed_tokens"] - c0["computed_tokens"]
     rep.forwards = c1["forwards"] - c0["forwards"]
     rep.tombstoned_hit_pages = c1["tombstoned_hit_pages"] - c0["tombstoned_hit_pages"]
     rep.max_swa_read_over_new = engine.counters.max_swa_read_over_new
     rep.evicted_pages = marks1[0] - marks0[0]
-    rep.evicted_swa_pages = marks1[1] - marks0[1]
+    rep.evicted_swa_pages = marks1[1] - marks0[1] if len(marks1) > 1 else 0
     return rep
 
 

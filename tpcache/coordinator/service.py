@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -18,63 +17,15 @@ import ray
 
 from tpcache.cache.keys import TokenLike
 from tpcache.coordinator import api
-from tpcache.coordinator.core import Admission, Coordinator, CoordinatorConfig
-from tpcache.coordinator.event_config import EventConfig
+from tpcache.coordinator.build import GroupConfig, build_coordinator, open_publisher
+from tpcache.coordinator.core import Admission, Coordinator
 from tpcache.coordinator.frontend import handle, handle_many
-from tpcache.coordinator.metrics import CoordinatorMetrics, EventsHook
-from tpcache.coordinator.publisher import EventPublisher
 from tpcache.coordinator.ranks import RayRanks
-from tpcache.workers.group import check_seconds
-from tpcache.workers.kvpool import PoolSpec
 from tpcache.workers.rank import RankWorker
-from tpcache.workers.spec import CacheSpec, WorkerSpec
+
+__all__ = ["Client", "CoordinatorService", "GroupConfig", "connect", "serve", "start_group"]
 
 DEFAULT_NAMESPACE = "tpcache"
-
-
-@dataclass(frozen=True)
-class GroupConfig:
-    """Everything needed to start one TP group. ``capacity_tokens`` None: fit the budget.
-
-    ``timeout_s`` bounds each collective, so a hung rank is found that fast;
-    ``join_timeout_s`` bounds how long ranks wait for each other to join the group, at
-    start-up and when recovery replaces a rank (a new process must start first).
-    """
-
-    tp: int = 2
-    capacity_tokens: int | None = 1 << 20
-    cache: CacheSpec = field(default_factory=CacheSpec)
-    num_layers: int = 2
-    kv_heads: int = 4
-    head_dim: int = 8
-    dtype: str = "float16"
-    cpu_budget_bytes: int = 1 << 30
-    gpu_fraction: float = 0.8
-    backend: str = "auto"
-    timeout_s: float = 60.0
-    join_timeout_s: float = 120.0
-    use_gpus: bool | None = None
-    strategy: str = "PACK"
-    coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
-    events: EventConfig | None = None  # None: no KV events published
-    metrics_port: int | None = None  # None: no Prometheus endpoint; 0 picks a port
-
-    def __post_init__(self) -> None:
-        # Before start_group binds an events endpoint or starts a rank.
-        check_seconds("timeout_s", self.timeout_s)
-        check_seconds("join_timeout_s", self.join_timeout_s)
-
-    def worker_spec(self) -> WorkerSpec:
-        return WorkerSpec(
-            pool=PoolSpec(self.num_layers, self.kv_heads, self.head_dim, self.tp, self.dtype),
-            cache=self.cache,
-            capacity_tokens=self.capacity_tokens,
-            cpu_budget_bytes=self.cpu_budget_bytes,
-            gpu_fraction=self.gpu_fraction,
-            backend=self.backend,
-            timeout_s=self.timeout_s,
-            join_timeout_s=self.join_timeout_s,
-        )
 
 
 def start_group(config: GroupConfig, worker_cls: type[RankWorker] = RankWorker) -> Coordinator:
@@ -85,7 +36,7 @@ def start_group(config: GroupConfig, worker_cls: type[RankWorker] = RankWorker) 
     Raises ``EventConfigError``/``EventPublisherError`` for a bad events endpoint before
     any rank starts.
     """
-    publisher = EventPublisher(config.events) if config.events is not None else None
+    publisher = open_publisher(config)
     try:
         ranks = RayRanks(
             config.worker_spec(),
@@ -97,22 +48,7 @@ def start_group(config: GroupConfig, worker_cls: type[RankWorker] = RankWorker) 
         if publisher is not None:
             publisher.close()
         raise
-    mirror = config.cache.build(ranks.capacity, record_events=publisher is not None)
-    coord = Coordinator(ranks, mirror, config.coordinator)
-    if publisher is not None:
-        coord.observers.append(EventsHook(publisher))
-        coord.publisher = publisher
-
-        def event_stats() -> tuple[int, int]:
-            st = publisher.stats()
-            return st.published_events, st.dropped_events
-
-        coord.event_stats = event_stats
-    if config.metrics_port is not None:
-        metrics = CoordinatorMetrics(coord)
-        coord.metrics_port = metrics.serve(config.metrics_port)
-        coord.observers.append(metrics)
-    return coord
+    return build_coordinator(config, ranks, ranks.capacity, publisher)
 
 
 class CoordinatorService:

@@ -65,6 +65,7 @@ _BACKENDS = ("gloo", "nccl", "auto")
 _I64_MIN = -(2**63)
 _I64_MAX = 2**63 - 1
 _T = TypeVar("_T")
+_PG_METHODS = ("allreduce", "broadcast", "allgather", "barrier", "rank", "size", "name")
 
 
 class GroupError(RuntimeError):
@@ -173,27 +174,39 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 class TPGroup:
-    """One rank's handle on the TP group: a ``torch.distributed`` group of all ranks.
+    """One rank's handle on the TP group: a ``torch.distributed`` process group of all ranks.
 
-    One per process (``torch.distributed`` keeps the default group process-wide). The
-    collectives run on ``pg``, made with the collective timeout (None: the default group,
-    whose timeout is the join timeout; see the module docstring). The group's tensors
-    live on ``device``: the rank's CUDA device for nccl, the CPU for gloo. After a failed
-    collective the group is marked broken: later calls raise GroupError at once instead of
-    waiting out another timeout. Build it with ``TPGroup.init``.
+    Either joined here (``TPGroup.init``: this process's default group plus a group with
+    the collective timeout, see the module docstring) or an engine's own group handed in
+    (``TPGroup.attach``: tpcache runs its collectives on it and leaves its life to the
+    owner). Collectives call the group's own methods, so a group need not be registered
+    with ``torch.distributed`` (one made directly, e.g. ``ProcessGroupGloo`` over a store
+    for ranks that are threads of one process). The group's tensors live on ``device``:
+    the rank's CUDA device for nccl, the CPU for gloo. After a failed collective the group
+    is marked broken: later calls raise GroupError at once instead of waiting out another
+    timeout.
     """
 
     def __init__(
         self,
-        spec: GroupSpec,
+        pg: Any,  # a dist.ProcessGroup, or a backend such as ProcessGroupGloo
+        *,
+        rank: int,
+        world_size: int,
         backend: str,
         device: torch.device,
-        pg: dist.ProcessGroup | None = None,
+        timeout_s: float,
+        where: str,
+        owns_default: bool = False,
     ) -> None:
-        self._spec = spec
+        self._pg = pg
+        self._rank = rank
+        self._world_size = world_size
         self._backend = backend
         self._device = device
-        self._pg = pg
+        self._timeout_s = timeout_s
+        self._where = where
+        self._owns_default = owns_default  # destroy() tears down the default group too
         # Owned by this object; set once, by the first failure or by destroy().
         self._broken: str | None = None
         self._destroyed = False
@@ -201,12 +214,51 @@ class TPGroup:
         self.collectives = 0
 
     @classmethod
+    def attach(
+        cls,
+        pg: Any,
+        *,
+        device: torch.device | None = None,
+        timeout_s: float = 60.0,
+        where: str = "",
+    ) -> TPGroup:
+        """Use ``pg``, a process group the caller made and owns (an engine's TP group, or
+        one over an in-process store), as the TP group. Its ranks are the group's own
+        ranks; ``timeout_s`` is what the group was made with (for messages: the group
+        enforces its own). ``destroy`` leaves ``pg`` alone. Raises GroupInputError for
+        something that is not a process group, or nccl without a CUDA ``device``."""
+        # A ProcessGroup, or a backend made directly (ProcessGroupGloo is no subclass).
+        if not all(callable(getattr(pg, m, None)) for m in _PG_METHODS):
+            raise GroupInputError(f"attach needs a torch.distributed process group, got {pg!r}")
+        check_seconds("timeout_s", timeout_s)
+        backend = str(pg.name()).lower()
+        if backend not in ("gloo", "nccl"):
+            raise GroupInputError(f"attach supports gloo and nccl groups, got {backend!r}")
+        if backend == "nccl":
+            if device is None or device.type != "cuda":
+                raise GroupInputError(f"an nccl group needs a CUDA device, got {device}")
+            comm = device
+        else:
+            comm = torch.device("cpu")
+        rank, size = pg.rank(), pg.size()
+        return cls(
+            pg,
+            rank=rank,
+            world_size=size,
+            backend=backend,
+            device=comm,
+            timeout_s=timeout_s,
+            where=f"rank {rank}/{size} of an attached {backend} group{' ' + where if where else ''}",
+        )
+
+    @classmethod
     def init(cls, spec: GroupSpec, device: torch.device) -> TPGroup:
         """Join the group; blocks until all ``world_size`` ranks arrive.
 
         Raises GroupError if a rank does not arrive within about ``join_timeout_s`` (up to
         ~2.5x on a non-master rank, which retries connecting), if the port is taken, if
-        nccl is asked for without a CUDA device, or if this process already has a group.
+        nccl is asked for without a CUDA device, or if this process already has a group
+        (an engine that has one passes its TP group to ``attach`` instead).
         Collectives on the returned group time out after ``timeout_s``.
         """
         backend = resolve_backend(spec.backend, device)
@@ -217,7 +269,10 @@ class TPGroup:
         else:
             comm_device = torch.device("cpu")
         if dist.is_initialized():
-            raise GroupError(f"this process already has a process group ({spec.where})")
+            raise GroupError(
+                f"this process already has a process group ({spec.where}); "
+                "hand its TP group to TPGroup.attach instead"
+            )
         if backend == "nccl":
             torch.cuda.set_device(comm_device)
         try:
@@ -241,15 +296,24 @@ class TPGroup:
                 f"init of {backend} group failed for {spec.where} "
                 f"(join timeout {spec.join_timeout_s:g}s): {_first_line(exc)}"
             ) from exc
-        return cls(spec, backend, comm_device, pg)
+        return cls(
+            pg,
+            rank=spec.rank,
+            world_size=spec.world_size,
+            backend=backend,
+            device=comm_device,
+            timeout_s=spec.timeout_s,
+            where=spec.where,
+            owns_default=True,
+        )
 
     @property
     def rank(self) -> int:
-        return self._spec.rank
+        return self._rank
 
     @property
     def world_size(self) -> int:
-        return self._spec.world_size
+        return self._world_size
 
     @property
     def backend(self) -> str:
@@ -281,9 +345,7 @@ class TPGroup:
         xs = self._int_list("min_max", values)
         n = len(xs)
         t = self._tensor([n, ~n, *xs, *(~x for x in xs)])
-        self._collective(
-            "min_max", lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._pg)
-        )
+        self._collective("min_max", lambda: self._all_reduce(t, dist.ReduceOp.MIN))
         out = self._unpack("min_max", t)
         return out[:n], [~x for x in out[n:]]
 
@@ -292,9 +354,7 @@ class TPGroup:
         only for a list whose length every rank takes from the code, never from data.
         Collective; changes no state."""
         t = self._tensor(self._int_list("agree_min", values))
-        self._collective(
-            "agree_min", lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._pg)
-        )
+        self._collective("agree_min", lambda: self._all_reduce(t, dist.ReduceOp.MIN))
         return t.tolist()
 
     def digest_range(self, digest: int | None) -> tuple[int, int] | None:
@@ -313,9 +373,7 @@ class TPGroup:
             (d,) = self._int_list("digest_range", [digest])
             pair = [d, ~d]
         t = self._tensor(pair)
-        self._collective(
-            "digest_range", lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._pg)
-        )
+        self._collective("digest_range", lambda: self._all_reduce(t, dist.ReduceOp.MIN))
         lo, low_not = t.tolist()
         if lo == _I64_MIN and low_not == _I64_MIN:
             return None
@@ -344,9 +402,7 @@ class TPGroup:
             (d,) = self._int_list("digest_check", [digest])
             v = _fold_pair(d)
         t = self._tensor([v])
-        self._collective(
-            "digest_check", lambda: dist.all_reduce(t, op=dist.ReduceOp.BAND, group=self._pg)
-        )
+        self._collective("digest_check", lambda: self._all_reduce(t, dist.ReduceOp.BAND))
         got = int(t.item())
         if not got & _FLAG:
             return None
@@ -358,7 +414,7 @@ class TPGroup:
         n = len(xs)
         mine = self._tensor([n, *xs])
         rows = [torch.empty_like(mine) for _ in range(self.world_size)]
-        self._collective("all_gather_ints", lambda: dist.all_gather(rows, mine, group=self._pg))
+        self._collective("all_gather_ints", lambda: self._pg.allgather([rows], [mine]).wait())
         out = [row.tolist() for row in rows]
         lens = [row[0] for row in out]
         if any(m != n for m in lens):
@@ -379,7 +435,7 @@ class TPGroup:
         if self.rank == src and isinstance(data, bytes | bytearray | memoryview):
             payload = bytes(data)
         length = self._tensor([len(payload) if payload is not None else -1])
-        self._collective("broadcast_bytes", lambda: dist.broadcast(length, src=src, group=self._pg))
+        self._collective("broadcast_bytes", lambda: self._broadcast(length, src))
         n = int(length.item())
         if n < 0:
             # The collective itself went well: the group stays usable.
@@ -390,7 +446,7 @@ class TPGroup:
             buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self._device)
         else:
             buf = torch.empty(n, dtype=torch.uint8, device=self._device)
-        self._collective("broadcast_bytes", lambda: dist.broadcast(buf, src=src, group=self._pg))
+        self._collective("broadcast_bytes", lambda: self._broadcast(buf, src))
         return buf.cpu().numpy().tobytes()
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
@@ -405,38 +461,51 @@ class TPGroup:
             raise GroupInputError(
                 f"all_reduce_sum needs a floating-point tensor, got {type(t).__name__}"
                 f"{'' if not isinstance(t, torch.Tensor) else ' of ' + str(t.dtype)}"
-                f" ({self._spec.where})"
+                f" ({self._where})"
             )
         self._check_open("all_reduce_sum")
         buf = (
             t if t.device == self._device and t.is_contiguous() else t.to(self._device).contiguous()
         )
-        self._collective(
-            "all_reduce_sum", lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self._pg)
-        )
+        self._collective("all_reduce_sum", lambda: self._all_reduce(buf, dist.ReduceOp.SUM))
         if buf is not t:
             t.copy_(buf)
         return t
 
     def barrier(self) -> None:
         """Wait until every rank reaches this barrier. Collective."""
+        opts = dist.BarrierOptions()
         idx = self._device.index
-        # NCCL wants the device named, or it guesses one from the rank and warns.
-        ids = [idx] if self._backend == "nccl" and idx is not None else None
-        self._collective("barrier", lambda: dist.barrier(group=self._pg, device_ids=ids))
+        if self._backend == "nccl" and idx is not None:
+            # NCCL wants the device named, or it guesses one from the rank and warns.
+            opts.device_ids = [idx]
+        self._collective("barrier", lambda: self._pg.barrier(opts).wait())
 
     def destroy(self) -> None:
-        """Leave the group. Idempotent; safe after a failure. Not a collective."""
+        """Leave the group (an attached group is its owner's: it is only left unused).
+        Idempotent; safe after a failure. Not a collective."""
         if self._destroyed:
             return
         self._destroyed = True
         if self._broken is None:
             self._broken = "destroyed"
-        if dist.is_initialized():
+        self._pg = None  # an attached group lives on with its owner
+        if self._owns_default and dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except Exception as exc:
-                raise GroupError(f"destroy failed for {self._spec.where}: {exc}") from exc
+                raise GroupError(f"destroy failed for {self._where}: {exc}") from exc
+
+    def _all_reduce(self, t: torch.Tensor, op: dist.ReduceOp) -> None:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        self._pg.allreduce([t], opts).wait()
+
+    def _broadcast(self, t: torch.Tensor, src: int) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        self._pg.broadcast([t], opts).wait()
 
     def _reduce_min(self, op: str, values: Sequence[int], *, negate: bool) -> list[int]:
         xs = self._int_list(op, values)
@@ -444,7 +513,7 @@ class TPGroup:
         body = [~x for x in xs] if negate else xs
         # The [n, ~n] header: after MIN it gives the shortest and the longest list.
         t = self._tensor([n, ~n, *body])
-        self._collective(op, lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._pg))
+        self._collective(op, lambda: self._all_reduce(t, dist.ReduceOp.MIN))
         out = self._unpack(op, t)
         return [~x for x in out] if negate else out
 
@@ -461,16 +530,15 @@ class TPGroup:
         xs: list[int] = []
         for v in values:
             if isinstance(v, bool) or not hasattr(v, "__index__"):
-                raise GroupInputError(f"{op}: {v!r} is not an int ({self._spec.where})")
+                raise GroupInputError(f"{op}: {v!r} is not an int ({self._where})")
             x = v.__index__()
             if not _I64_MIN <= x <= _I64_MAX:
                 raise GroupInputError(
-                    f"{op}: {x} does not fit in int64; carry u64 with u64_to_i64 "
-                    f"({self._spec.where})"
+                    f"{op}: {x} does not fit in int64; carry u64 with u64_to_i64 ({self._where})"
                 )
             xs.append(x)
         if not xs:
-            raise GroupInputError(f"{op}: empty list ({self._spec.where})")
+            raise GroupInputError(f"{op}: empty list ({self._where})")
         return xs
 
     def _tensor(self, xs: list[int]) -> torch.Tensor:
@@ -478,7 +546,7 @@ class TPGroup:
 
     def _check_open(self, op: str) -> None:
         if self._broken is not None:
-            raise GroupError(f"{op}: group is unusable ({self._broken}) for {self._spec.where}")
+            raise GroupError(f"{op}: group is unusable ({self._broken}) for {self._where}")
 
     def _collective(self, op: str, fn: Callable[[], _T]) -> _T:
         self._check_open(op)
@@ -492,8 +560,7 @@ class TPGroup:
         if broken:
             self._broken = f"{op} failed: {why}"
         return GroupError(
-            f"{op} failed for {self._spec.where} ({self._backend}, "
-            f"timeout {self._spec.timeout_s:g}s): {why}"
+            f"{op} failed for {self._where} ({self._backend}, timeout {self._timeout_s:g}s): {why}"
         )
 
 

@@ -6,9 +6,12 @@ What is broadcast: under torchrun, the step's length then its bytes (``broadcast
 under Ray, the coordinator sends the same bytes to each rank's actor.
 What is agreed by MIN, in this order, by every rank, always:
   1. for each op that may evict (``Evict``, or ``Admit``/``Extend`` whose mirror
-     evicted), one ``agree_min([evictable pages])`` (hybrid cache: ``[evictable full
-     pages, evictable SWA pages]``): a rank evicts ``min(asked, MIN evictable)`` per
-     pool; a rank that already failed sends -1;
+     evicted), one ``agree_min(cache.evictable_pages())`` (one entry per pool: full, and
+     SWA for a hybrid cache): a rank evicts ``min(asked, MIN evictable)`` per pool, where
+     "asked" is what the mirror's eviction was asked for (the op carries the decision,
+     never the counts it freed: a hybrid SWA-only ask frees full pages too, and replaying
+     those counts would run the full order and delete other nodes); a rank that already
+     failed sends -1;
   2. after the whole batch, one ``digest_check(digest)`` (``None`` from a rank that
      failed): a failure anywhere makes every rank raise ``RankFailure``; digests that
      differ make every rank raise ``DivergenceError`` (NCCL compares all 64 bits by MIN
@@ -33,9 +36,11 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
-from tpcache.cache.keys import int_sum
+import numpy as np
+
+from tpcache.cache.keys import TokenLike, int_sum
 from tpcache.workers.group import i64_to_u64, u64_to_i64
 from tpcache.workers.ops import (
     Abort,
@@ -58,8 +63,11 @@ from tpcache.workers.ops import (
     decode_reply,
     decode_step,
     encode,
+    pack_tokens,
     unpack_tokens,
 )
+
+RequestId = int | str
 
 
 class Agreement(Protocol):
@@ -108,17 +116,61 @@ class RankFailure(LockstepError):
     """An op failed on at least one rank during ``step``."""
 
 
-def admit_result(got, evicted_pages: int) -> OpResult:
+def admit_result(got, evicted: tuple[int, ...] = (0,)) -> OpResult:
     """The ``OpResult`` of an admit, from its pages: the slot-id sum without expanding
-    the prompt's slots (slot = page * size + offset, the last page possibly partial)."""
+    the prompt's slots (slot = page * size + offset, the last page possibly partial).
+    ``evicted``: pages freed per pool by its eviction."""
     ps, n, pages = got.page_size, got.num_tokens, got.pages
     full, rest = divmod(n, ps)
     total = ps * ps * int_sum(pages[:full]) + full * (ps * (ps - 1) // 2)
     if rest:
         total += rest * ps * int(pages[full]) + rest * (rest - 1) // 2
-    return OpResult(got.prefix_len, n, total, evicted_pages)
+    return OpResult(got.prefix_len, n, total, *_pair(evicted))
 
 
+def evict_result(freed: tuple[int, ...]) -> OpResult:
+    """The ``OpResult`` of an ``Evict``: pages freed per pool."""
+    return OpResult(0, 0, 0, *_pair(freed))
+
+
+def _pair(pools: tuple[int, ...]) -> tuple[int, int]:
+    """Per-pool counts as the op log's (full, SWA) fields; a one-pool cache has no SWA."""
+    return pools[0], pools[1] if len(pools) > 1 else 0
+
+
+def _evicted(before: tuple[int, ...], after: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(b - a for a, b in zip(before, after, strict=True))
+
+
+# ---- the mirror's side: a call, and the op every rank must repeat -------------------------
+def logged_admit(
+    mirror, rid: RequestId, tokens: TokenLike, priority: int = 0, reserve: int = 0
+) -> tuple[Any, Admit, OpResult]:
+    """Admit on the coordinator's ``mirror`` (which validates and may evict); returns its
+    result, the ``Admit`` op every rank applies, and the result each must report.
+
+    The op carries the mirror's eviction ask (``eviction_ask``), so a rank repeats the
+    mirror's decision exactly. Raises what ``mirror.admit`` raises, having changed nothing.
+    """
+    marks = mirror.eviction_marks()
+    got = mirror.admit(rid, tokens, priority, reserve=reserve)
+    # The mirror's checked int32 tokens (its copy, or the caller's immutable buffer).
+    key = mirror.reqs.get(rid).tokens
+    ask = _pair(mirror.eviction_ask)
+    op = Admit(rid, pack_tokens(key), priority, ask[0], ask[1], reserve)
+    return got, op, admit_result(got, _evicted(marks, mirror.eviction_marks()))
+
+
+def logged_extend(mirror, rid: RequestId, n: int) -> tuple[np.ndarray, Extend, OpResult]:
+    """``logged_admit`` for ``extend``: the new slots, the op, the expected result."""
+    marks = mirror.eviction_marks()
+    slots = mirror.extend(rid, n)
+    ask = _pair(mirror.eviction_ask)
+    evicted = _pair(_evicted(marks, mirror.eviction_marks()))
+    return slots, Extend(rid, n, *ask), OpResult(0, int(slots.size), int_sum(slots), *evicted)
+
+
+# ---- a rank's side --------------------------------------------------------------------------
 def op_may_evict(op: Op) -> bool:
     """Whether ``op`` enters the evictable-size agreement (decided by the batch alone)."""
     if isinstance(op, Evict):
@@ -127,25 +179,33 @@ def op_may_evict(op: Op) -> bool:
 
 
 class _OpEvictor:
-    """The ``evict`` callback of one Admit/Extend: evicts what the op log says (not the
-    local shortfall it is called with) and remembers how many full pages went."""
+    """The ``evict`` callback of one Admit/Extend: evicts what the op log asks (not the
+    local shortfall it is called with) and remembers the pages freed per pool."""
 
-    def __init__(self, op: Admit | Extend, evict_fn: Callable[[int, int], int]) -> None:
-        self.pages, self.swa_pages = op.evict_pages, op.evict_swa_pages
+    def __init__(self, op: Admit | Extend, evict_fn: EvictFn) -> None:
+        self.asks = (op.evict_pages, op.evict_swa_pages)
         self.evict_fn = evict_fn
-        self.evicted = 0
+        self.evicted: tuple[int, ...] = (0,)
 
     def __call__(self, *_short: int) -> None:
-        if self.pages or self.swa_pages:
-            self.evicted = self.evict_fn(self.pages, self.swa_pages)
+        if self.asks[0] or self.asks[1]:
+            self.evicted = self.evict_fn(self.asks)
 
 
-def apply_op(cache, op: Op, evict_fn: Callable[[int, int], int]) -> OpResult:
+EvictFn = Callable[[tuple[int, ...]], tuple[int, ...]]
+
+
+def local_evict(cache) -> EvictFn:
+    """The ``evict_fn`` of a lone replica (no peers to agree with): evicts what is asked."""
+    return cache.evict_pages
+
+
+def apply_op(cache, op: Op, evict_fn: EvictFn) -> OpResult:
     """Apply one op to ``cache`` (a ``RadixCache`` or hybrid cache); the result to compare.
 
-    ``evict_fn(pages, swa_pages)`` evicts up to ``pages`` full pages and then up to
-    ``swa_pages`` SWA pages (hybrid cache; 0 otherwise) under agreement, and returns the
-    full pages it evicted. The mirror passes a local eviction, ranks an agreed one.
+    ``evict_fn(asks)`` evicts as asked, per pool (full, then SWA for a hybrid cache),
+    under agreement, and returns the pages freed per pool. The mirror applies calls
+    directly (``logged_admit``), ranks through this with an agreed eviction.
     """
     match op:
         case Admit(rid, tokens, priority):
@@ -157,7 +217,7 @@ def apply_op(cache, op: Op, evict_fn: Callable[[int, int], int]) -> OpResult:
         case Extend(rid, n):
             evictor = _OpEvictor(op, evict_fn)
             slots = cache.extend(rid, n, evict=evictor)
-            return OpResult(0, int(slots.size), int_sum(slots), evictor.evicted)
+            return OpResult(0, int(slots.size), int_sum(slots), *_pair(evictor.evicted))
         case CacheUnfinished(rid, tokens):
             n = cache.cache_unfinished(rid, unpack_tokens(tokens))
             return OpResult(prefix_len=n)
@@ -167,9 +227,9 @@ def apply_op(cache, op: Op, evict_fn: Callable[[int, int], int]) -> OpResult:
         case Abort(rid):
             cache.abort(rid)
             return OpResult()
-        case Evict(num_tokens):
-            pages = -(-num_tokens // cache.page_size)
-            return OpResult(evicted_pages=evict_fn(pages, 0))
+        case Evict(num_tokens, swa_tokens):
+            ps = cache.page_size
+            return evict_result(evict_fn((-(-num_tokens // ps), -(-swa_tokens // ps))))
         case Reset():
             cache.reset()
             return OpResult()
@@ -179,23 +239,6 @@ def apply_op(cache, op: Op, evict_fn: Callable[[int, int], int]) -> OpResult:
 def is_hybrid(cache) -> bool:
     """Whether ``cache`` keeps an SWA pool too (a ``HybridCache``)."""
     return hasattr(cache, "swa_slots")
-
-
-def evictable_pages(cache) -> list[int]:
-    """What this rank can evict, per pool: ``[full]``, or ``[full, SWA]`` for a hybrid cache
-    (the same length on every rank: every rank builds the same kind of cache)."""
-    s = cache.sizes()
-    if is_hybrid(cache):
-        return [s.evictable // cache.page_size, s.swa.evictable // cache.page_size]
-    return [s.evictable // cache.page_size]
-
-
-def eviction_marks(cache) -> tuple[int, int]:
-    """Pages evicted so far from the full and the SWA pool (the mirror's counters): the
-    coordinator puts the difference over one call into its op's ``evict_pages`` and
-    ``evict_swa_pages``, which every rank then evicts under agreement."""
-    tree = cache.tree
-    return tree.evicted_pages, getattr(tree, "evicted_swa_pages", 0)
 
 
 def apply_step(
@@ -216,14 +259,12 @@ def apply_step(
     for op in step.ops:
         entered = [False]
 
-        def agreed_evict(pages: int, swa_pages: int, _entered: list[bool] = entered) -> int:
+        def agreed_evict(asks: tuple[int, ...], _entered: list[bool] = entered) -> tuple:
             _entered[0] = True  # only called while this rank is healthy
-            agreed = group.agree_min(evictable_pages(cache))
+            agreed = group.agree_min(list(cache.evictable_pages()))
             if min(agreed) < 0:
                 raise RankFailure(step.step, "a peer failed earlier in this step")
-            if len(agreed) == 2:
-                return cache.tree.evict(min(pages, agreed[0]), min(swa_pages, agreed[1]))[0]
-            return cache.tree.evict(min(pages, agreed[0]))[0]
+            return cache.evict_pages(tuple(map(min, asks, agreed)))
 
         if failure is None:
             try:
@@ -236,7 +277,7 @@ def apply_step(
         if op_may_evict(op) and not entered[0]:
             # This rank skipped the op's agreement (failed, or the op failed early):
             # enter it anyway with the failure sentinel so the peers don't wait.
-            group.agree_min([-1] * len(evictable_pages(cache)))
+            group.agree_min([-1] * len(cache.evictable_pages()))
             failure = failure or f"op {type(op).__name__} did not reach its agreement"
     digest = cache.digest()
     ops_us = (time.perf_counter() - started) * 1e6
@@ -360,7 +401,10 @@ __all__ = [
     "broadcast_command",
     "broadcast_step",
     "encode",
-    "eviction_marks",
+    "evict_result",
     "follow",
     "lead_command",
+    "local_evict",
+    "logged_admit",
+    "logged_extend",
 ]

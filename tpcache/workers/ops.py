@@ -22,15 +22,21 @@ def unpack_tokens(data: bytes) -> np.ndarray:
 
 
 class Admit(msgspec.Struct, tag=True, frozen=True):
+    """``evict_pages`` / ``evict_swa_pages``: what the mirror's eviction for this admit was
+    asked for (its shortfall in full and SWA pages, the cache's ``eviction_ask``), which
+    every rank asks too: the decision, not the counts it freed (see lockstep.py)."""
+
     rid: RequestId
     tokens: bytes
     priority: int = 0
-    evict_pages: int = 0  # pages the coordinator's mirror evicted for this admit
-    evict_swa_pages: int = 0  # SWA pages it freed (hybrid cache only), tombstoning included
+    evict_pages: int = 0
+    evict_swa_pages: int = 0  # hybrid cache only
     reserve: int = 0  # slots past the prompt, allocated with it
 
 
 class Extend(msgspec.Struct, tag=True, frozen=True):
+    """``evict_*`` as in ``Admit``."""
+
     rid: RequestId
     n: int
     evict_pages: int = 0
@@ -53,6 +59,7 @@ class Abort(msgspec.Struct, tag=True, frozen=True):
 
 class Evict(msgspec.Struct, tag=True, frozen=True):
     num_tokens: int
+    swa_tokens: int = 0  # then SWA KV (hybrid cache), counting what the first part freed
 
 
 class Reset(msgspec.Struct, tag=True, frozen=True):
@@ -68,14 +75,15 @@ class Step(msgspec.Struct, frozen=True):
 
 
 class OpResult(msgspec.Struct, frozen=True):
-    """What one op did on one rank: the prefix it matched, the first slot it was given
-    and how many, and pages evicted. Compact on purpose: the coordinator compares these
-    with its mirror's, and slot ids are fully covered by the digest."""
+    """What one op did on one rank: the prefix it matched, how many slots it was given and
+    their sum, and the pages evicted per pool. Compact on purpose: the coordinator
+    compares these with its mirror's, and slot ids are fully covered by the digest."""
 
     prefix_len: int = 0
     num_slots: int = 0
     slot_sum: int = 0
     evicted_pages: int = 0
+    evicted_swa_pages: int = 0
 
 
 class StepResult(msgspec.Struct, frozen=True):

@@ -103,6 +103,26 @@ class RankWorker:
         self.last_step = -1
         return capacity
 
+    def attach(self, group: TPGroup) -> None:
+        """Use ``group`` (``TPGroup.attach`` of a process group the caller owns) as this
+        rank's TP group instead of joining one; leaves the current one first."""
+        if group.world_size != self.spec.pool.tp or group.rank != self.rank:
+            raise ValueError(
+                f"rank {self.rank} of TP={self.spec.pool.tp} cannot use a group where it is "
+                f"rank {group.rank} of {group.world_size}"
+            )
+        self.shutdown()
+        self.group = group
+
+    def attach_and_setup(self, group: TPGroup) -> int:
+        """``attach`` then ``setup`` (collective): start, or start over with an empty cache
+        and a fresh pool, on the caller's group."""
+        self.attach(group)
+        self.pool = None
+        self.cache = None
+        self._faults.clear()
+        return self.setup()
+
     def join_and_setup(self, master_addr: str, master_port: int) -> int:
         """``join`` then ``setup``: the whole start-up of a rank (collective)."""
         self.join(master_addr, master_port)
@@ -273,6 +293,11 @@ class RankWorker:
             "evictable": s.evictable,
             "protected": s.protected,
             "held": s.held,
+            # Per pool (full, then SWA for a hybrid cache): capacity, free, evictable,
+            # protected, held tokens.
+            "pools": [
+                [p.capacity, p.free, p.evictable, p.protected, p.held] for p in cache.pool_sizes()
+            ],
             "pool_bytes": self._pool().nbytes,
             "tokens_computed": self.tokens_computed,
             "collectives": self.group.collectives if self.group else 0,
