@@ -140,7 +140,7 @@ def test_bad_handles_locks_and_requests() -> None:
     free_h = c.match_prefix([500]).handle  # the root: the empty match
     before = (snapshot(c), tree_nodes(c))
     with pytest.raises(UnknownHandle):
-        c.lock(Handle(10_000))
+        c.lock(Handle(10_000, h.owner))  # this cache's, naming no node
     with pytest.raises(UnknownHandle):
         c.unlock("h")  # type: ignore[arg-type]
     with pytest.raises(LockError):

@@ -317,7 +317,8 @@ class CacheMachine(RuleBasedStateMachine):
         self.fifo = list(range(CAPACITY_PAGES))
         self.reqs.clear()
         self.handle_locks.clear()
-        self.handles = [(h, p, alive and p == ()) for h, p, alive in self.handles]
+        # A reset starts a new generation: every handle given out before it is refused.
+        self.handles = [(h, p, False) for h, p, _ in self.handles]
 
     # ---- after every op ---------------------------------------------------------------------
     @invariant()

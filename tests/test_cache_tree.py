@@ -63,7 +63,7 @@ def test_match_misses_and_empty_match_page1() -> None:
     _put(c, [5, 6, 7])
     m = c.match_prefix([6, 5])
     assert (m.prefix_len, m.slots.tolist(), m.pages.dtype) == (0, [], np.int64)
-    assert m.handle == Handle(0)
+    assert m.handle == Handle(0, m.handle.owner)  # the root
     c.lock(m.handle)  # locking the empty prefix protects nothing
     assert _sizes(c) == (5, 3, 0, 0)
     c.unlock(m.handle)

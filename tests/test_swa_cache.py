@@ -321,7 +321,7 @@ def test_unlock_with_a_stale_boundary_or_without_a_lock_is_a_typed_error() -> No
     h = c.match_prefix(R(1, 10)).handle
     c.lock(h)
     before = snapshot(c)
-    stale = type(h)(h.node_id, h.swa_boundary + 1000)
+    stale = type(h)(h.node_id, h.owner, h.swa_boundary + 1000)
     with pytest.raises(StaleBoundary):
         c.unlock(stale)
     with pytest.raises(StaleBoundary):

@@ -81,8 +81,8 @@ def _state():
         (lambda c: c.swa_slots([64]), InvalidSlots),
         (lambda c: c.alloc_slots(-1), CacheError),
         (lambda c: c.alloc_slots(40), OutOfCapacity),  # 33 SWA pages short
-        (lambda c: c.lock(Handle(1)), UnknownHandle),
-        (lambda c: c.lock(SwaHandle(999, 1)), UnknownHandle),
+        (lambda c: c.lock(Handle(1, c._owner)), UnknownHandle),
+        (lambda c: c.lock(SwaHandle(999, c._owner, 1)), UnknownHandle),
         (lambda c: c.finish("nope"), CacheError),
         (lambda c: c.cache_unfinished("r", [1, 2]), InvalidTokens),
     ],

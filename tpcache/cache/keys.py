@@ -20,23 +20,40 @@ TokenLike = Any  # list[int] | np.ndarray | torch.Tensor
 
 
 def _to_numpy(values: TokenLike, what: str, error: type[Exception]) -> np.ndarray:
+    """``values`` as a 1-D integer numpy array (a view when it can be), or ``error``
+    saying what was wrong: whatever a caller passes, the cache raises its own type."""
     if type(values) is np.ndarray:
         arr = values
+    elif isinstance(values, np.ma.MaskedArray):
+        raise error(f"{what} must not be a masked array (masked entries have no value)")
     # torch is optional for cache/: recognise a tensor without importing torch.
-    elif type(values).__module__.startswith("torch"):
-        arr = values.detach().cpu().numpy()
-    elif isinstance(values, np.ndarray):
-        arr = values
+    elif type(values).__module__.startswith("torch") and hasattr(values, "detach"):
+        arr = _tensor_to_numpy(values, what, error)
     else:
         try:
-            arr = np.asarray(values)
-        except (TypeError, ValueError, OverflowError) as exc:
+            arr = np.asarray(values)  # also an ndarray subclass as a plain ndarray
+        except Exception as exc:  # whatever an object's __array__ or __len__ raises
             raise error(f"{what} must be a sequence of integers: {exc}") from None
     if arr.ndim != 1:
         raise error(f"{what} must be 1-D, got shape {arr.shape}")
     if arr.size and arr.dtype.kind not in "iu":
         raise error(f"{what} must be integers, got dtype {arr.dtype}")
     return arr
+
+
+def _tensor_to_numpy(t, what: str, error: type[Exception]) -> np.ndarray:
+    # Refused before numpy sees them: a float, bool or complex tensor (bf16 has no numpy
+    # type), a sparse or meta tensor (no dense values to read).
+    if t.is_floating_point() or t.is_complex() or str(t.dtype) == "torch.bool":
+        raise error(f"{what} must be integers, got a tensor of {t.dtype}")
+    if str(t.layout) != "torch.strided":
+        raise error(f"{what} must be a dense tensor, got layout {t.layout}")
+    if t.device.type == "meta":
+        raise error(f"{what} must hold values, got a tensor on the meta device")
+    try:
+        return t.detach().cpu().numpy()
+    except Exception as exc:
+        raise error(f"{what}: cannot read a tensor of {t.dtype} on {t.device}: {exc}") from None
 
 
 def as_tokens(

@@ -38,6 +38,8 @@ from tpcache.cache.records import (
     EvictResult,
     Handle,
     MatchResult,
+    RequestRow,
+    new_owner,
 )
 from tpcache.cache.reqtable import (
     ReqTable,
@@ -79,6 +81,7 @@ class RadixCache:
         # Pages per pool the last admit or extend asked the eviction for (its shortfall
         # after the lock): the decision a TP rank repeats (see ``eviction_ask``).
         self._ask: tuple[int] = (0,)
+        self._owner = new_owner()  # stamped on the handles this generation gives out
 
     # ---- tree-level operations ------------------------------------------------------------
     def match_prefix(self, tokens: TokenLike) -> MatchResult:
@@ -97,7 +100,7 @@ class RadixCache:
             pages = join_pages([p.pages for p in path])
         else:  # a copy either way: the caller must not get the tree's own array
             pages = path[0].pages.copy() if path else np.zeros(0, np.int64)
-        return MatchResult(n, pages, Handle(node.id), self.page_size)
+        return MatchResult(n, pages, Handle(node.id, self._owner), self.page_size)
 
     def insert(self, tokens: TokenLike, slots: TokenLike, priority: int = 0) -> int:
         """Cache the whole pages of ``tokens`` held at ``slots``; returns tokens already cached.
@@ -186,8 +189,12 @@ class RadixCache:
         return (self.tree.evicted_pages,)
 
     def _node(self, handle: Handle) -> Node:
-        if not isinstance(handle, Handle):
+        if type(handle) is not Handle or type(handle.node_id) is not int:
             raise UnknownHandle(f"not a handle of this cache: {handle!r}")
+        if handle.owner != self._owner:
+            raise UnknownHandle(
+                f"handle {handle.node_id} was given out by another cache, or before a reset"
+            )
         node = self.tree.nodes.get(handle.node_id)
         if node is None:
             raise UnknownHandle(
@@ -222,7 +229,7 @@ class RadixCache:
         (empty, malformed, longer than the request limit with the reserve),
         ``OutOfCapacity``, ``CacheError`` (a bad id, priority or reserve).
         """
-        self.reqs.check_new(rid)
+        rid = self.reqs.check_new(rid)
         key = as_tokens(tokens, copy=True, defer_sign=True)  # the row keeps it (if mutable)
         prio = as_priority(priority)
         total = admitted_length(key.size, reserve, self._limit)
@@ -295,7 +302,7 @@ class RadixCache:
         self.tree.insert(tail, pages, req.priority, start=req.node, trusted=True, want_pages=False)
         self.alloc.free(req.pages[n // ps :], HELD, checked=False)
         self.tree.unlock(req.node)
-        self.reqs.remove(rid)
+        self.reqs.remove(req.rid)
         return n
 
     def abort(self, rid: RequestId) -> None:
@@ -303,7 +310,7 @@ class RadixCache:
         req = self.reqs.get(rid)
         self.alloc.free(req.pages[req.cached_pages :], HELD, checked=False)
         self.tree.unlock(req.node)
-        self.reqs.remove(rid)
+        self.reqs.remove(req.rid)
 
     def pages_short(self, num_pages: int) -> int:
         """How many more pages than are free ``num_pages`` would need (0 if they fit)."""
@@ -350,6 +357,7 @@ class RadixCache:
         self.reqs = ReqTable()
         self._handle_locks = {}
         self._ask = (0,)
+        self._owner = new_owner()
         if self.config.record_events:
             events.append(AllBlocksCleared())
         self.tree.events = events
@@ -369,6 +377,15 @@ class RadixCache:
             protected=t.protected_pages * ps,
             held=(self.alloc.count(HELD) + self.alloc.count(LENT)) * ps,
         )
+
+    def request_row(self, rid: RequestId) -> RequestRow:
+        """Running request ``rid`` (read-only views). Raises ``UnknownRequest``, or
+        ``CacheError`` for a malformed id."""
+        return self.reqs.row(rid, self.page_size)
+
+    def running_ids(self) -> list[RequestId]:
+        """The running requests' ids, in admission order."""
+        return self.reqs.ids()
 
     def pool_sizes(self) -> tuple[CacheSizes, ...]:
         """``sizes()`` per pool (here one: the full pool), for callers that treat every

@@ -5,6 +5,7 @@ itself is in ``radix.py``.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,9 +53,21 @@ class CacheConfig:
 
 @dataclass(frozen=True, slots=True)
 class Handle:
-    """Opaque reference to a matched prefix; pass it back to ``lock``/``unlock``."""
+    """Opaque reference to a matched prefix; pass it back to ``lock``/``unlock`` of the
+    cache that gave it out. ``owner`` names that cache and its generation (a new one at
+    every ``reset``): a handle from another cache, or from before a reset, is refused."""
 
     node_id: int
+    owner: int
+
+
+_OWNERS = itertools.count(1)
+
+
+def new_owner() -> int:
+    """A fresh handle owner (per cache and generation); only compared for equality, so it
+    need not be the same across processes."""
+    return next(_OWNERS)
 
 
 @dataclass(slots=True)
@@ -99,6 +112,20 @@ class AdmitResult:
     @property
     def slots(self) -> np.ndarray:
         return pages_to_slots(self.pages, self.page_size, self.num_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRow:
+    """A running request as the cache holds it (read-only views, valid until the request
+    next changes): the tokens it was given so far, the pages of its row, the slots it
+    holds (``num_tokens``: tokens with KV, or about to have it) and how many of its
+    leading tokens are the tree's (``cached_tokens``)."""
+
+    rid: int | str
+    tokens: np.ndarray
+    pages: np.ndarray
+    num_tokens: int
+    cached_tokens: int
 
 
 @dataclass(frozen=True)

@@ -20,13 +20,15 @@ from tpcache.cache.errors import (
     InvalidTokens,
     UnknownRequest,
 )
-from tpcache.cache.keys import joined_key, pages_to_slots
+from tpcache.cache.keys import joined_key, pages_to_slots, read_only
+from tpcache.cache.records import RequestRow
 
 if TYPE_CHECKING:
     from tpcache.cache.tree import Node, RadixTree
 
 RequestId = int | str
 MAX_ID_LEN = 256
+_I64 = 1 << 63
 
 
 @dataclass(slots=True)
@@ -104,26 +106,47 @@ def check_extends(rid: RequestId, known: np.ndarray, key: np.ndarray, limit: int
 
 
 def check_count(value: Any, what: str) -> int:
-    """``value`` if it is an int >= 0 (a count of tokens), else ``CacheError`` naming
-    ``what``. A bool is refused: ``True`` is an int, but never a count."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise CacheError(f"{what} must be an int >= 0, got {value!r}")
-    return value
+    """``value`` if it is an int in 0 .. 2**63 - 1 (a count of tokens; counts travel in the
+    op log as int64), else ``CacheError`` naming ``what``. A bool is refused: ``True`` is
+    an int, but never a count."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < _I64:
+        raise CacheError(f"{what} must be an int in [0, 2**63), got {value!r}")
+    return int(value)
 
 
 def as_priority(priority: object) -> int:
+    """A priority: an int in the int64 range (it travels in the op log), never a bool."""
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise CacheError(f"priority must be an int, got {priority!r}")
-    return priority
+    if not -_I64 <= priority < _I64:
+        raise CacheError(f"priority must fit in int64, got {priority}")
+    return int(priority)
 
 
 def check_request_id(rid: Any) -> RequestId:
-    """A request id is an int or a non-empty str of at most 256 chars."""
+    """A request id, as the plain ``int`` or ``str`` it will be known by.
+
+    An int in the range the op log's encoding carries (-2**63 .. 2**64 - 1), or a
+    non-empty str of at most 256 chars that encodes as UTF-8 (no lone surrogates). A
+    subclass (``np.str_``, an int enum) is taken as its plain value, so that any later
+    call with an equal id finds it; a bool is refused. Raises ``CacheError``.
+    """
+    t = type(rid)
+    if t is int:
+        if not -_I64 <= rid < 2 * _I64:
+            raise CacheError(f"request id {rid} does not fit in 64 bits")
+        return rid
+    if t is str:
+        if not 0 < len(rid) <= MAX_ID_LEN:
+            raise CacheError(f"request id must have 1..{MAX_ID_LEN} chars, got {len(rid)}")
+        try:
+            rid.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise CacheError(f"request id {rid!r} is not valid UTF-8: {exc.reason}") from None
+        return rid
     if isinstance(rid, bool) or not isinstance(rid, int | str):
         raise CacheError(f"request id must be an int or str, got {type(rid).__name__}")
-    if isinstance(rid, str) and not 0 < len(rid) <= MAX_ID_LEN:
-        raise CacheError(f"request id must have 1..{MAX_ID_LEN} chars, got {len(rid)}")
-    return rid
+    return check_request_id(int(rid) if isinstance(rid, int) else str.__str__(rid))
 
 
 class ReqTable:
@@ -139,10 +162,13 @@ class ReqTable:
     def ids(self) -> list[RequestId]:
         return list(self._rows)
 
-    def check_new(self, rid: Any) -> None:
-        check_request_id(rid)
+    def check_new(self, rid: Any) -> RequestId:
+        """The id a new request will be known by (``check_request_id``); raises
+        ``CacheError`` for a bad id, ``DuplicateRequest`` for a running one."""
+        rid = check_request_id(rid)
         if rid in self._rows:
             raise DuplicateRequest(f"request {rid!r} is already running")
+        return rid
 
     def get(self, rid: Any) -> Req:
         # A running request's id was checked when it came in; an exact int or str found
@@ -152,8 +178,22 @@ class ReqTable:
             req = self._rows.get(rid)
             if req is not None:
                 return req
-        check_request_id(rid)
-        raise UnknownRequest(f"no running request {rid!r}")
+        plain = check_request_id(rid)
+        req = self._rows.get(plain)
+        if req is None:
+            raise UnknownRequest(f"no running request {plain!r}")
+        return req
+
+    def row(self, rid: Any, page_size: int) -> RequestRow:
+        """``rid``'s row as a read-only record (``get`` raises as it does)."""
+        req = self.get(rid)
+        return RequestRow(
+            req.rid,
+            read_only(req.tokens),
+            read_only(req.pages),
+            req.num_tokens,
+            req.cached_pages * page_size,
+        )
 
     def add(
         self,

@@ -51,7 +51,7 @@ from tpcache.cache.keys import (
 )
 from tpcache.cache.node import hash_pending
 from tpcache.cache.policies import policy_key
-from tpcache.cache.records import CacheSizes
+from tpcache.cache.records import CacheSizes, RequestRow, new_owner
 from tpcache.cache.reqtable import ReqTable, RequestId, as_priority, check_count
 from tpcache.cache.swa_allocator import PairedAllocator
 from tpcache.cache.swa_check import check_locks, check_requests, check_tree
@@ -103,6 +103,7 @@ class HybridCache(RequestLifecycle):
         # (full, SWA) pages the last admit or extend asked the eviction for: the decision
         # a TP rank repeats (``eviction_ask``). Set in ``RequestLifecycle``.
         self._ask: tuple[int, int] = (0, 0)
+        self._owner = new_owner()  # stamped on the handles this generation gives out
 
     # ---- tree-level operations ------------------------------------------------------------
     def match_prefix(self, tokens: TokenLike) -> SwaMatchResult:
@@ -118,7 +119,7 @@ class HybridCache(RequestLifecycle):
         )
         tree.touch(path)
         node = path[-1] if path else tree.root
-        handle = SwaHandle(node.id, tree.mark_of(tree.boundary(node)))
+        handle = SwaHandle(node.id, self._owner, tree.mark_of(tree.boundary(node)))
         pages = join_pages([p.pages for p in path]) if path else _EMPTY
         swa = self.alloc.swa_of(pages[max(0, pos - self.window) // self.page_size :])
         return SwaMatchResult(pos, pages, handle, self.page_size, swa)
@@ -238,8 +239,16 @@ class HybridCache(RequestLifecycle):
         return self.tree.evicted_pages, self.tree.evicted_swa_pages
 
     def _node(self, handle: SwaHandle) -> SwaNode:
-        if not isinstance(handle, SwaHandle):
+        if (
+            type(handle) is not SwaHandle
+            or type(handle.node_id) is not int
+            or type(handle.swa_boundary) is not int
+        ):
             raise UnknownHandle(f"not a handle of a hybrid cache: {handle!r}")
+        if handle.owner != self._owner:
+            raise UnknownHandle(
+                f"handle {handle.node_id} was given out by another cache, or before a reset"
+            )
         node = self.tree.nodes.get(handle.node_id)
         if node is None:
             raise UnknownHandle(
@@ -257,6 +266,7 @@ class HybridCache(RequestLifecycle):
         self._tops = {}
         self._handle_locks = {}
         self._ask = (0, 0)
+        self._owner = new_owner()
         if self.config.record_events:
             events.append(AllBlocksCleared())
         self.tree.events = events
@@ -288,6 +298,15 @@ class HybridCache(RequestLifecycle):
             tombstones=t.tombstones,
             tombstone_tokens=t.tombstone_pages * ps,
         )
+
+    def request_row(self, rid: RequestId) -> RequestRow:
+        """Running request ``rid`` (read-only views). Raises ``UnknownRequest``, or
+        ``CacheError`` for a malformed id."""
+        return self.reqs.row(rid, self.page_size)
+
+    def running_ids(self) -> list[RequestId]:
+        """The running requests' ids, in admission order."""
+        return self.reqs.ids()
 
     def pool_sizes(self) -> tuple[CacheSizes, CacheSizes]:
         """``sizes()`` per pool: (full, SWA)."""

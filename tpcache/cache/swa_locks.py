@@ -42,7 +42,10 @@ class SwaLocks:
         return node.mark
 
     def find_top(self: SwaTree, node: SwaNode, mark: int) -> SwaNode:
-        """The node with ``mark`` on the path from ``node`` up; ``StaleBoundary`` if none."""
+        """The node with ``mark`` on the path from ``node`` up; ``StaleBoundary`` if none.
+        Marks given out start at 1: 0 is an unmarked node's, never a boundary."""
+        if mark < 1:
+            raise StaleBoundary(f"boundary mark {mark} was never given out")
         cur: SwaNode | None = node
         while cur is not None:
             if cur.mark == mark:

@@ -60,7 +60,7 @@ class RequestLifecycle:
         and the lock is released again. Otherwise raises before changing anything:
         ``DuplicateRequest``, ``InvalidTokens``, ``OutOfCapacity``, ``CacheError``.
         """
-        self.reqs.check_new(rid)
+        rid = self.reqs.check_new(rid)
         key = as_tokens(tokens, copy=True, defer_sign=True)  # the row keeps it (if mutable)
         prio = as_priority(priority)
         total = admitted_length(key.size, reserve, self._limit)
@@ -124,11 +124,11 @@ class RequestLifecycle:
         tree = self.tree
         top = tree.boundary(node)
         tree.lock(node, top)
-        tree.unlock(req.node, tree.find_top(req.node, self._tops[rid]))
+        tree.unlock(req.node, tree.find_top(req.node, self._tops[req.rid]))
         req.node = node
         req.cached_pages = tree_pages.size
         req.tokens = key
-        self._tops[rid] = tree.mark_of(top)
+        self._tops[req.rid] = tree.mark_of(top)
         return n
 
     def finish(self: HybridCache, rid: RequestId, output_tokens: TokenLike = ()) -> int:

@@ -17,7 +17,7 @@ import numpy as np
 from tpcache.cache.errors import CacheError
 from tpcache.cache.keys import TokenLike, as_tokens
 from tpcache.cache.radix import AdmitResult
-from tpcache.cache.reqtable import check_count
+from tpcache.cache.reqtable import check_count, check_request_id
 from tpcache.coordinator.step_types import (
     CoordinatorConfig,
     RankCallError,
@@ -72,8 +72,9 @@ class Coordinator(StepDriver):
         """
 
         def run() -> Admission:
-            got, op, expected = logged_admit(self.mirror, request_id, tokens, priority, reserve)
-            self._forget_lost(request_id)
+            rid = check_request_id(request_id)
+            got, op, expected = logged_admit(self.mirror, rid, tokens, priority, reserve)
+            self._forget_lost(rid)
             self._emit(op, expected)
             c = self.counters
             c.queries += 1
@@ -87,8 +88,8 @@ class Coordinator(StepDriver):
         """``n`` more slots for a running request (decode, or the next prefill chunk)."""
 
         def run() -> np.ndarray:
-            self._check_lost(request_id)
-            slots, op, expected = logged_extend(self.mirror, request_id, n)
+            rid = self._running_id(request_id)
+            slots, op, expected = logged_extend(self.mirror, rid, n)
             self._emit(op, expected)
             return slots
 
@@ -98,22 +99,28 @@ class Coordinator(StepDriver):
         """Cache a running request's whole pages so far (chunked prefill); cached length."""
 
         def run() -> int:
-            self._check_lost(request_id)
+            rid = self._running_id(request_id)
             key = as_tokens(tokens)
-            n = self.mirror.cache_unfinished(request_id, key)
-            self._emit(CacheUnfinished(request_id, pack_tokens(key)), OpResult(prefix_len=n))
+            n = self.mirror.cache_unfinished(rid, key)
+            self._emit(CacheUnfinished(rid, pack_tokens(key)), OpResult(prefix_len=n))
             return n
 
         return self._run(run)
 
     def finish(self, request_id: Any, output_tokens: TokenLike = ()) -> int:
-        """Finish a request: cache its prompt and ``output_tokens`` (whole pages with KV)."""
+        """Finish a request: cache its prompt and ``output_tokens`` (whole pages with KV).
+
+        Every output token is validated; only those that have slots (and so can be
+        cached) travel to the ranks: an output longer than the request's KV costs the
+        ranks nothing."""
 
         def run() -> int:
-            self._check_lost(request_id)
+            rid = self._running_id(request_id)
             out = as_tokens(output_tokens, allow_empty=True)
-            n = self.mirror.finish(request_id, out)
-            self._emit(Finish(request_id, pack_tokens(out)), OpResult(prefix_len=n))
+            row = self.mirror.request_row(rid)
+            out = out[: max(0, row.num_tokens - row.tokens.size)]
+            n = self.mirror.finish(rid, out)
+            self._emit(Finish(rid, pack_tokens(out)), OpResult(prefix_len=n))
             return n
 
         return self._run(run)
@@ -122,9 +129,9 @@ class Coordinator(StepDriver):
         """Drop a running request without caching it."""
 
         def run() -> None:
-            self._check_lost(request_id)
-            self.mirror.abort(request_id)
-            self._emit(Abort(request_id), OpResult())
+            rid = self._running_id(request_id)
+            self.mirror.abort(rid)
+            self._emit(Abort(rid), OpResult())
 
         self._run(run)
 
@@ -156,6 +163,13 @@ class Coordinator(StepDriver):
             self._emit(Reset(), OpResult())
 
         self._run(run)
+
+    def _running_id(self, request_id: Any) -> Any:
+        """The plain id of a call on a running request; raises ``RequestLost`` for one lost
+        to a failure, ``CacheError`` for a malformed id (nothing changed either way)."""
+        rid = check_request_id(request_id)
+        self._check_lost(rid)
+        return rid
 
     def stats(self) -> dict[str, Any]:
         c = self.counters

@@ -128,8 +128,12 @@ class StepDriver:
         expected = [r for _, r in self._pending]
         self._pending = []
         step = self._next_step
+        try:
+            data = encode(Step(step, ops))
+        except Exception as exc:  # every input is validated first: this is a bug
+            # The mirror took ops the ranks can never get: start over, as for a failure.
+            self._break(RankFailure(step, f"step could not be encoded: {exc}"))
         self._next_step += 1
-        data = encode(Step(step, ops))
         events = self.mirror.take_events()
         for obs in self.observers:
             obs.step_sent(step, events)

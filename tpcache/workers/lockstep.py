@@ -41,6 +41,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from tpcache.cache.keys import TokenLike, int_sum
+from tpcache.cache.reqtable import check_request_id
 from tpcache.workers.group import i64_to_u64, u64_to_i64
 from tpcache.workers.ops import (
     Abort,
@@ -152,10 +153,11 @@ def logged_admit(
     The op carries the mirror's eviction ask (``eviction_ask``), so a rank repeats the
     mirror's decision exactly. Raises what ``mirror.admit`` raises, having changed nothing.
     """
+    rid = check_request_id(rid)  # the plain id the op log carries
     marks = mirror.eviction_marks()
     got = mirror.admit(rid, tokens, priority, reserve=reserve)
     # The mirror's checked int32 tokens (its copy, or the caller's immutable buffer).
-    key = mirror.reqs.get(rid).tokens
+    key = mirror.request_row(rid).tokens
     ask = _pair(mirror.eviction_ask)
     op = Admit(rid, pack_tokens(key), priority, ask[0], ask[1], reserve)
     return got, op, admit_result(got, _evicted(marks, mirror.eviction_marks()))
