@@ -199,17 +199,22 @@ def test_coordinator_restart_is_survived(ray_cluster):
         client.admit("held", list(range(1, 30)))
         old_pids = ray.get(actor.rank_pids.remote())
         ray.kill(actor, no_restart=False)  # the process dies; Ray restarts the actor
+        # While it restarts, calls get the API's own retryable error, never Ray's
+        # (#20 item 10); stats is retried by the client itself.
+        seen: set[str] = set()
         deadline = time.monotonic() + 120
         while True:  # ray.kill is asynchronous: wait for the restarted actor's new ranks
             try:
-                client = connect("restart-me", "tpcache-tests")
-                client.stats()
-                if set(ray.get(client.actor.rank_pids.remote())).isdisjoint(old_pids):
-                    break
-            except Exception:
-                pass
+                client.admit(f"probe{len(seen)}", [1, 2, 3])
+            except (CoordinatorUnavailable, RequestLost, errors.DuplicateRequest) as exc:
+                seen.add(type(exc).__name__)
+                assert exc.retryable if not isinstance(exc, errors.CacheError) else True
+            client.stats()
+            if set(ray.get(client.actor.rank_pids.remote())).isdisjoint(old_pids):
+                break
             assert time.monotonic() < deadline, "coordinator did not come back"
-            time.sleep(1)
+            time.sleep(0.2)
+        print(f"errors seen while the coordinator restarted: {sorted(seen)}")
         with pytest.raises(RequestLost, match="restarted"):
             client.finish("held")
         got = client.admit("fresh", list(range(1, 30)))
@@ -353,3 +358,107 @@ def test_idle_rank_death_is_found_by_the_health_check(ray_cluster):
         check_fresh_group_works(coord)
     finally:
         coord.close()
+
+
+def _kill_pid(pid: int) -> None:
+    import os
+    import signal
+
+    os.kill(pid, signal.SIGKILL)
+
+
+def test_recovery_retries_after_a_rank_dies_during_it(ray_cluster, tmp_path):
+    """#20 item 2: a rank that dies while the group is being rebuilt used to leave the
+    coordinator broken for good. Rank 1 is killed; during the recovery that follows, rank
+    0 dies in its rejoin (a worker that exits there once). The first attempt fails, the
+    coordinator says so and retries after its back-off; the operator can stop and restart
+    the attempts."""
+    import os
+
+    from tpcache.workers.rank import RankWorker
+
+    marker = str(tmp_path / "crashed")
+
+    class CrashOnRejoin(RankWorker):
+        def rejoin(self, master_addr: str, master_port: int) -> int:
+            if self.rank == 0 and not os.path.exists(marker):
+                open(marker, "w").close()
+                os._exit(9)
+            return super().rejoin(master_addr, master_port)
+
+    cfg = config(coordinator=CoordinatorConfig(probe_s=2.0, recovery_backoff_s=2.0))
+    coord = start_group(cfg, worker_cls=CrashOnRejoin)
+    try:
+        coord.admit("held", list(range(1, 40)))
+        coord.sync()
+        _kill_pid(coord.ranks.call("pid")[1])
+        with pytest.raises(RankFailure, match="recovery failed") as caught:
+            coord.admit("next", list(range(100, 140)))
+            coord.sync()
+        assert caught.value.retryable and "retrying in 2s" in str(caught.value)
+        st = coord.stats()
+        assert st["broken"] and st["recovering"] and st["recovery_failures"] == 1
+        assert st["last_recovery_error"] and 0 < st["next_recovery_in_s"] <= 2.0
+        with pytest.raises(CoordinatorUnavailable, match="next in"):
+            coord.admit("soon", [1, 2, 3])  # within the back-off: no attempt yet
+        coord.stop_recovery()
+        time.sleep(2.5)
+        with pytest.raises(CoordinatorUnavailable, match="by hand"):
+            coord.admit("stopped", [1, 2, 3])  # stopped: no attempt although one is due
+        assert not coord.stats()["recovering"]
+        coord.recover()  # by hand: replaces the rank that died in the first attempt
+        st = coord.stats()
+        # Rank 1 twice (killed; then its replacement, stuck joining a group whose rank 0
+        # died, does not answer the next attempt's ping) and rank 0 once.
+        assert st["broken"] is None and st["recoveries"] == 1 and st["replaced_ranks"] == 3
+        assert st["recovery_failures"] == 1 and st["last_recovery_error"] is None
+        with pytest.raises(RequestLost):
+            coord.finish("held")
+        check_fresh_group_works(coord)
+    finally:
+        coord.close()
+
+
+def test_a_served_coordinator_comes_back_after_two_ranks_die(ray_cluster):
+    """The issue's case: SIGKILL rank 1, then 0.6 s later rank 0, under load. Calls get
+    typed retryable errors until the group is back; it comes back without anyone
+    calling recover()."""
+    import ray
+
+    from tpcache.coordinator.service import connect, serve
+
+    actor = serve(config(), name="double-kill", namespace="tpcache-tests")
+    try:
+        client = connect("double-kill", "tpcache-tests")
+        client.admit("warm", list(range(1, 30)))
+        client.finish("warm")
+        pids = ray.get(actor.rank_pids.remote())
+        _kill_pid(pids[1])
+        time.sleep(0.6)
+        _kill_pid(pids[0])
+        t0 = time.monotonic()
+        errors_seen: dict[str, int] = {}
+        n = 0
+        while True:
+            n += 1
+            try:
+                client.admit(f"r{n}", list(range(1, 30)))
+                client.finish(f"r{n}")
+                if errors_seen:
+                    break
+            except (CoordinatorUnavailable, LockstepError, RequestLost) as exc:
+                assert exc.retryable
+                errors_seen[type(exc).__name__] = errors_seen.get(type(exc).__name__, 0) + 1
+            assert time.monotonic() - t0 < 150, f"not back after 150 s: {client.stats()}"
+            time.sleep(0.05)
+        took = time.monotonic() - t0
+        st = client.stats()
+        print(
+            f"back after {took:.1f}s; errors {errors_seen}; recoveries {st['recoveries']},"
+            f" failed attempts {st['recovery_failures']}, replaced {st['replaced_ranks']}"
+        )
+        assert st["broken"] is None and st["replaced_ranks"] >= 2
+        assert len(set(ray.get(actor.rank_digests.remote()))) == 1
+    finally:
+        ray.get(actor.shutdown.remote())
+        ray.kill(actor, no_restart=True)

@@ -276,3 +276,34 @@ def test_only_output_tokens_with_kv_travel_to_the_ranks(coord) -> None:
         coord.finish("bad", [1, 2, 3, -4])
     coord.abort("bad")
     coord.sync()
+
+
+def test_a_batch_with_one_malformed_call_applies_none_of_it(coord) -> None:
+    """#20 item 8: the batch's first call was applied, then an untyped error came back."""
+    from tpcache.coordinator import api
+    from tpcache.coordinator.frontend import handle, handle_many
+
+    before = _group_state(coord)
+    good = api.encode(api.AdmitCall("L1", list(range(1, 50))))
+    for bad in (5, None, "str", b"\x91\xc1", api.encode(api.ExtendCall("x", -1))[:-1]):
+        replies = [api.decode_reply(r) for r in handle_many(coord, [good, bad])]
+        assert len(replies) == 2
+        assert all(isinstance(r, api.ErrorReply) and r.error == "BadRequest" for r in replies)
+        assert "call 1" in replies[0].message and "none applied" in replies[0].message
+        assert _group_state(coord) == before
+    for bad in ("str", 5, None, [good], {"call": "stats"}):  # not one encoded call
+        reply = api.decode_reply(handle(coord, bad))
+        assert isinstance(reply, api.ErrorReply) and reply.error == "BadRequest", reply
+    for bad in ("str", 5, None, {"call": "stats"}):  # not a list of calls
+        (reply,) = [api.decode_reply(r) for r in handle_many(coord, bad)]
+        assert isinstance(reply, api.ErrorReply) and reply.error == "BadRequest", reply
+    assert _group_state(coord) == before
+    # A well-formed batch whose second call the cache refuses: the first applies.
+    replies = [
+        api.decode_reply(r)
+        for r in handle_many(coord, [good, api.encode(api.FinishCall("nobody"))])
+    ]
+    assert isinstance(replies[0], api.AdmitReply)
+    assert isinstance(replies[1], api.ErrorReply) and replies[1].error == "UnknownRequest"
+    coord.abort("L1")
+    coord.sync()

@@ -73,7 +73,7 @@ class OkReply(_Reply, tag="ok"):
 
 
 class StatsReply(_Reply, tag="stats"):
-    stats: dict[str, int | float | str | list[int] | None]
+    stats: dict[str, bool | int | float | str | list[int] | None]
 
 
 class ErrorReply(_Reply, tag="error"):
@@ -111,8 +111,11 @@ def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode_call(data: bytes) -> Call:
-    """Decode a call; raises ``BadRequest`` saying what was wrong."""
+def decode_call(data: object) -> Call:
+    """Decode a call; raises ``BadRequest`` saying what was wrong (also for something
+    that is not bytes at all)."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise BadRequest(f"a call must be msgpack bytes, got {type(data).__name__}")
     try:
         return _call_decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:

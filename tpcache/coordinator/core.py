@@ -9,6 +9,7 @@ to every rank and checks against the mirror.
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -202,6 +203,16 @@ class Coordinator(StepDriver):
             "step_latency_ms_median": statistics.median(lat) * 1e3 if lat else 0.0,
             "digest": self.mirror.digest(),
             "broken": str(self.broken) if self.broken else None,
+            # Retried recovery: failed attempts since start, whether attempts go on, the
+            # last failure, and seconds to the next attempt (0 when healthy).
+            "recovery_failures": self.recovery.failures,
+            "recovering": self.broken is not None
+            and self.config.auto_recover
+            and not self.recovery.stopped,
+            "last_recovery_error": self.recovery.last_error,
+            "next_recovery_in_s": max(0.0, self.recovery.next_at - time.monotonic())
+            if self.broken is not None
+            else 0.0,
             "events_published": self.event_stats()[0] if self.event_stats else 0,
             "events_dropped": self.event_stats()[1] if self.event_stats else 0,
             "metrics_port": self.metrics_port,

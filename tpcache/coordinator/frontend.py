@@ -56,8 +56,9 @@ def dispatch(coord: Coordinator, call: Call) -> Reply:
     return ErrorReply("BadRequest", f"unknown call {call!r}")
 
 
-def handle(coord: Coordinator, data: bytes) -> bytes:
-    """One encoded call in, one encoded reply out (its ops form one step)."""
+def handle(coord: Coordinator, data: object) -> bytes:
+    """One encoded call in, one encoded reply out (its ops form one step). Anything that
+    is not a valid call (not bytes, malformed) gets an ``ErrorReply``."""
     try:
         call = decode_call(data)
     except CacheError as exc:
@@ -65,13 +66,27 @@ def handle(coord: Coordinator, data: bytes) -> bytes:
     return encode(dispatch(coord, call))
 
 
-def handle_many(coord: Coordinator, items: list[bytes]) -> list[bytes]:
-    """Several encoded calls applied in order as one step; one reply each."""
+def handle_many(coord: Coordinator, items: object) -> list[bytes]:
+    """Several encoded calls applied in order as one step; one reply each.
+
+    Every item is decoded before any is applied: one that is not a valid call refuses
+    the whole batch (every reply a ``BadRequest`` naming it), and nothing changes.
+    A call the cache refuses gets its own ``ErrorReply``; the others apply."""
+    if not isinstance(items, list | tuple):
+        why = f"a batch must be a list of encoded calls, got {type(items).__name__}"
+        return [encode(ErrorReply("BadRequest", why))]
+    calls: list[Call] = []
+    for i, data in enumerate(items):
+        try:
+            calls.append(decode_call(data))
+        except CacheError as exc:
+            err = encode(ErrorReply("BadRequest", f"call {i} of the batch: {exc}; none applied"))
+            return [err] * len(items)
     replies: list[bytes] = []
     try:
         with coord.batch():
-            for data in items:
-                replies.append(handle(coord, data))
+            for call in calls:
+                replies.append(encode(dispatch(coord, call)))
     except _REJECTED as exc:
         # The step itself failed to send or check: every call of it is lost.
         err = encode(ErrorReply(type(exc).__name__, str(exc), True))

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from tpcache.coordinator.build import GroupConfig, build_coordinator, open_publisher
 from tpcache.coordinator.core import Coordinator
-from tpcache.coordinator.step_types import RankCallError
+from tpcache.coordinator.step_types import RankCallError, first_cause
 from tpcache.workers.group import TPGroup
 from tpcache.workers.rank import RankWorker
 from tpcache.workers.spec import WorkerSpec
@@ -141,11 +141,18 @@ class LocalRanks:
         """Results in rank order; the first failure raises ``RankCallError`` naming the
         rank, a rank that does not answer within ``timeout`` a TimeoutError."""
         # Wait for all, but stop at the first failure: a failed rank is reported without
-        # waiting out a hung peer.
+        # waiting out a hung peer (its peers raise together; a moment more lets the one
+        # where it failed be named).
         done, _ = wait(futs, timeout=timeout, return_when=FIRST_EXCEPTION)
-        for rank, fut in enumerate(futs):
-            if fut in done and fut.exception() is not None:
-                raise RankCallError(rank, fut.exception())  # type: ignore[arg-type]
+        failed = [f for f in futs if f in done and f.exception() is not None]
+        if failed:
+            done, _ = wait(futs, timeout=min(1.0, timeout))
+            errors = [
+                RankCallError(r, f.exception())  # type: ignore[arg-type]
+                for r, f in enumerate(futs)
+                if f in done and f.exception() is not None
+            ]
+            raise first_cause(errors)
         for rank, fut in enumerate(futs):
             if fut not in done:
                 raise RankCallError(rank, TimeoutError(f"no reply within {timeout:g}s"))

@@ -31,6 +31,11 @@ _COUNTERS = {
     "ops": ("tpcache_ops", "Cache operations logged"),
     "divergences": ("tpcache_divergences", "Steps after which ranks disagreed"),
     "rank_failures": ("tpcache_rank_failures", "Steps that failed on a rank"),
+    "recoveries": ("tpcache_recoveries", "Times the TP group was rebuilt"),
+    "recovery_failures": (
+        "tpcache_recovery_failures",
+        "Recovery attempts that failed (a rank died or hung while the group was rebuilt)",
+    ),
     "events_published": ("tpcache_kv_events_published", "KV events accepted by the publisher"),
     "events_dropped": ("tpcache_kv_events_dropped", "KV events dropped from the live stream"),
 }
@@ -45,6 +50,8 @@ _GAUGES = {
     "inflight": ("tpcache_steps_inflight", "Steps sent and not yet verified"),
     "waiting": ("tpcache_steps_waiting", "Steps closed and not yet sent (coalescing)"),
     "hit_rate": ("tpcache_prefix_hit_rate", "hit_tokens / query_tokens since start"),
+    "broken": ("tpcache_group_broken", "1 while the TP group is down (recovering or stopped)"),
+    "recovering": ("tpcache_group_recovering", "1 while recovery attempts go on"),
 }
 
 
@@ -57,7 +64,10 @@ class _StatsCollector:
         for key, (name, doc) in _COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=stats.get(key, 0) or 0)
         for key, (name, doc) in _GAUGES.items():
-            value = stats["capacity"] - stats["free"] if key == "used" else stats[key]
+            if key == "used":
+                value = stats["capacity"] - stats["free"]
+            else:
+                value = float(bool(stats[key])) if key == "broken" else float(stats[key])
             yield GaugeMetricFamily(name, doc, value=value, labels=None)
 
 

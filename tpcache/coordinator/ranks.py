@@ -17,7 +17,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from tpcache.coordinator.step_types import RankCallError
+from tpcache.coordinator.step_types import RankCallError, first_cause
 from tpcache.workers.rank import RankWorker
 from tpcache.workers.spec import WorkerSpec
 
@@ -151,20 +151,32 @@ class RayRanks:
             # failed or dead rank), so only then is each reply looked at to name the rank.
             return ray.get(refs, timeout=timeout)
         pending = list(refs)
-        while pending:
+        failures: list[RankCallError] = []
+        while pending and not failures:
             left = deadline - time.monotonic()
             done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, left))
             if not done:
                 rank = refs.index(pending[0])
                 raise RankCallError(rank, TimeoutError(f"no reply within {timeout:g}s"))
-            ref = done[0]
-            rank = refs.index(ref)
-            try:
-                ray.get(ref, timeout=0)
-            except RayActorError as exc:
-                raise RankCallError(rank, exc, dead=True) from None
-            except RayTaskError as exc:
-                raise RankCallError(rank, getattr(exc, "cause", None) or exc) from None
-            except Exception as exc:  # e.g. an error Ray could not carry back
-                raise RankCallError(rank, exc) from None
+            failures += _failures(refs, done)
+        if failures:
+            # Its peers raise together: a moment more lets the rank where it failed be named.
+            done, _ = ray.wait(pending, num_returns=len(pending), timeout=1.0)
+            raise first_cause(failures + _failures(refs, done))
         return ray.get(refs)
+
+
+def _failures(refs: list[Any], done: list[Any]) -> list[RankCallError]:
+    """The failed ones of ``done`` (finished refs), as ``RankCallError`` naming the rank."""
+    out = []
+    for ref in done:
+        rank = refs.index(ref)
+        try:
+            ray.get(ref, timeout=0)
+        except RayActorError as exc:
+            out.append(RankCallError(rank, exc, dead=True))
+        except RayTaskError as exc:
+            out.append(RankCallError(rank, getattr(exc, "cause", None) or exc))
+        except Exception as exc:  # e.g. an error Ray could not carry back
+            out.append(RankCallError(rank, exc))
+    return out

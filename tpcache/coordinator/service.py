@@ -14,9 +14,11 @@ from typing import Any
 
 import numpy as np
 import ray
+from ray.exceptions import ActorUnavailableError, RayActorError
 
 from tpcache.cache.keys import TokenLike
 from tpcache.coordinator import api
+from tpcache.coordinator.api import CoordinatorUnavailable
 from tpcache.coordinator.build import GroupConfig, build_coordinator, open_publisher
 from tpcache.coordinator.core import Admission, Coordinator
 from tpcache.coordinator.frontend import handle, handle_many
@@ -105,6 +107,16 @@ class CoordinatorService:
         with self._lock:
             return self.coord.stats()
 
+    def recover(self) -> None:
+        """Rebuild the group now (by hand), and restart automatic recovery attempts."""
+        with self._lock:
+            self.coord.recover()
+
+    def stop_recovery(self) -> None:
+        """Stop automatic recovery attempts; the group stays down until ``recover``."""
+        with self._lock:
+            self.coord.stop_recovery()
+
     def shutdown(self) -> None:
         self._stop.set()
         with self._lock:
@@ -135,13 +147,41 @@ def serve(
 
 class Client:
     """A frontend's handle on a served coordinator: the same calls as ``Coordinator``,
-    over encoded messages; errors come back as the same typed exceptions."""
+    over encoded messages; errors come back as the same typed exceptions.
 
-    def __init__(self, actor: Any) -> None:
+    While the coordinator's actor restarts (its process died; Ray starts it again), Ray
+    answers with its own errors: they become ``CoordinatorUnavailable`` (retryable). Calls
+    that change nothing (``stats``, ``sync``) are retried here for up to
+    ``retry_s``; the others are not, since a call cut off by the restart may or may not
+    have been applied (after a restart, its requests are lost anyway).
+    """
+
+    def __init__(self, actor: Any, retry_s: float = 30.0) -> None:
         self.actor = actor
+        self.retry_s = retry_s
+
+    def _get(self, ref: Any) -> Any:
+        try:
+            return ray.get(ref)
+        except (ActorUnavailableError, RayActorError) as exc:
+            raise CoordinatorUnavailable(
+                f"the coordinator is unreachable (restarting or gone): {type(exc).__name__}"
+            ) from None
+
+    def _retried(self, method: str, *args: Any) -> Any:
+        deadline = time.monotonic() + self.retry_s
+        delay = 0.1
+        while True:
+            try:
+                return self._get(getattr(self.actor, method).remote(*args))
+            except CoordinatorUnavailable:
+                if time.monotonic() + delay > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(2.0, delay * 2)
 
     def _call(self, call: api.Call) -> api.Reply:
-        reply = api.decode_reply(ray.get(self.actor.call.remote(api.encode(call))))
+        reply = api.decode_reply(self._get(self.actor.call.remote(api.encode(call))))
         if isinstance(reply, api.ErrorReply):
             api.raise_reply_error(reply)
         return reply
@@ -173,12 +213,23 @@ class Client:
         self._call(api.AbortCall(request_id))
 
     def stats(self) -> dict[str, Any]:
-        r = self._call(api.StatsCall())
-        assert isinstance(r, api.StatsReply)
-        return dict(r.stats)
+        data = self._retried("call", api.encode(api.StatsCall()))
+        reply = api.decode_reply(data)
+        if isinstance(reply, api.ErrorReply):
+            api.raise_reply_error(reply)
+        assert isinstance(reply, api.StatsReply)
+        return dict(reply.stats)
 
     def sync(self) -> None:
-        ray.get(self.actor.sync.remote())
+        self._retried("sync")
+
+    def recover(self) -> None:
+        """Rebuild the group now, and restart automatic recovery attempts."""
+        self._get(self.actor.recover.remote())
+
+    def stop_recovery(self) -> None:
+        """Stop automatic recovery attempts (the group stays down until ``recover``)."""
+        self._get(self.actor.stop_recovery.remote())
 
 
 def _ints(tokens: TokenLike) -> list[int]:

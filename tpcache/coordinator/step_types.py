@@ -21,6 +21,16 @@ class RankCallError(Exception):
         self.dead = dead
 
 
+def first_cause(failures: list[RankCallError]) -> RankCallError:
+    """Of the ranks' failed calls (in arrival order), the one to report: a rank where a
+    step failed locally (``RankFailure.local``) before the peers that only heard of it
+    through an agreement; else the first to arrive."""
+    for f in failures:
+        if getattr(f.cause, "local", False):
+            return f
+    return failures[0]
+
+
 class StepObserver(Protocol):
     """Told of every step: its KV events when it is sent, its latency when verified."""
 
@@ -57,14 +67,21 @@ class CoordinatorConfig:
     # caller blocks while the ranks still work; bench_lockstep, 8-request steps, 2 cores:
     # 8 / 16 / 32 gave 253 / 321 / 370 steps/s at TP=2 and 144 / 157 / 172 at TP=4.
     coalesce: int = 32
+    # After a failed recovery (a rank died while the group was being rebuilt), the next
+    # attempt waits this long, doubling per failure up to the max, until one succeeds or
+    # the operator stops it (``stop_recovery``).
+    recovery_backoff_s: float = 1.0
+    recovery_backoff_max_s: float = 30.0
 
     def __post_init__(self) -> None:
         for name in ("max_inflight", "max_batch_ops", "coalesce"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"coordinator config: {name} must be an int >= 1, got {v!r}")
-        if not self.step_timeout_s > 0:
-            raise ValueError(f"bad coordinator config {self}")
+        for name in ("step_timeout_s", "probe_s", "recovery_backoff_s", "recovery_backoff_max_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < 1e9:
+                raise ValueError(f"coordinator config: {name} must be seconds > 0, got {v!r}")
 
 
 @dataclass
@@ -84,6 +101,24 @@ class InFlight:
 
     steps: list[Closed]
     ticket: Any
+
+
+@dataclass
+class Recovery:
+    """The state of retried recovery. Owned by the coordinator (``StepDriver``)."""
+
+    failures: int = 0  # failed attempts since start
+    consecutive: int = 0  # failed attempts since the last success
+    next_at: float = 0.0  # time.monotonic() of the next automatic attempt
+    last_error: str | None = None
+    stopped: bool = False  # the operator stopped automatic attempts
+
+    def backoff(self, config: CoordinatorConfig) -> float:
+        """Seconds until the next attempt after ``consecutive`` failures."""
+        return min(
+            config.recovery_backoff_max_s,
+            config.recovery_backoff_s * 2.0 ** max(0, self.consecutive - 1),
+        )
 
 
 @dataclass

@@ -38,6 +38,7 @@ from tpcache.coordinator.step_types import (
     InFlight,
     RankCallError,
     RankTransport,
+    Recovery,
     StepObserver,
 )
 from tpcache.workers.lockstep import DivergenceError, LockstepError, RankFailure
@@ -78,6 +79,7 @@ class StepDriver:
         self._next_step = 0
         self._batch_depth = 0
         self.broken: LockstepError | None = None
+        self.recovery = Recovery()
         # Requests that were running when the group failed: id -> why they were lost.
         self._lost: dict[Any, str] = {}
         # Set by a restarted service: every unknown request id may have been lost.
@@ -233,21 +235,43 @@ class StepDriver:
         self._inflight.clear()
         self._waiting = []
         self._pending = []
-        if self.config.auto_recover:
-            try:
-                self.recover()
-            except Exception as exc:
-                err.detail += f"; recovery failed: {type(exc).__name__}: {exc}"
-                err.args = (f"step {err.step}: {err.detail}",)
+        if self.config.auto_recover and not self._attempt_recovery():
+            r = self.recovery
+            err.detail += (
+                f"; recovery failed ({r.last_error}); retrying in {r.backoff(self.config):g}s"
+            )
+            err.args = (f"step {err.step}: {err.detail}",)
         raise err
+
+    def _attempt_recovery(self) -> bool:
+        """One recovery attempt; on failure the next is due after the back-off."""
+        r = self.recovery
+        try:
+            self.recover()
+        except Exception as exc:  # a rank that died or hung while the group re-formed
+            r.failures += 1
+            r.consecutive += 1
+            r.last_error = f"{type(exc).__name__}: {exc}"
+            r.next_at = time.monotonic() + r.backoff(self.config)
+            return False
+        return True
+
+    def stop_recovery(self) -> None:
+        """Stop automatic recovery attempts (a broken group stays down until ``recover()``
+        is called by hand). Changes no cache state."""
+        self.recovery.stopped = True
 
     def recover(self) -> None:
         """Replace dead or hung ranks, rebuild the process group, and start every rank and
         the mirror from an empty cache (announced once as ``AllBlocksCleared``).
 
         Requests that were running are lost: later calls for them raise ``RequestLost``.
+        Raises what the ranks' restart raised (the group stays broken, and an automatic
+        attempt follows after the back-off unless stopped). Called by hand it also
+        restarts automatic attempts that ``stop_recovery`` stopped.
         """
         started = time.monotonic()
+        self.recovery.stopped = False
         for rid in self.mirror.reqs.ids():
             self._lost.setdefault(rid, "the coordinator recovered its TP group")
         self._inflight.clear()
@@ -267,6 +291,8 @@ class StepDriver:
             obs.step_sent(-1, events)
         self._next_step = 0
         self.broken = None
+        self.recovery.consecutive = 0
+        self.recovery.last_error = None
         self.counters.recoveries += 1
         self.counters.last_recovery_s = time.monotonic() - started
 
@@ -298,10 +324,21 @@ class StepDriver:
             )
 
     def _check_usable(self) -> None:
-        if self.broken is not None:
-            raise CoordinatorUnavailable(
-                f"the TP group stopped at {self.broken}; it must be recovered"
-            )
+        """Raise ``CoordinatorUnavailable`` (retryable) while the group is broken. Where an
+        automatic recovery attempt is due, make it first: so a served coordinator (its
+        health check) or any caller that retries brings a broken group back."""
+        if self.broken is None:
+            return
+        r = self.recovery
+        auto = self.config.auto_recover and not r.stopped
+        if auto and time.monotonic() >= r.next_at and self._attempt_recovery():
+            return
+        if not auto:
+            why = "it must be recovered by hand (recover())"
+        else:
+            wait = max(0.0, r.next_at - time.monotonic())
+            why = f"recovery attempt {r.consecutive} failed ({r.last_error}); next in {wait:.1f}s"
+        raise CoordinatorUnavailable(f"the TP group stopped at {self.broken}; {why}")
 
     def _forget_lost(self, rid: Any) -> None:
         """A request admitted again is no longer lost."""

@@ -114,7 +114,20 @@ class DivergenceError(LockstepError):
 
 
 class RankFailure(LockstepError):
-    """An op failed on at least one rank during ``step``."""
+    """An op failed on at least one rank during ``step``. ``local``: raised by the rank
+    where it failed (the others only heard of it through an agreement), so whoever
+    gathers the ranks' errors can name that rank."""
+
+    def __init__(self, step: int, message: str, local: bool = False) -> None:
+        super().__init__(step, message)
+        self.local = local
+
+    def __reduce__(self):
+        return (type(self), (self.step, self.detail, self.local))
+
+
+class _PeerFailed(Exception):
+    """Raised inside a step when an agreement carries a peer's failure sentinel."""
 
 
 def admit_result(got, evicted: tuple[int, ...] = (0,)) -> OpResult:
@@ -257,22 +270,26 @@ def apply_step(
     """
     started = time.perf_counter()
     results: list[OpResult] = []
-    failure: str | None = None
-    for op in step.ops:
+    failure: str | None = None  # this rank's own failure
+    peer_failed_at: int | None = None  # the op whose agreement carried a peer's failure
+    for i, op in enumerate(step.ops):
         entered = [False]
 
         def agreed_evict(asks: tuple[int, ...], _entered: list[bool] = entered) -> tuple:
             _entered[0] = True  # only called while this rank is healthy
             agreed = group.agree_min(list(cache.evictable_pages()))
             if min(agreed) < 0:
-                raise RankFailure(step.step, "a peer failed earlier in this step")
+                raise _PeerFailed
             return cache.evict_pages(tuple(map(min, asks, agreed)))
 
-        if failure is None:
+        if failure is None and peer_failed_at is None:
             try:
                 results.append(apply_op(cache, tamper(op) if tamper else op, agreed_evict))
+            except _PeerFailed:  # stop here: a peer failed before this agreement
+                peer_failed_at = i
+                results.append(OpResult())
             except Exception as exc:  # any local failure must reach the peers, not hang them
-                failure = f"{type(exc).__name__}: {exc}"
+                failure = f"op {i} ({type(op).__name__}): {type(exc).__name__}: {exc}"
                 results.append(OpResult())
         else:
             results.append(OpResult())
@@ -280,13 +297,19 @@ def apply_step(
             # This rank skipped the op's agreement (failed, or the op failed early):
             # enter it anyway with the failure sentinel so the peers don't wait.
             group.agree_min([-1] * len(cache.evictable_pages()))
-            failure = failure or f"op {type(op).__name__} did not reach its agreement"
+            if failure is None and peer_failed_at is None:
+                failure = f"op {i} ({type(op).__name__}) did not reach its agreement"
     digest = cache.digest()
     ops_us = (time.perf_counter() - started) * 1e6
-    span = group.digest_check(u64_to_i64(digest) if failure is None else None)
+    healthy = failure is None and peer_failed_at is None
+    span = group.digest_check(u64_to_i64(digest) if healthy else None)
     if span is None:
-        where = f"this rank ({rank}): {failure}" if failure else "another rank"
-        raise RankFailure(step.step, f"an op failed on {where}")
+        if failure is not None:
+            raise RankFailure(step.step, f"rank {rank} failed at {failure}", local=True)
+        seen = (
+            f" (announced at op {peer_failed_at}'s agreement)" if peer_failed_at is not None else ""
+        )
+        raise RankFailure(step.step, f"an op failed on another rank{seen}")
     if span[0] != span[1]:
         raise DivergenceError(
             step.step,

@@ -326,9 +326,10 @@ class RankWorker:
     # ---- fault drills -------------------------------------------------------------------
     def inject_fault(self, step: int, kind: str, arg: float = 0.0) -> None:
         """At ``step``: ``corrupt`` (apply a tampered op: the first Admit's first token
-        +1, or an Evict of one more page), ``sleep`` (``arg`` seconds before applying),
-        or ``crash`` (exit the process). For tests and fault drills only."""
-        if kind not in ("corrupt", "sleep", "crash"):
+        +1, or an Evict of one more page), ``fail`` (the step's first op raises here: a
+        local failure before the step's agreements), ``sleep`` (``arg`` seconds before
+        applying), or ``crash`` (exit the process). For tests and fault drills only."""
+        if kind not in ("corrupt", "fail", "sleep", "crash"):
             raise ValueError(f"unknown fault {kind!r}")
         self._faults[step] = (kind, arg)
 
@@ -344,7 +345,7 @@ class RankWorker:
             import os
 
             os._exit(17)
-        return _corrupt_first
+        return _fail_first() if kind == "fail" else _corrupt_first
 
     def _cache(self) -> RadixCache:
         if self.cache is None:
@@ -360,6 +361,18 @@ class RankWorker:
         if self.group is None:
             raise RuntimeError(f"rank {self.rank} has not joined its group")
         return self.group
+
+
+def _fail_first():
+    first = [True]
+
+    def tamper(op: Op) -> Op:
+        if first[0]:
+            first[0] = False
+            raise RuntimeError("planted failure (fault drill)")
+        return op
+
+    return tamper
 
 
 def _corrupt_first(op: Op) -> Op:
