@@ -225,7 +225,7 @@ def test_bad_events_endpoint_fails_at_start(ray_cluster):
     taken = zmq.Context.instance().socket(zmq.PUB)
     port = taken.bind_to_random_port("tcp://127.0.0.1")
     try:
-        cfg = GroupConfig(tp=2, events=EventConfig(endpoint=f"tcp://*:{port}"))
+        cfg = GroupConfig(tp=2, events=EventConfig(endpoint=f"tcp://127.0.0.1:{port}"))
         t = time.monotonic()
         with pytest.raises(EventPublisherError, match=str(port)):
             start_group(cfg).close()

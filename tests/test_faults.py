@@ -380,11 +380,11 @@ def test_recovery_retries_after_a_rank_dies_during_it(ray_cluster, tmp_path):
     marker = str(tmp_path / "crashed")
 
     class CrashOnRejoin(RankWorker):
-        def rejoin(self, master_addr: str, master_port: int) -> int:
+        def rejoin(self, master_addr: str, master_port: int, store_path=None) -> int:
             if self.rank == 0 and not os.path.exists(marker):
                 open(marker, "w").close()
                 os._exit(9)
-            return super().rejoin(master_addr, master_port)
+            return super().rejoin(master_addr, master_port, store_path)
 
     cfg = config(coordinator=CoordinatorConfig(probe_s=2.0, recovery_backoff_s=2.0))
     coord = start_group(cfg, worker_cls=CrashOnRejoin)

@@ -359,11 +359,12 @@ def test_ipc_endpoint_and_connect_mode(ctx, tmp_path):
     with EventPublisher(EventConfig(endpoint=f"ipc://{sock_dir}/kv.sock")) as pub:
         sub = sub_socket(ctx, pub.endpoint)
         assert seq_of(wait_subscribed(pub, sub)[0][1]) >= 0
-    # Without a wildcard the publisher connects, here to a SUB that binds.
+    # connect=True: the publisher connects, here to a SUB that binds.
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.bind(LOOPBACK)
-    with EventPublisher(EventConfig(endpoint=sub.get(zmq.LAST_ENDPOINT).decode())) as pub:
+    cfg = EventConfig(endpoint=sub.get(zmq.LAST_ENDPOINT).decode(), connect=True)
+    with EventPublisher(cfg) as pub:
         assert not pub.config.binds
         assert seq_of(wait_subscribed(pub, sub)[0][1]) >= 0
 
@@ -373,22 +374,24 @@ def test_invalid_endpoints_fail_at_start_up(ctx):
     taken.bind("tcp://*:*")
     port = taken.get(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1]
     with pytest.raises(EventPublisherError, match=r"endpoint.*in use"):
-        EventPublisher(EventConfig(endpoint=f"tcp://*:{port}"))
+        EventPublisher(EventConfig(endpoint=f"tcp://*:{port}", insecure=True))
     with pytest.raises(EventPublisherError, match="replay_endpoint"):
-        EventPublisher(EventConfig(endpoint=LOOPBACK, replay_endpoint=f"tcp://*:{port}"))
+        EventPublisher(
+            EventConfig(endpoint=LOOPBACK, replay_endpoint=f"tcp://*:{port}", insecure=True)
+        )
     with pytest.raises(EventPublisherError, match=r"256\.1\.1\.1"):
-        EventPublisher(EventConfig(endpoint="tcp://256.1.1.1:*"))
+        EventPublisher(EventConfig(endpoint="tcp://256.1.1.1:*", insecure=True))
     with pytest.raises(EventPublisherError, match="No such file"):
         EventPublisher(EventConfig(endpoint="ipc:///nonexistent-dir/kv.sock"))
     if not zmq.has("pgm"):
         with pytest.raises(EventPublisherError, match="not supported"):
-            EventPublisher(EventConfig(endpoint="pgm://eth0;239.1.1.1:5555"))
+            EventPublisher(EventConfig(endpoint="pgm://eth0;239.1.1.1:5555", insecure=True))
     # A failed start holds nothing: once the other socket goes, the port can be had.
     taken.close(linger=0)
     deadline = time.monotonic() + WAIT_S
     while True:  # libzmq unbinds a closed socket asynchronously
         try:
-            with EventPublisher(EventConfig(endpoint=f"tcp://*:{port}")) as pub:
+            with EventPublisher(EventConfig(endpoint=f"tcp://*:{port}", insecure=True)) as pub:
                 assert pub.endpoint.endswith(port)
             break
         except EventPublisherError:

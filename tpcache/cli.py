@@ -273,13 +273,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                 topic=args.events_topic,
                 buffer_steps=args.events_buffer,
                 encoding=args.events_encoding,
+                curve_secret_key=_read_key(args.events_curve_secret_file),
+                curve_client_keys=_read_keys(args.events_curve_client_keys_file),
+                insecure=args.events_insecure,
             )
             config = dataclasses.replace(config, events=events)
-    except EventConfigError as exc:
+    except (EventConfigError, OSError) as exc:
         print(f"tpcache serve: {exc}", file=sys.stderr)
         return 2
     if args.metrics_port is not None:
-        config = dataclasses.replace(config, metrics_port=args.metrics_port)
+        config = dataclasses.replace(
+            config, metrics_port=args.metrics_port, metrics_host=args.metrics_host
+        )
     init_ray(args.address, args.namespace)
     actor = serve(config, args.name, args.namespace, args.detached)
     import ray
@@ -307,6 +312,36 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             time.sleep(3600)
     except KeyboardInterrupt:
         ray.get(actor.shutdown.remote())
+    return 0
+
+
+def _read_key(path: str | None) -> str | None:
+    """A CURVE key kept in a file (its first line)."""
+    if path is None:
+        return None
+    with open(path) as f:
+        return f.readline().strip()
+
+
+def _read_keys(path: str | None) -> tuple[str, ...]:
+    """CURVE public keys, one per line (blank lines and # comments skipped)."""
+    if path is None:
+        return ()
+    with open(path) as f:
+        lines = (line.split("#", 1)[0].strip() for line in f)
+        return tuple(line for line in lines if line)
+
+
+def _cmd_keys(args: argparse.Namespace) -> int:
+    import os
+
+    from tpcache.workers.netsec import new_keypair
+
+    public, secret = new_keypair()
+    fd = os.open(args.secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret + "\n")
+    print(public)
     return 0
 
 
@@ -360,12 +395,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--events-endpoint",
         default=None,
-        help="publish KV events on this ZMQ endpoint (e.g. tcp://*:5557); off by default",
+        help="publish KV events on this ZMQ endpoint (e.g. tcp://127.0.0.1:5557; a network "
+        "address needs --events-curve-secret-file or --events-insecure); off by default",
     )
     p.add_argument(
         "--events-replay-endpoint",
         default=None,
-        help="ROUTER endpoint for replay and snapshots (e.g. tcp://*:5558)",
+        help="ROUTER endpoint for replay and snapshots (e.g. tcp://127.0.0.1:5558)",
     )
     p.add_argument(
         "--events-topic", default="", help="topic of every event message (default empty)"
@@ -383,12 +419,43 @@ def build_parser() -> argparse.ArgumentParser:
         help="events as maps (default) or as arrays, the form vLLM's subscriber decodes",
     )
     p.add_argument(
+        "--events-curve-secret-file",
+        default=None,
+        metavar="PATH",
+        help="CURVE secret key of the events sockets (from `tpcache keys`); needed on a "
+        "network address, since events carry token ids",
+    )
+    p.add_argument(
+        "--events-curve-client-keys-file",
+        default=None,
+        metavar="PATH",
+        help="CURVE public keys (one a line) of the subscribers let in; default: any that "
+        "knows the server's public key",
+    )
+    p.add_argument(
+        "--events-insecure",
+        action="store_true",
+        help="allow events on a network address without CURVE (anyone who reaches the "
+        "port reads token ids)",
+    )
+    p.add_argument(
         "--metrics-port",
         type=int,
         default=None,
         help="serve Prometheus metrics on this port; off by default",
     )
+    p.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address the metrics endpoint binds (default loopback; 0.0.0.0 for all)",
+    )
     p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser(
+        "keys", help="make a CURVE key pair: the secret into a new file, the public on stdout"
+    )
+    p.add_argument("secret_file", help="file to create (mode 0600) for the secret key")
+    p.set_defaults(func=_cmd_keys)
 
     from tpcache.coordinator.subscriber import build_events_parser
 

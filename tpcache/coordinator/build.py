@@ -45,6 +45,7 @@ class GroupConfig:
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     events: EventConfig | None = None  # None: no KV events published
     metrics_port: int | None = None  # None: no Prometheus endpoint; 0 picks a port
+    metrics_host: str = "127.0.0.1"  # loopback unless the operator names an address
 
     def __post_init__(self) -> None:
         # Before start_group binds an events endpoint or starts a rank.
@@ -64,17 +65,35 @@ class GroupConfig:
         )
 
 
-def open_publisher(config: GroupConfig) -> EventPublisher | None:
-    """The KV-event publisher ``config`` asks for (bound now, before any rank starts, so a
-    bad endpoint fails fast), or None."""
-    return EventPublisher(config.events) if config.events is not None else None
+class Endpoints:
+    """The KV-event publisher and the metrics endpoint ``config`` asks for, bound before
+    any rank starts (a bad or taken address fails fast); ``close`` if the ranks fail."""
+
+    def __init__(self, config: GroupConfig) -> None:
+        self.publisher = EventPublisher(config.events) if config.events is not None else None
+        self.metrics: CoordinatorMetrics | None = None
+        self.metrics_port: int | None = None
+        if config.metrics_port is not None:
+            try:
+                self.metrics = CoordinatorMetrics()
+                self.metrics_port = self.metrics.serve(config.metrics_port, config.metrics_host)
+            except BaseException:
+                self.close()
+                raise
+
+    def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
+        if self.metrics is not None:
+            self.metrics.close()
 
 
 def build_coordinator(
-    config: GroupConfig, ranks: RankTransport, capacity: int, publisher: EventPublisher | None
+    config: GroupConfig, ranks: RankTransport, capacity: int, ends: Endpoints
 ) -> Coordinator:
-    """The coordinator of started ``ranks`` (agreed ``capacity``): its mirror, and the
-    events and metrics ``config`` asks for. ``coordinator.close()`` stops them all."""
+    """The coordinator of started ``ranks`` (agreed ``capacity``), fed to the endpoints
+    ``ends`` opened for it. ``coordinator.close()`` stops them all."""
+    publisher = ends.publisher
     mirror = config.cache.build(capacity, record_events=publisher is not None)
     coord = Coordinator(ranks, mirror, config.coordinator)
     if publisher is not None:
@@ -86,8 +105,8 @@ def build_coordinator(
             return st.published_events, st.dropped_events
 
         coord.event_stats = event_stats
-    if config.metrics_port is not None:
-        metrics = CoordinatorMetrics(coord)
-        coord.metrics_port = metrics.serve(config.metrics_port)
-        coord.observers.append(metrics)
+    if ends.metrics is not None:
+        ends.metrics.attach(coord)
+        coord.metrics_port = ends.metrics_port
+        coord.observers.append(ends.metrics)
     return coord

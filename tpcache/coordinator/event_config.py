@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tpcache.cache.events import ENCODINGS
+from tpcache.workers.netsec import NetSecError, check_key, endpoint_is_local
 
 _TRANSPORTS = ("tcp", "ipc", "inproc", "pgm", "epgm", "ws", "wss", "tipc", "vmci")
 
@@ -47,20 +48,32 @@ def _check_int(field: str, value: object, minimum: int) -> None:
 class EventConfig:
     """Where and how KV events are published. Validated on construction.
 
-    ``endpoint`` is bound when it is a wildcard (``*``, ``::``) or ``ipc://`` /
-    ``inproc://``, else connected (to a proxy or a binding subscriber).
-    ``tcp://127.0.0.1:*`` binds a free port; ``EventPublisher.endpoint`` tells which.
-    ``replay_endpoint`` is always bound. ``queue_size`` bounds both the batches waiting
-    for the send thread and the PUB socket's per-subscriber send queue.
+    ``endpoint`` is bound, or with ``connect=True`` connected (to a proxy or a binding
+    subscriber). The default binds loopback: ``tcp://127.0.0.1:5557``;
+    ``tcp://127.0.0.1:*`` binds a free port (``EventPublisher.endpoint`` tells which). ``replay_endpoint`` is always
+    bound. ``queue_size`` bounds both the batches waiting for the send thread and the PUB
+    socket's per-subscriber send queue; ``snapshot_queue`` the snapshot requests waiting
+    to be built (more get a busy marker).
+
+    Events carry token ids (users' prompts). On a network address (any tcp address that
+    is not loopback, wildcards included) both sockets must be CURVE servers
+    (``curve_secret_key``; subscribers need its public key, and with
+    ``curve_client_keys`` only those client keys are let in), or ``insecure=True`` must
+    say that anyone who reaches the ports may read them.
     """
 
-    endpoint: str = "tcp://*:5557"
+    endpoint: str = "tcp://127.0.0.1:5557"
     replay_endpoint: str | None = None
     topic: str = ""
     buffer_steps: int = 10_000
     queue_size: int = 100_000
     data_parallel_rank: int | None = None
     encoding: str = "map"  # events as maps (DESIGN.md) or "array" (as vLLM sends them)
+    curve_secret_key: str | None = None  # Z85; the PUB and ROUTER sockets are CURVE servers
+    curve_client_keys: tuple[str, ...] = ()  # Z85 public keys let in (empty: any client)
+    insecure: bool = False  # a network address without CURVE, on purpose
+    snapshot_queue: int = 4
+    connect: bool = False  # connect ``endpoint`` instead of binding it
 
     def __post_init__(self) -> None:
         _check_endpoint("endpoint", self.endpoint)
@@ -77,9 +90,42 @@ class EventConfig:
             _check_int("data_parallel_rank", self.data_parallel_rank, 0)
         if self.encoding not in ENCODINGS:
             raise EventConfigError("encoding", f"must be one of {ENCODINGS}, got {self.encoding!r}")
+        _check_int("snapshot_queue", self.snapshot_queue, 1)
+        self._check_security()
+
+    def _check_security(self) -> None:
+        try:
+            if self.curve_secret_key is not None:
+                check_key("curve_secret_key", self.curve_secret_key)
+            if not isinstance(self.curve_client_keys, tuple):
+                raise NetSecError("curve_client_keys must be a tuple of Z85 public keys")
+            for key in self.curve_client_keys:
+                check_key("a key of curve_client_keys", key)
+        except NetSecError as exc:
+            raise EventConfigError("curve_secret_key", str(exc)) from None
+        if self.curve_client_keys and self.curve_secret_key is None:
+            raise EventConfigError("curve_client_keys", "need curve_secret_key (CURVE is off)")
+        for flag in ("insecure", "connect"):
+            if not isinstance(getattr(self, flag), bool):
+                raise EventConfigError(flag, f"must be a bool, got {getattr(self, flag)!r}")
+        for field, ep in (("endpoint", self.endpoint), ("replay_endpoint", self.replay_endpoint)):
+            if ep is None or endpoint_is_local(ep) or self.insecure:
+                continue
+            if self.curve_secret_key is None:
+                raise EventConfigError(
+                    field,
+                    f"{ep!r} is reachable from the network and events carry token ids "
+                    "(prompts): give curve_secret_key (CURVE), or insecure=True to allow "
+                    "anyone who reaches it, or bind loopback",
+                )
+            if field == "endpoint" and not self.binds:
+                raise EventConfigError(
+                    field,
+                    f"connecting to {ep!r} (a proxy on another host) cannot use CURVE here: "
+                    "bind the PUB socket instead, or set insecure=True",
+                )
 
     @property
     def binds(self) -> bool:
         """True when the publisher binds ``endpoint``, False when it connects."""
-        ep = self.endpoint
-        return "*" in ep or "::" in ep or ep.startswith(("ipc://", "inproc://"))
+        return not self.connect

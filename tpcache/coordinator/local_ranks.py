@@ -20,7 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from tpcache.coordinator.build import GroupConfig, build_coordinator, open_publisher
+from tpcache.coordinator.build import Endpoints, GroupConfig, build_coordinator
 from tpcache.coordinator.core import Coordinator
 from tpcache.coordinator.step_types import RankCallError, first_cause
 from tpcache.workers.group import TPGroup
@@ -164,14 +164,13 @@ def start_local_group(
 ) -> Coordinator:
     """``service.start_group`` without Ray: ``config.tp`` rank threads in this process
     (gloo on the CPU; ``strategy``, ``use_gpus`` and ``backend`` do not apply)."""
-    publisher = open_publisher(config)
+    ends = Endpoints(config)
     try:
         ranks = LocalRanks(config.worker_spec(), worker_cls)
     except BaseException:
-        if publisher is not None:
-            publisher.close()
+        ends.close()
         raise
-    return build_coordinator(config, ranks, ranks.capacity, publisher)
+    return build_coordinator(config, ranks, ranks.capacity, ends)
 
 
 __all__ = ["LocalRanks", "start_local_group"]

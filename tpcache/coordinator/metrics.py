@@ -71,12 +71,16 @@ class _StatsCollector:
             yield GaugeMetricFamily(name, doc, value=value, labels=None)
 
 
-class CoordinatorMetrics:
-    """Registers a coordinator's metrics; ``serve(port)`` exposes them over HTTP."""
+class MetricsError(RuntimeError):
+    """The metrics endpoint could not be served (the message names the address)."""
 
-    def __init__(self, coord: Coordinator, registry: CollectorRegistry | None = None) -> None:
+
+class CoordinatorMetrics:
+    """A coordinator's metrics: ``serve(port, host)`` exposes them over HTTP (bound
+    before the ranks start, so a taken port fails fast), ``attach(coord)`` feeds them."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
-        self.registry.register(_StatsCollector(coord))  # type: ignore[arg-type]
         self.step_latency = Histogram(
             "tpcache_step_latency_seconds",
             "From closing a step to every rank's verified result",
@@ -89,13 +93,23 @@ class CoordinatorMetrics:
             buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 0.1),
             registry=self.registry,
         )
-        self._coord = coord
+        self._coord: Coordinator | None = None
         self._evictions_seen = 0
         self.server: Any = None
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
-        """Start the HTTP endpoint (``port`` 0 picks one); returns the port."""
-        self.server, thread = start_http_server(port, addr=addr, registry=self.registry)
+    def attach(self, coord: Coordinator) -> None:
+        """Read ``coord``'s stats at every scrape, and observe its steps."""
+        self._coord = coord
+        self.registry.register(_StatsCollector(coord))  # type: ignore[arg-type]
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Start the HTTP endpoint on ``host`` (loopback unless the operator names another
+        address; the metrics carry no token ids) and ``port`` (0 picks one); returns the
+        port. Raises ``MetricsError`` if it cannot bind."""
+        try:
+            self.server, thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            raise MetricsError(f"cannot serve metrics on {host}:{port}: {exc.strerror}") from None
         del thread
         return int(self.server.server_port)
 
@@ -105,8 +119,16 @@ class CoordinatorMetrics:
             self.server.server_close()
             self.server = None
 
+    def __enter__(self) -> CoordinatorMetrics:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     # ---- StepObserver ---------------------------------------------------------------------
     def step_sent(self, step: int, events: list) -> None:
+        if self._coord is None:
+            return
         seconds = self._coord.mirror.tree.evict_seconds
         # The list keeps the last calls only; observe what is new since the last step.
         new = seconds[self._evictions_seen :] if self._evictions_seen <= len(seconds) else seconds

@@ -34,6 +34,7 @@ from tpcache.cache.events import (
 )
 from tpcache.coordinator.event_config import EventConfig, EventConfigError
 from tpcache.coordinator.replay_server import EventLog, ReplayServer, encode_seq
+from tpcache.workers.netsec import allow_clients, make_server, release_clients
 
 __all__ = [
     "EventConfig",
@@ -112,6 +113,7 @@ class EventPublisher:
         self._topic = config.topic.encode("utf-8")
         self._ctx = context if context is not None else zmq.Context()
         self._own_ctx = context is None
+        self._zap = False  # a ZAP handler limits CURVE clients (curve_client_keys)
         self._pub, self._router = self._open_sockets()
         self.endpoint: str = self._pub.get(zmq.LAST_ENDPOINT).decode()
         self.replay_endpoint: str | None = (
@@ -127,6 +129,8 @@ class EventPublisher:
                 clock,
                 config.data_parallel_rank,
                 config.encoding,
+                snapshot_queue=config.snapshot_queue,
+                wake=self._wake_unlocked,
             )
             if self._router is not None
             else None
@@ -150,10 +154,15 @@ class EventPublisher:
         sockets: list[zmq.Socket] = []
         field, endpoint = "endpoint", cfg.endpoint
         try:
+            if cfg.curve_client_keys:
+                allow_clients(self._ctx, cfg.curve_client_keys)
+                self._zap = True
             pub = self._ctx.socket(zmq.PUB)
             sockets.append(pub)
             pub.setsockopt(zmq.LINGER, 0)
             pub.setsockopt(zmq.SNDHWM, cfg.queue_size)
+            if cfg.curve_secret_key is not None:
+                make_server(pub, cfg.curve_secret_key)
             if cfg.binds:
                 pub.bind(endpoint)
             else:
@@ -164,6 +173,8 @@ class EventPublisher:
             router = self._ctx.socket(zmq.ROUTER)
             sockets.append(router)
             router.setsockopt(zmq.LINGER, 0)
+            if cfg.curve_secret_key is not None:
+                make_server(router, cfg.curve_secret_key)
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)
             # Room for one whole replay (buffer, end marker) per client.
             router.setsockopt(zmq.SNDHWM, cfg.buffer_steps + 2)
@@ -172,9 +183,15 @@ class EventPublisher:
         except zmq.ZMQError as exc:
             for sock in sockets:
                 sock.close(linger=0)
+            self._release_zap()
             if self._own_ctx:
                 self._ctx.term()
             raise EventPublisherError(f"cannot open {field} {endpoint!r}: {exc}") from exc
+
+    def _release_zap(self) -> None:
+        if self._zap:
+            release_clients(self._ctx)
+            self._zap = False
 
     def publish(self, events: list[KVEvent]) -> int:
         """Queue one batch; returns its sequence number. Never waits for the network.
@@ -213,6 +230,12 @@ class EventPublisher:
         with contextlib.suppress(BlockingIOError):
             os.write(self._wake_w, b"\0")
 
+    def _wake_unlocked(self) -> None:
+        """Wake the send thread from the snapshot builder (a snapshot is ready)."""
+        with self._lock:
+            if not self._closed:
+                self._wake()
+
     def stats(self) -> PublisherStats:
         replay = self._replay
         with self._lock:
@@ -250,6 +273,9 @@ class EventPublisher:
             return
         os.close(self._wake_r)
         os.close(self._wake_w)
+        if self._replay is not None:
+            self._replay.close()
+        self._release_zap()
         if self._own_ctx:
             self._ctx.term()
 
@@ -282,8 +308,10 @@ class EventPublisher:
             if self._wake_r in ready:
                 self._drain_wake_pipe()
             self._send_queued()
-            if self._replay is not None and self._router in ready:
-                self._replay.serve_pending()
+            if self._replay is not None:
+                if self._router in ready:
+                    self._replay.serve_pending()
+                self._replay.send_built()
             if self._closed:
                 self._send_queued()
                 return

@@ -14,7 +14,11 @@ from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import (
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tpcache.coordinator.step_types import RankCallError, first_cause
@@ -57,6 +61,8 @@ class RayRanks:
                 f"could not place {tp} ranks ({bundle} each) within {start_timeout_s:g}s; "
                 f"cluster has {ray.cluster_resources()}"
             ) from None
+        nodes = placement_group_table(self.pg).get("bundles_to_node_id", {})
+        self.single_node = len(set(nodes.values())) == 1
         self._actor_cls = RankActor if worker_cls is RankWorker else ray.remote(worker_cls)
         self.actors = [self._new_actor(i) for i in range(tp)]
         try:
@@ -76,14 +82,21 @@ class RayRanks:
         ).remote(rank, self.spec, 0)
 
     def _form_group(self, method: str) -> int:
-        """Every rank (re)joins a new group at rank 0's address and agrees the capacity."""
+        """Every rank (re)joins a new group and agrees the capacity: through a file on
+        their node, over loopback, when all ranks share one node; else at rank 0's
+        address (a TCP store, reachable from the other nodes)."""
         t = self.start_timeout_s
-        addr, port = ray.get(self.actors[0].address.remote(), timeout=t)
+        if self.single_node:
+            store = ray.get(self.actors[0].local_store.remote(), timeout=t)
+            addr, port = "127.0.0.1", 1  # unused with a store file
+        else:
+            store = None
+            addr, port = ray.get(self.actors[0].address.remote(), timeout=t)
         # Longer than the ranks' own bounds (a new rank's start-up, then the join, then
         # setup's one collective), so a failed join comes back as the rank's GroupError,
         # which names it, rather than as a bare timeout here.
         t += self.spec.join_timeout_s + self.spec.timeout_s
-        caps = self._get([getattr(a, method).remote(addr, port) for a in self.actors], t)
+        caps = self._get([getattr(a, method).remote(addr, port, store) for a in self.actors], t)
         self.master = (addr, port)
         return int(caps[0])
 

@@ -7,12 +7,17 @@ Wire format of the replay socket (the request side is a DEALER):
   first, then ``END_MARKER``. A start older than the oldest kept batch replays from it.
 - request ``[b"SNAPSHOT"]``: the reply is one ``(topic, seq, payload)`` message whose
   payload is a ``KVEventBatch`` of ``BlockStored`` events rebuilding the publisher's
-  block index as of batch ``seq`` (-1: no batch yet), then ``END_MARKER``.
+  block index as of batch ``seq`` (-1: no batch yet), then ``END_MARKER``. Snapshots are
+  built on a thread of their own (200k blocks take most of a second), never on the send
+  thread that carries the live stream; at most ``snapshot_queue`` wait to be built and
+  one per client: a request beyond that gets ``BUSY_MARKER`` (sequence -2) at once, and
+  may ask again later.
 - anything else (more frames, another length) gets no reply.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -26,6 +31,8 @@ from tpcache.coordinator.block_index import BlockIndex
 SNAPSHOT_REQUEST = b"SNAPSHOT"
 END_SEQ = -1
 END_MARKER: tuple[bytes, bytes, bytes] = (b"", END_SEQ.to_bytes(8, "big", signed=True), b"")
+BUSY_SEQ = -2
+BUSY_MARKER: tuple[bytes, bytes, bytes] = (b"", BUSY_SEQ.to_bytes(8, "big", signed=True), b"")
 
 
 def encode_seq(seq: int) -> bytes:
@@ -127,6 +134,9 @@ class ReplayServer:
         clock: Callable[[], float],
         data_parallel_rank: int | None,
         encoding: str = "map",
+        *,
+        snapshot_queue: int = 4,
+        wake: Callable[[], None] = lambda: None,
     ) -> None:
         self._socket = socket
         self._encoding = encoding
@@ -139,6 +149,18 @@ class ReplayServer:
         self.snapshots = 0
         self.bad_requests = 0
         self.failed = 0
+        self.busy = 0  # snapshot requests turned away: the queue was full
+        # Snapshots: identities waiting to be built (bounded), and built replies waiting
+        # for the send thread. ``_waiting`` (owned by the send thread) keeps one request
+        # per client in the queue.
+        self._todo: queue.Queue[bytes | None] = queue.Queue(snapshot_queue)
+        self._built: queue.Queue[tuple[bytes, int, bytes]] = queue.Queue()
+        self._waiting: set[bytes] = set()
+        self._wake = wake
+        self._builder = threading.Thread(
+            target=self._build_loop, name="kv-event-snapshots", daemon=True
+        )
+        self._builder.start()
 
     def serve_pending(self, limit: int = 64) -> None:
         """Answer up to ``limit`` waiting requests (bounded, so live sends keep going)."""
@@ -151,14 +173,50 @@ class ReplayServer:
             match request:
                 case ReplayRequest(start_seq=start):
                     self.replays += 1
-                    entries = self._log.since(start)
+                    self._reply(identity, self._log.since(start))
                 case SnapshotRequest():
                     self.snapshots += 1
-                    entries = [self._snapshot_entry()]
+                    self._queue_snapshot(identity)
                 case _:
                     self.bad_requests += 1
-                    continue
-            self._reply(identity, entries)
+
+    def _queue_snapshot(self, identity: bytes) -> None:
+        if identity not in self._waiting:
+            try:
+                self._todo.put_nowait(identity)
+                self._waiting.add(identity)
+                return
+            except queue.Full:
+                pass
+        self.busy += 1
+        try:
+            self._socket.send_multipart([identity, *BUSY_MARKER], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self.failed += 1
+
+    def send_built(self) -> None:
+        """Send the snapshots built since the last call (send thread only)."""
+        while True:
+            try:
+                identity, seq, payload = self._built.get_nowait()
+            except queue.Empty:
+                return
+            self._waiting.discard(identity)
+            self._reply(identity, [(seq, payload)])
+
+    def close(self) -> None:
+        """Stop the snapshot builder (after the send thread has stopped)."""
+        try:
+            self._todo.put(None, timeout=1.0)
+        except queue.Full:
+            return  # still building: a daemon thread, it ends with the process
+        self._builder.join(timeout=5.0)
+
+    def _build_loop(self) -> None:
+        while (identity := self._todo.get()) is not None:
+            seq, payload = self._snapshot_entry()
+            self._built.put((identity, seq, payload))
+            self._wake()
 
     def _snapshot_entry(self) -> tuple[int, bytes]:
         seq, index = self._log.snapshot()

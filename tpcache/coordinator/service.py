@@ -19,7 +19,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from tpcache.cache.keys import TokenLike
 from tpcache.coordinator import api
 from tpcache.coordinator.api import CoordinatorUnavailable
-from tpcache.coordinator.build import GroupConfig, build_coordinator, open_publisher
+from tpcache.coordinator.build import Endpoints, GroupConfig, build_coordinator
 from tpcache.coordinator.core import Admission, Coordinator
 from tpcache.coordinator.frontend import handle, handle_many
 from tpcache.coordinator.ranks import RayRanks
@@ -38,7 +38,7 @@ def start_group(config: GroupConfig, worker_cls: type[RankWorker] = RankWorker) 
     Raises ``EventConfigError``/``EventPublisherError`` for a bad events endpoint before
     any rank starts.
     """
-    publisher = open_publisher(config)
+    ends = Endpoints(config)
     try:
         ranks = RayRanks(
             config.worker_spec(),
@@ -47,10 +47,9 @@ def start_group(config: GroupConfig, worker_cls: type[RankWorker] = RankWorker) 
             worker_cls=worker_cls,
         )
     except BaseException:
-        if publisher is not None:
-            publisher.close()
+        ends.close()
         raise
-    return build_coordinator(config, ranks, ranks.capacity, publisher)
+    return build_coordinator(config, ranks, ranks.capacity, ends)
 
 
 class CoordinatorService:

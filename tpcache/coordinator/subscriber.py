@@ -18,7 +18,8 @@ import zmq
 
 from tpcache.cache.events import KVEventBatch, decode_batch
 from tpcache.coordinator.block_index import BlockIndex, IndexProblem, ProblemKind, StoredBlock
-from tpcache.coordinator.replay_server import END_SEQ, SNAPSHOT_REQUEST, decode_seq
+from tpcache.coordinator.replay_server import BUSY_SEQ, END_SEQ, SNAPSHOT_REQUEST, decode_seq
+from tpcache.workers.netsec import NetSecError, check_key, make_client
 
 __all__ = [
     "BlockIndex",
@@ -61,6 +62,9 @@ class EventSubscriber:
     replay endpoint (else counted in ``gaps``). ``request_replay`` and
     ``request_snapshot`` move ``last_seq`` forward, so live batches already covered by
     them are skipped. Not thread-safe (ZMQ sockets): use it from one thread.
+    ``curve_server_key``: the publisher's CURVE public key, when it is a CURVE server;
+    ``curve_keypair``: this subscriber's own (public, secret) key pair, for a publisher
+    that lets in listed clients only.
     """
 
     def __init__(
@@ -71,9 +75,18 @@ class EventSubscriber:
         *,
         context: zmq.Context | None = None,
         replay_timeout: float = 5.0,
+        curve_server_key: str | None = None,
+        curve_keypair: tuple[str, str] | None = None,
     ) -> None:
         if not replay_timeout > 0:
             raise EventSubscriberError(f"replay_timeout must be > 0 s, got {replay_timeout}")
+        if curve_server_key is not None:
+            try:
+                check_key("curve_server_key", curve_server_key)
+            except NetSecError as exc:
+                raise EventSubscriberError(str(exc)) from None
+        self._curve = curve_server_key
+        self._keypair = curve_keypair  # this client's (public, secret); None: a fresh one
         # Separate from next_batch's timeout: a caller polling every few ms must not
         # fail a gap replay that needs a little longer.
         self._replay_timeout = replay_timeout
@@ -89,6 +102,8 @@ class EventSubscriber:
         try:
             self._sub.setsockopt(zmq.LINGER, 0)
             self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
+            if self._curve is not None:
+                make_client(self._sub, self._curve, self._keypair)
             self._sub.connect(endpoint)
             if replay_endpoint is not None:
                 self._dealer = self._open_dealer()
@@ -103,6 +118,8 @@ class EventSubscriber:
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         try:
+            if self._curve is not None:
+                make_client(dealer, self._curve, self._keypair)
             dealer.connect(self._replay_endpoint)
         except zmq.ZMQError:
             dealer.close(linger=0)
@@ -188,6 +205,8 @@ class EventSubscriber:
             seq, payload = _parse(self._dealer.recv_multipart())
             if seq == END_SEQ:
                 return replies
+            if seq == BUSY_SEQ:
+                raise EventSubscriberError("the publisher is busy building snapshots; ask again")
             replies.append(_decode(seq, payload))
         # A reply cut short may still trickle in; a fresh socket will not see it.
         self._dealer.close(linger=0)
@@ -231,6 +250,12 @@ def build_events_parser(p: argparse.ArgumentParser) -> None:
         help="wait up to S s per message of a replay or snapshot reply",
     )
     p.add_argument("--json", action="store_true", help="one JSON object per event")
+    p.add_argument(
+        "--curve-server-key",
+        default=None,
+        metavar="KEY",
+        help="the publisher's CURVE public key (Z85), when it publishes on a network address",
+    )
 
 
 def _print_batch(seq: int, batch: KVEventBatch, as_json: bool, out: TextIO) -> None:
@@ -261,7 +286,11 @@ def run_events(args: argparse.Namespace, out: TextIO | None = None) -> int:
     shown = 0
     try:
         with EventSubscriber(
-            args.endpoint, args.replay_endpoint, args.topic, replay_timeout=args.replay_timeout
+            args.endpoint,
+            args.replay_endpoint,
+            args.topic,
+            replay_timeout=args.replay_timeout,
+            curve_server_key=args.curve_server_key,
         ) as sub:
             first: list[Received] = []
             if args.snapshot:

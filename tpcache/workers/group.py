@@ -52,8 +52,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -135,8 +136,16 @@ class GroupSpec:
     backend: str = "auto"
     timeout_s: float = 60.0
     join_timeout_s: float = 120.0
+    # Every rank on one node: meet through a file there (in a private directory) instead
+    # of a TCP store, and talk over loopback only (the TCP store listens on every
+    # interface, whatever host it is given). ``master_addr``/``master_port`` unused then.
+    store_path: str | None = None
 
     def __post_init__(self) -> None:
+        if self.store_path is not None and (
+            not isinstance(self.store_path, str) or not self.store_path.startswith("/")
+        ):
+            raise GroupInputError(f"store_path must be an absolute path, got {self.store_path!r}")
         for name in ("rank", "world_size", "master_port"):
             if type(getattr(self, name)) is not int:
                 raise GroupInputError(f"{name} must be an int, got {getattr(self, name)!r}")
@@ -155,6 +164,8 @@ class GroupSpec:
 
     @property
     def init_method(self) -> str:
+        if self.store_path is not None:
+            return f"file://{self.store_path}"
         host = self.master_addr
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"  # an IPv6 literal needs brackets in a URL
@@ -163,7 +174,8 @@ class GroupSpec:
     @property
     def where(self) -> str:
         """``rank r/world at addr:port``, for error messages."""
-        return f"rank {self.rank}/{self.world_size} at {self.master_addr}:{self.master_port}"
+        at = self.store_path or f"{self.master_addr}:{self.master_port}"
+        return f"rank {self.rank}/{self.world_size} at {at}"
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -276,18 +288,20 @@ class TPGroup:
         if backend == "nccl":
             torch.cuda.set_device(comm_device)
         try:
-            dist.init_process_group(
-                backend,
-                init_method=spec.init_method,
-                rank=spec.rank,
-                world_size=spec.world_size,
-                # Bounds the TCPStore rendezvous, and would bound the default group's
-                # collectives too: hence the second group below.
-                timeout=timedelta(seconds=spec.join_timeout_s),
-            )
-            # Every rank is in by now, so this meets at once; its timeout is the one
-            # every collective here runs under.
-            pg = dist.new_group(timeout=timedelta(seconds=spec.timeout_s))
+            local = _loopback_only() if spec.store_path is not None else contextlib.nullcontext()
+            with local:
+                dist.init_process_group(
+                    backend,
+                    init_method=spec.init_method,
+                    rank=spec.rank,
+                    world_size=spec.world_size,
+                    # Bounds the store rendezvous, and would bound the default group's
+                    # collectives too: hence the second group below.
+                    timeout=timedelta(seconds=spec.join_timeout_s),
+                )
+                # Every rank is in by now, so this meets at once; its timeout is the one
+                # every collective here runs under.
+                pg = dist.new_group(timeout=timedelta(seconds=spec.timeout_s))
         except Exception as exc:
             if dist.is_initialized():
                 with contextlib.suppress(Exception):
@@ -562,6 +576,26 @@ class TPGroup:
         return GroupError(
             f"{op} failed for {self._where} ({self._backend}, timeout {self._timeout_s:g}s): {why}"
         )
+
+
+@contextlib.contextmanager
+def _loopback_only() -> Iterator[None]:
+    """Gloo's and NCCL's sockets on the loopback interface while a group forms (they
+    read these variables when they make their devices); the caller's values after."""
+    names = [n for _, n in socket.if_nameindex() if n.startswith("lo")]
+    keys = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+    saved = {k: os.environ.get(k) for k in keys}
+    if names:
+        for k in keys:
+            os.environ[k] = names[0]
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _first_line(exc: BaseException) -> str:

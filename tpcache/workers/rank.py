@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import shutil
+import tempfile
 import time
 from typing import Any
 
@@ -59,14 +62,28 @@ class RankWorker:
         self._swa_pool_cache: object | None = None
         self.tokens_computed = 0  # tokens run through the model since load_model
         self._slot_fault = 0  # test double: shift of the first context slot, next forward
+        self._store_dir: str | None = None  # local_store's directory (rank 0 of one node)
 
     # ---- start-up ---------------------------------------------------------------------
     def address(self) -> tuple[str, int]:
         """Where the group's rendezvous can listen: this node's address and a free port."""
         return node_ip(), free_port()
 
-    def join(self, master_addr: str, master_port: int) -> str:
-        """Join the TP process group (blocks until every rank joins, or ``join_timeout_s``)."""
+    def local_store(self) -> str:
+        """A rendezvous file for a group whose ranks all run on this node, in a new
+        directory only this user can read (removed when this rank leaves the group)."""
+        self._drop_store_dir()
+        self._store_dir = tempfile.mkdtemp(prefix="tpcache-rdv-")
+        return os.path.join(self._store_dir, "store")
+
+    def _drop_store_dir(self) -> None:
+        if self._store_dir is not None:
+            shutil.rmtree(self._store_dir, ignore_errors=True)
+            self._store_dir = None
+
+    def join(self, master_addr: str, master_port: int, store_path: str | None = None) -> str:
+        """Join the TP process group (blocks until every rank joins, or ``join_timeout_s``).
+        ``store_path``: every rank is on this node; meet through that file, over loopback."""
         spec = GroupSpec(
             rank=self.rank,
             world_size=self.spec.pool.tp,
@@ -75,6 +92,7 @@ class RankWorker:
             backend=self.spec.backend,
             timeout_s=self.spec.timeout_s,
             join_timeout_s=self.spec.join_timeout_s,
+            store_path=store_path,
         )
         self.group = TPGroup.init(spec, self.device)
         return self.group.backend
@@ -123,19 +141,21 @@ class RankWorker:
         self._faults.clear()
         return self.setup()
 
-    def join_and_setup(self, master_addr: str, master_port: int) -> int:
+    def join_and_setup(
+        self, master_addr: str, master_port: int, store_path: str | None = None
+    ) -> int:
         """``join`` then ``setup``: the whole start-up of a rank (collective)."""
-        self.join(master_addr, master_port)
+        self.join(master_addr, master_port, store_path)
         return self.setup()
 
-    def rejoin(self, master_addr: str, master_port: int) -> int:
+    def rejoin(self, master_addr: str, master_port: int, store_path: str | None = None) -> int:
         """Leave the current (possibly broken) group, join a new one and start over with an
         empty cache and a fresh pool. Collective over the new group."""
-        self.shutdown()
+        self._leave_group()  # not shutdown(): the new group's store may be in this dir
         self.pool = None
         self.cache = None
         self._faults.clear()
-        return self.join_and_setup(master_addr, master_port)
+        return self.join_and_setup(master_addr, master_port, store_path)
 
     # ---- steps ------------------------------------------------------------------------
     def apply(self, data: bytes) -> bytes:
@@ -318,6 +338,10 @@ class RankWorker:
 
     def shutdown(self) -> None:
         """Leave the process group (tolerates a broken one). Idempotent."""
+        self._leave_group()
+        self._drop_store_dir()
+
+    def _leave_group(self) -> None:
         if self.group is not None:
             with contextlib.suppress(Exception):
                 self.group.destroy()

@@ -1,0 +1,152 @@
+"""Who may reach a socket: loopback by default, CURVE on a network address.
+
+Every socket tpcache opens binds loopback unless the operator names another address;
+one that carries token ids (KV events, replays and snapshots, the step channel) on a
+network address must be authenticated (ZMQ CURVE: the server's secret key stays with
+it, clients are handed its public key, and may be limited to a list of their own public
+keys) or the operator must say explicitly that it may be read by anyone who reaches it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import threading
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
+
+
+class NetSecError(ValueError):
+    """A key that is not a CURVE key, or an address that needs authentication."""
+
+
+def tcp_host(endpoint: str) -> str | None:
+    """The host of a ``tcp://host:port`` endpoint (brackets of an IPv6 literal removed);
+    None for another transport."""
+    transport, _, address = endpoint.partition("://")
+    if transport != "tcp":
+        return None
+    host = address.rpartition(":")[0]
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address; ``*`` means every interface) is only
+    reachable from this machine."""
+    if host in ("*", "0.0.0.0", "::", ""):
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+
+def endpoint_is_local(endpoint: str) -> bool:
+    """Whether a ZMQ endpoint can only be reached from this machine (ipc, inproc, or a
+    loopback tcp address)."""
+    host = tcp_host(endpoint)
+    if host is None:
+        return endpoint.startswith(("ipc://", "inproc://"))
+    return is_loopback(host)
+
+
+def check_key(name: str, key: str) -> None:
+    """Raise ``NetSecError`` unless ``key`` is a Z85 CURVE key (40 chars, 32 bytes)."""
+    if not isinstance(key, str) or len(key) != 40:
+        raise NetSecError(f"{name} must be a 40-character Z85 CURVE key")
+    try:
+        z85.decode(key.encode("ascii"))
+    except Exception as exc:
+        raise NetSecError(f"{name} is not a Z85 CURVE key: {exc}") from None
+
+
+def new_keypair() -> tuple[str, str]:
+    """A fresh CURVE (public, secret) key pair, Z85 text."""
+    public, secret = zmq.curve_keypair()
+    return public.decode("ascii"), secret.decode("ascii")
+
+
+def public_of(secret: str) -> str:
+    """The public key of a CURVE secret key."""
+    return zmq.curve_public(secret.encode("ascii")).decode("ascii")
+
+
+def make_server(sock: zmq.Socket, secret: str) -> None:
+    """Make ``sock`` a CURVE server (before it binds): only clients that know the public
+    key of ``secret`` complete the handshake, and the traffic is encrypted."""
+    sock.curve_secretkey = secret.encode("ascii")
+    sock.curve_publickey = public_of(secret).encode("ascii")
+    sock.curve_server = True
+
+
+def make_client(
+    sock: zmq.Socket, server_public: str, keypair: tuple[str, str] | None = None
+) -> None:
+    """Make ``sock`` a CURVE client of the server with ``server_public`` (before it
+    connects), with ``keypair`` (public, secret) as its own, or a fresh one."""
+    public, secret = keypair or new_keypair()
+    sock.curve_serverkey = server_public.encode("ascii")
+    sock.curve_publickey = public.encode("ascii")
+    sock.curve_secretkey = secret.encode("ascii")
+
+
+_auth_lock = threading.Lock()
+_authenticators: dict[int, tuple[ThreadAuthenticator, int]] = {}
+
+
+def allow_clients(ctx: zmq.Context, client_keys: tuple[str, ...]) -> None:
+    """Limit CURVE servers of ``ctx`` to clients with these public keys (a ZAP handler
+    on its own thread, one per context). Release with ``release_clients``."""
+    with _auth_lock:
+        auth, users = _authenticators.get(id(ctx), (None, 0))
+        if auth is None:
+            auth = ThreadAuthenticator(ctx)
+            auth.start()
+        allowed = {k.encode("ascii"): True for k in client_keys}
+        auth.configure_curve_callback(domain="*", credentials_provider=_Allowed(allowed))
+        _authenticators[id(ctx)] = (auth, users + 1)
+
+
+def release_clients(ctx: zmq.Context) -> None:
+    with _auth_lock:
+        auth, users = _authenticators.get(id(ctx), (None, 0))
+        if auth is None:
+            return
+        if users <= 1:
+            auth.stop()
+            del _authenticators[id(ctx)]
+        else:
+            _authenticators[id(ctx)] = (auth, users - 1)
+
+
+class _Allowed:
+    def __init__(self, keys: dict[bytes, bool]) -> None:
+        self.keys = keys
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.keys
+
+
+__all__ = [
+    "NetSecError",
+    "allow_clients",
+    "check_key",
+    "endpoint_is_local",
+    "is_loopback",
+    "make_client",
+    "make_server",
+    "new_keypair",
+    "public_of",
+    "release_clients",
+    "tcp_host",
+]
