@@ -37,7 +37,7 @@ def slow_rank_then_calls(coord, n: int) -> tuple[int, int]:
     """Rank 0 sleeps on the next step; then ``n`` one-call steps. Returns the steps and
     messages sent for them once synced."""
     s0, m0 = coord.stats()["steps_sent"], coord.stats()["messages_sent"]
-    coord.ranks.actors[0].inject_fault.remote(s0, "sleep", SLEEP_S)
+    coord.ranks.call_on(0, "inject_fault", s0, "sleep", SLEEP_S)
     for i in range(n):
         coord.admit(f"r{i}", [7, 7, 7, 7, i + 1, i + 2])
     coord.sync()
@@ -48,7 +48,7 @@ def slow_rank_then_calls(coord, n: int) -> tuple[int, int]:
 def test_steps_wait_while_a_rank_is_slow_and_go_out_together(coord):
     c = configured(coord, max_inflight=1, coalesce=4)
     s0, d0 = c.stats()["steps_sent"], c.stats()["steps_done"]
-    c.ranks.actors[0].inject_fault.remote(s0, "sleep", SLEEP_S)
+    c.ranks.call_on(0, "inject_fault", s0, "sleep", SLEEP_S)
     c.admit("a", [1, 2, 3, 4, 5])  # sent at once: the only slot
     for i in range(3):
         c.admit(f"b{i}", [1, 2, 3, 4, 6 + i])
@@ -85,8 +85,8 @@ def test_divergence_inside_a_coalesced_message_is_caught_at_its_step(coord):
     c.finish("p")  # cached: the admits below hit it, the corrupted one cannot
     c.sync()
     s0 = c.stats()["steps_sent"]
-    c.ranks.actors[0].inject_fault.remote(s0, "sleep", SLEEP_S)
-    c.ranks.actors[1].inject_fault.remote(s0 + 2, "corrupt")
+    c.ranks.call_on(0, "inject_fault", s0, "sleep", SLEEP_S)
+    c.ranks.call_on(1, "inject_fault", s0 + 2, "corrupt")
     recoveries = c.stats()["recoveries"]
     c.admit("a", [1, 2, 3, 4, 5])
     c.admit("b", [1, 2, 3, 4, 6])
@@ -108,7 +108,7 @@ def test_health_check_sends_steps_that_wait(coord):
     """What ``tpcache serve``'s health thread relies on when frontends go quiet."""
     c = configured(coord, max_inflight=1, coalesce=8)
     s0, d0 = c.stats()["steps_sent"], c.stats()["steps_done"]
-    c.ranks.actors[0].inject_fault.remote(s0, "sleep", 1.0)
+    c.ranks.call_on(0, "inject_fault", s0, "sleep", 1.0)
     c.admit("a", [1, 2, 3, 4, 5])
     c.admit("b", [1, 2, 3, 4, 6])
     assert c.stats()["waiting"] == 1

@@ -125,7 +125,7 @@ def test_rank_hang_times_out_and_recovers(ray_cluster):
         coord.admit("a", list(range(1, 30)))
         coord.sync()
         step = coord.stats()["steps_sent"]
-        coord.ranks.actors[1].inject_fault.remote(step, "sleep", 12.0)
+        coord.ranks.call_on(1, "inject_fault", step, "sleep", 12.0)
         t = time.monotonic()
         with pytest.raises(LockstepError) as caught:
             coord.finish("a")
@@ -173,7 +173,7 @@ def test_divergence_recovers_or_stays_down(ray_cluster):
         coord.finish("a")
         coord.admit("a", list(range(1, 30)))  # running when the group stops
         coord.sync()
-        coord.ranks.actors[0].inject_fault.remote(coord.stats()["steps_sent"], "corrupt")
+        coord.ranks.call_on(0, "inject_fault", coord.stats()["steps_sent"], "corrupt")
         coord.admit("b", list(range(1, 30)))  # its prefix hit differs on rank 0
         with pytest.raises(DivergenceError) as caught:
             coord.sync()

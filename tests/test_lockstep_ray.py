@@ -236,7 +236,7 @@ def test_planted_divergence_is_caught_at_its_step(ray_cluster):
         coord.finish("a")
         coord.sync()
         bad_step = coord.stats()["steps_sent"]
-        coord.ranks.actors[1].inject_fault.remote(bad_step, "corrupt")
+        coord.ranks.call_on(1, "inject_fault", bad_step, "corrupt")
         coord.admit("b", list(range(1, 40)))  # this step's Admit is corrupted on rank 1
         with pytest.raises(DivergenceError) as caught:
             coord.sync()

@@ -183,7 +183,7 @@ def test_planted_wrong_slot_on_one_rank_fails_the_comparison(engines):
     eng = engines(2)
     prompt = list(range(1, 30))
     assert run_script(eng, MODEL, [[prompt]], tol=TOL).ok(TOL)
-    eng.coord.ranks.actors[1].plant_slot_error.remote(1)
+    eng.coord.ranks.call_on(1, "plant_slot_error", 1)
     bad = run_script(eng, MODEL, [[[*prompt, 4, 5]]], tol=TOL)
     assert bad.prefix_lens == [28]
     assert bad.max_rel_err > 1e-3 and not bad.ok(TOL)
@@ -249,7 +249,7 @@ def test_a_forward_flushes_steps_waiting_in_the_coordinator(engines):
     coord.config = dataclasses.replace(old, max_inflight=1, coalesce=4)
     try:
         slow = coord.stats()["steps_sent"]
-        coord.ranks.actors[0].inject_fault.remote(slow, "sleep", 1.5)
+        coord.ranks.call_on(0, "inject_fault", slow, "sleep", 1.5)
         coord.admit("slow", list(range(1, 10)))  # sent at once; rank 0 sleeps on it
         prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
         coord.admit("y", prompt)

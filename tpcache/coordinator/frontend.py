@@ -53,6 +53,8 @@ def dispatch(coord: Coordinator, call: Call) -> Reply:
                 return StatsReply(coord.stats())
     except _REJECTED as exc:
         return ErrorReply(type(exc).__name__, str(exc), bool(getattr(exc, "retryable", False)))
+    except Exception as exc:  # a bug: the frontend still gets a reply, and the type's name
+        return ErrorReply(type(exc).__name__, f"internal error: {exc}")
     return ErrorReply("BadRequest", f"unknown call {call!r}")
 
 

@@ -111,6 +111,13 @@ class LocalRanks:
         futs = [r.submit(lambda w=r.worker: getattr(w, method)(*args)) for r in self.ranks]
         return self._results(futs, timeout)
 
+    def call_on(self, rank: int, method: str, *args: Any, timeout: float = 60.0) -> Any:
+        """``RankWorker.<method>(*args)`` on ``rank`` alone, in order with the steps."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside [0, {self.world_size})")
+        fut = self.ranks[rank].submit(lambda: getattr(self.ranks[rank].worker, method)(*args))
+        return self._results([fut], timeout)[0]
+
     def restart(self, probe_s: float = 2.0) -> int:
         """Replace every rank that does not answer a ping within ``probe_s`` (hung, or
         its thread busy with a call that will not return), then start every rank over on

@@ -2,8 +2,14 @@
 
 One placement-group bundle per rank: one GPU each when the cluster has GPUs, a sliver of
 CPU otherwise (CPU ranks mostly wait on collectives; a whole CPU each would not fit
-four ranks on a two-core machine). Ranks may land on several nodes; the process group
-meets at rank 0's node address.
+four ranks on a two-core machine), placed by the group's strategy (``PACK``, ``SPREAD``,
+``STRICT_PACK``, ``STRICT_SPREAD``) and any custom resources per rank. Ranks may land on
+several nodes; the process group meets at rank 0's node address (through a file, over
+loopback, when they share one node).
+
+Steps travel on the step channel (``transport="channel"``, the default; see
+``step_path``), or, for comparison, as one Ray actor call per rank per message
+(``transport="ray"``). Ray places, starts, restarts and names the ranks either way.
 """
 
 from __future__ import annotations
@@ -21,11 +27,15 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from tpcache.coordinator.step_path import RAY_CALLS, ChannelPath
 from tpcache.coordinator.step_types import RankCallError, first_cause
+from tpcache.workers.group import node_ip
 from tpcache.workers.rank import RankWorker
 from tpcache.workers.spec import WorkerSpec
 
 CPU_PER_RANK = 0.01
+TRANSPORTS = ("channel", "ray")
+STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 RankActor = ray.remote(RankWorker)
 
 
@@ -44,14 +54,23 @@ class RayRanks:
         strategy: str = "PACK",
         worker_cls: type[RankWorker] = RankWorker,
         start_timeout_s: float = 120.0,
+        transport: str = "channel",
+        rank_resources: dict[str, float] | None = None,
     ) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         tp = spec.pool.tp
         self.world_size = tp
         self.spec = spec
         self.start_timeout_s = start_timeout_s
+        self.transport = transport
         gpus = cluster_gpus() >= tp if use_gpus is None else use_gpus
         self.use_gpus = gpus
         bundle = {"GPU": 1, "CPU": CPU_PER_RANK} if gpus else {"CPU": CPU_PER_RANK}
+        bundle.update(rank_resources or {})
+        self.path: ChannelPath | None = None
         self.pg = placement_group([dict(bundle) for _ in range(tp)], strategy=strategy)
         try:
             ray.get(self.pg.ready(), timeout=start_timeout_s)
@@ -62,15 +81,32 @@ class RayRanks:
                 f"cluster has {ray.cluster_resources()}"
             ) from None
         nodes = placement_group_table(self.pg).get("bundles_to_node_id", {})
-        self.single_node = len(set(nodes.values())) == 1
+        self.rank_nodes = [nodes[i] for i in range(tp)]  # Ray node id of each rank
+        self.single_node = len(set(self.rank_nodes)) == 1
         self._actor_cls = RankActor if worker_cls is RankWorker else ray.remote(worker_cls)
         self.actors = [self._new_actor(i) for i in range(tp)]
         try:
             self.capacity = self._form_group("join_and_setup")
+            self._open_path()
         except BaseException:
             self.close()
             raise
         self.replaced = 0  # ranks started to replace dead or hung ones, since creation
+
+    def _open_path(self) -> None:
+        """Start the step channel: IPC for ranks on this process's node, CURVE TCP for
+        the others (``transport="channel"``)."""
+        if self.transport != "channel":
+            return
+        here = ray.get_runtime_context().get_node_id()
+        remote = {r for r, node in enumerate(self.rank_nodes) if node != here}
+        timeout = self.start_timeout_s
+        self.path = ChannelPath(self.actors, remote, node_ip() if remote else "", timeout)
+
+    def _close_path(self) -> None:
+        if self.path is not None:
+            self.path.close()
+            self.path = None
 
     def _new_actor(self, rank: int) -> Any:
         return self._actor_cls.options(
@@ -79,6 +115,8 @@ class RayRanks:
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.pg, placement_group_bundle_index=rank
             ),
+            # The channel loop is one long call; health checks and stop_steps run beside it.
+            max_concurrency=4,
         ).remote(rank, self.spec, 0)
 
     def _form_group(self, method: str) -> int:
@@ -101,7 +139,9 @@ class RayRanks:
         return int(caps[0])
 
     # ---- RankTransport ------------------------------------------------------------------
-    def send(self, steps: list[bytes]) -> tuple[bool, list[Any]]:
+    def send(self, steps: list[bytes]) -> Any:
+        if self.path is not None:
+            return self.path.send(steps, self.spec.timeout_s + 60.0)
         # A lone step goes as plain bytes: a list argument and result cost 0.14-0.55 ms
         # more per round trip here (TP=2 and 4, measured interleaved), which only several
         # steps repay.
@@ -109,12 +149,16 @@ class RayRanks:
             return False, [a.apply.remote(steps[0]) for a in self.actors]
         return True, [a.apply_steps.remote(steps) for a in self.actors]
 
-    def ready(self, ticket: tuple[bool, list[Any]]) -> bool:
+    def ready(self, ticket: Any) -> bool:
+        if self.path is not None:
+            return self.path.ready(ticket)
         refs = ticket[1]
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=True)
         return len(done) == len(refs)
 
-    def collect(self, ticket: tuple[bool, list[Any]], timeout: float) -> list[list[bytes]]:
+    def collect(self, ticket: Any, timeout: float) -> list[list[bytes]]:
+        if self.path is not None:
+            return self.path.collect(ticket, timeout)
         many, refs = ticket
         per_rank = self._get(refs, timeout)
         if not many:
@@ -122,30 +166,50 @@ class RayRanks:
         return [list(outs) for outs in zip(*per_rank, strict=True)]
 
     def call(self, method: str, *args: Any, timeout: float = 60.0) -> list[Any]:
+        """``RankWorker.<method>(*args)`` on every rank, in rank order: through the step
+        channel (in order with the steps) unless it is one the actor answers itself."""
+        if self.path is not None and method not in RAY_CALLS:
+            return self.path.call(method, args, timeout)
         return self._get([getattr(a, method).remote(*args) for a in self.actors], timeout)
 
+    def call_on(self, rank: int, method: str, *args: Any, timeout: float = 60.0) -> Any:
+        """``RankWorker.<method>(*args)`` on ``rank`` alone (e.g. to plant a fault drill),
+        in order with the steps; returns its value."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside [0, {self.world_size})")
+        if self.path is not None and method not in RAY_CALLS:
+            return self.path.call(method, args, timeout, only=rank)[rank]
+        return self._get([getattr(self.actors[rank], method).remote(*args)], timeout)[0]
+
     def restart(self, probe_s: float = 2.0) -> int:
-        """Replace every rank that is dead or does not answer within ``probe_s`` (hung in a
-        step), have all ranks form a new group, and agree the capacity again. The new
-        ranks and the survivors all start with an empty cache. Returns the capacity."""
-        refs = [a.ping.remote() for a in self.actors]
+        """Replace every rank that is dead, does not answer within ``probe_s``, whose step
+        loop has been busy with one message longer than ``probe_s`` (hung in a step: its
+        peers' collectives timed out and they are idle again), or that is still joining a
+        group an earlier failed attempt formed; have all ranks form a
+        new group and a new step channel, and agree the capacity again. The new ranks and
+        the survivors all start with an empty cache. Returns the capacity."""
+        self._close_path()
+        refs = [a.health.remote() for a in self.actors]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=probe_s)
         done = set(ready)
         for rank, ref in enumerate(refs):
             healthy = False
             if ref in done:
                 with contextlib.suppress(Exception):
-                    healthy = ray.get(ref, timeout=0) == rank
+                    got, busy_s, joining = ray.get(ref, timeout=0)
+                    healthy = got == rank and busy_s < probe_s and not joining
             if not healthy:
                 with contextlib.suppress(Exception):
                     ray.kill(self.actors[rank], no_restart=True)
                 self.actors[rank] = self._new_actor(rank)
                 self.replaced += 1
         self.capacity = self._form_group("rejoin")
+        self._open_path()
         return self.capacity
 
     # ---- life ---------------------------------------------------------------------------
     def close(self) -> None:
+        self._close_path()
         for a in getattr(self, "actors", []):
             with contextlib.suppress(Exception):  # already gone
                 ray.kill(a, no_restart=True)

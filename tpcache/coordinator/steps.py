@@ -164,7 +164,10 @@ class StepDriver:
         while len(self._inflight) >= self.config.max_inflight:  # the config may have shrunk
             self._collect_one()
         steps, self._waiting = self._waiting, []
-        ticket = self.ranks.send([s.data for s in steps])
+        try:
+            ticket = self.ranks.send([s.data for s in steps])
+        except RankCallError as exc:  # a rank is gone or stopped reading
+            self._fail(InFlight(steps, None), exc)
         self._inflight.append(InFlight(steps, ticket))
         self.counters.messages += 1
 

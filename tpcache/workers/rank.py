@@ -21,6 +21,8 @@ import torch
 from tpcache.cache.errors import CacheError
 from tpcache.cache.radix import RadixCache
 from tpcache.cache.swa_cache import HybridCache
+from tpcache.workers.channel import Attach, RankLoop
+from tpcache.workers.channel import serve as serve_channel
 from tpcache.workers.context import ForwardError, check_forward, to_context
 from tpcache.workers.group import GroupSpec, TPGroup, free_port, node_ip
 from tpcache.workers.kvpool import (
@@ -63,6 +65,8 @@ class RankWorker:
         self.tokens_computed = 0  # tokens run through the model since load_model
         self._slot_fault = 0  # test double: shift of the first context slot, next forward
         self._store_dir: str | None = None  # local_store's directory (rank 0 of one node)
+        self._loop: RankLoop | None = None  # the step channel's loop, while it runs
+        self._joining_since: float | None = None  # a join_and_setup in hand since then
 
     # ---- start-up ---------------------------------------------------------------------
     def address(self) -> tuple[str, int]:
@@ -145,12 +149,17 @@ class RankWorker:
         self, master_addr: str, master_port: int, store_path: str | None = None
     ) -> int:
         """``join`` then ``setup``: the whole start-up of a rank (collective)."""
-        self.join(master_addr, master_port, store_path)
-        return self.setup()
+        self._joining_since = time.monotonic()
+        try:
+            self.join(master_addr, master_port, store_path)
+            return self.setup()
+        finally:
+            self._joining_since = None
 
     def rejoin(self, master_addr: str, master_port: int, store_path: str | None = None) -> int:
         """Leave the current (possibly broken) group, join a new one and start over with an
         empty cache and a fresh pool. Collective over the new group."""
+        self.stop_steps(self.spec.timeout_s + 5.0)  # the old channel's loop goes first
         self._leave_group()  # not shutdown(): the new group's store may be in this dir
         self.pool = None
         self.cache = None
@@ -173,6 +182,33 @@ class RankWorker:
         result = apply_step(self._cache(), self._group(), self.rank, step, tamper)
         self.last_step = step.step
         return encode(result)
+
+    # ---- the step channel (workers/channel.py) -----------------------------------------
+    def serve_steps(self, attach: Attach) -> int:
+        """Run this rank's side of the step channel until the hub says stop or
+        ``stop_steps`` is called; returns the messages handled. A long call: under Ray the
+        actor must run other calls (``health``, ``stop_steps``) on other threads."""
+        loop = RankLoop()
+        self._loop = loop
+        return serve_channel(self, self.rank, attach, loop)
+
+    def stop_steps(self, timeout: float = 60.0) -> bool:
+        """Ask the channel loop to leave; waits up to ``timeout`` for it (a step in hand
+        finishes first, its collectives bounded by ``timeout_s``). True if it left."""
+        loop = self._loop
+        if loop is None:
+            return True
+        loop.stop.set()
+        return loop.done.wait(timeout)
+
+    def health(self) -> tuple[int, float, bool]:
+        """(rank, seconds the channel loop has been busy with the message in hand (0 when
+        idle), whether a group join is in hand). Answered on a thread of its own under
+        Ray even while the loop or a join is busy: a rank stuck in a step shows as busy,
+        and one still joining a group that a failed recovery formed must be replaced (a
+        join cannot be called off)."""
+        busy = self._loop.busy_s() if self._loop is not None else 0.0
+        return self.rank, busy, self._joining_since is not None
 
     def apply_steps(self, steps: list[bytes]) -> list[bytes]:
         """Apply encoded steps in order (one coalesced message); their results, in order.

@@ -1,0 +1,89 @@
+"""The per-step path of Ray ranks: the step channel (``workers/channel.py``) instead of a
+Ray actor call per rank per message.
+
+Ray still starts each rank's channel loop (one long actor call, ``serve_steps``, whose
+result is also how a rank's death is seen at once), and carries the calls that must not
+queue behind steps (``ping``, ``health``, ``pid``). Everything that touches a rank's cache
+or pool goes through the channel, in order with the steps.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from typing import Any
+
+import ray
+
+from tpcache.coordinator.step_types import RankCallError, first_cause
+from tpcache.workers.channel import CALL, STEPS, ChannelError, RankErrors, StepHub
+
+# Calls answered by the actor itself (Ray), not queued behind steps in the channel.
+RAY_CALLS = frozenset(("ping", "health", "pid", "address", "local_store", "stop_steps"))
+
+
+class ChannelPath:
+    """The step channel to ``actors`` (rank order), the ranks in ``remote`` over CURVE TCP
+    at ``host``, the others over IPC. Owns the hub and the loops' Ray references."""
+
+    def __init__(self, actors: list[Any], remote: set[int], host: str, timeout: float) -> None:
+        self.hub = StepHub(len(actors), remote, host)
+        self._last_check = 0.0
+        try:
+            self.loops = [a.serve_steps.remote(self.hub.attach[r]) for r, a in enumerate(actors)]
+            self.hub.wait_connected(timeout, self.dead)
+        except ChannelError as exc:
+            self.close()
+            raise RankCallError(exc.rank, exc, dead=exc.dead) from None
+        except BaseException:
+            self.close()
+            raise
+
+    def dead(self) -> int | None:
+        """A rank whose loop has ended (its process died, or the loop failed), if any.
+        Asks Ray at most every 50 ms."""
+        now = time.monotonic()
+        if now - self._last_check < 0.05:
+            return None
+        self._last_check = now
+        done, _ = ray.wait(self.loops, num_returns=len(self.loops), timeout=0)
+        return self.loops.index(done[0]) if done else None
+
+    def send(self, steps: list[bytes], timeout: float) -> int:
+        try:
+            return self.hub.send(STEPS, steps, timeout)
+        except ChannelError as exc:
+            raise RankCallError(exc.rank, exc, dead=exc.dead) from None
+
+    def ready(self, ticket: int) -> bool:
+        return self.hub.ready(ticket)
+
+    def collect(self, ticket: int, timeout: float) -> list[list[bytes]]:
+        """Per step of the message, every rank's encoded result."""
+        per_rank = self._collect(ticket, timeout)
+        return [list(outs) for outs in zip(*per_rank, strict=True)]
+
+    def call(self, method: str, args: tuple, timeout: float, only: int | None = None) -> list[Any]:
+        """``method(*args)`` on every rank (or on rank ``only``; the others give None)."""
+        try:
+            ticket = self.hub.send(CALL, [pickle.dumps((method, args, only))], timeout)
+        except ChannelError as exc:
+            raise RankCallError(exc.rank, exc, dead=exc.dead) from None
+        return [pickle.loads(frames[0]) for frames in self._collect(ticket, timeout)]
+
+    def _collect(self, ticket: int, timeout: float) -> list[list[bytes]]:
+        try:
+            return self.hub.collect(ticket, timeout, self.dead)
+        except RankErrors as exc:
+            raise first_cause([RankCallError(r, e) for r, e in exc.errors]) from None
+        except ChannelError as exc:
+            raise RankCallError(exc.rank, exc, dead=exc.dead) from None
+
+    def close(self) -> None:
+        """Ask the loops to leave and close the hub (the loops also leave by themselves
+        when their actor is told ``stop_steps``, or dies)."""
+        self.hub.stop_ranks()
+        self.hub.close()
+
+
+__all__ = ["RAY_CALLS", "ChannelPath"]
