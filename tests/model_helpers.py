@@ -123,6 +123,9 @@ class ThreadRanks:
     def restart(self, probe_s: float = 2.0) -> int:
         raise RuntimeError("thread ranks are not restarted")
 
+    def paths(self) -> list[str]:
+        return ["thread"] * self.world_size
+
     def close(self) -> None:
         self.pool.shutdown(wait=False)
 

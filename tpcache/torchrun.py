@@ -72,6 +72,9 @@ class TorchrunRanks:
     def ready(self, ticket: tuple[bool, Any]) -> bool:
         return True
 
+    def paths(self) -> list[str]:
+        return ["torchrun"] * self.world_size
+
     def collect(self, ticket: tuple[bool, Any], timeout: float) -> list[list[bytes]]:
         ok, value = ticket
         if not ok:

@@ -73,7 +73,7 @@ class OkReply(_Reply, tag="ok"):
 
 
 class StatsReply(_Reply, tag="stats"):
-    stats: dict[str, bool | int | float | str | list[int] | None]
+    stats: dict[str, bool | int | float | str | list[int | str] | None]
 
 
 class ErrorReply(_Reply, tag="error"):

@@ -18,6 +18,11 @@ from tpcache.workers.group import check_seconds
 from tpcache.workers.kvpool import PoolSpec
 from tpcache.workers.spec import CacheSpec, WorkerSpec
 
+# The Ray placement strategies and step paths a group may ask for (ranks.py checks them
+# too; they are here so a config is checked without Ray).
+STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+TRANSPORTS = ("channel", "ray")
+
 
 @dataclass(frozen=True)
 class GroupConfig:
@@ -41,7 +46,12 @@ class GroupConfig:
     timeout_s: float = 60.0
     join_timeout_s: float = 120.0
     use_gpus: bool | None = None
-    strategy: str = "PACK"
+    gpus_per_rank: float = 1.0  # with GPUs: each rank's bundle
+    strategy: str = "PACK"  # Ray placement of the ranks: PACK, SPREAD, STRICT_PACK, STRICT_SPREAD
+    # Custom Ray resources each rank's bundle asks for (e.g. {"node_a": 1} to pin ranks to
+    # nodes that have it): one dict for every rank, or a list of one dict per rank.
+    rank_resources: dict[str, float] | list[dict[str, float]] | None = None
+    transport: str = "channel"  # the per-step path: "channel" (ZMQ) or "ray" (actor calls)
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     events: EventConfig | None = None  # None: no KV events published
     metrics_port: int | None = None  # None: no Prometheus endpoint; 0 picks a port
@@ -51,6 +61,41 @@ class GroupConfig:
         # Before start_group binds an events endpoint or starts a rank.
         check_seconds("timeout_s", self.timeout_s)
         check_seconds("join_timeout_s", self.join_timeout_s)
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        g = self.gpus_per_rank
+        if isinstance(g, bool) or not isinstance(g, int | float) or not 0 < g <= 64:
+            raise ValueError(f"gpus_per_rank must be a number in (0, 64], got {g!r}")
+        self.resources_of(0)  # checks rank_resources
+
+    def resources_of(self, rank: int) -> dict[str, float]:
+        """The custom resources of ``rank``'s bundle. Raises ValueError for a malformed
+        ``rank_resources`` (names must be non-empty strings, amounts numbers > 0)."""
+        res = self.rank_resources
+        if res is None:
+            return {}
+        if isinstance(res, list):
+            if len(res) != self.tp:
+                raise ValueError(f"rank_resources lists {len(res)} dicts for {self.tp} ranks")
+            per = res
+        else:
+            per = [res] * self.tp
+        for d in per:
+            if not isinstance(d, dict) or not all(
+                isinstance(k, str)
+                and k
+                and k not in ("CPU", "GPU", "memory")
+                and not isinstance(v, bool)
+                and isinstance(v, int | float)
+                and v > 0
+                for k, v in d.items()
+            ):
+                raise ValueError(
+                    f"rank_resources must map custom resource names to amounts > 0, got {d!r}"
+                )
+        return dict(per[rank])
 
     def worker_spec(self) -> WorkerSpec:
         return WorkerSpec(

@@ -200,6 +200,7 @@ class Coordinator(StepDriver):
             "recoveries": c.recoveries,
             "last_recovery_s": c.last_recovery_s,
             "replaced_ranks": getattr(self.ranks, "replaced", 0),
+            "rank_paths": self.ranks.paths(),
             "step_latency_ms_median": statistics.median(lat) * 1e3 if lat else 0.0,
             "digest": self.mirror.digest(),
             "broken": str(self.broken) if self.broken else None,

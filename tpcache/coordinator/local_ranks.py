@@ -111,6 +111,9 @@ class LocalRanks:
         futs = [r.submit(lambda w=r.worker: getattr(w, method)(*args)) for r in self.ranks]
         return self._results(futs, timeout)
 
+    def paths(self) -> list[str]:
+        return ["thread"] * self.world_size
+
     def call_on(self, rank: int, method: str, *args: Any, timeout: float = 60.0) -> Any:
         """``RankWorker.<method>(*args)`` on ``rank`` alone, in order with the steps."""
         if not 0 <= rank < self.world_size:

@@ -27,6 +27,7 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from tpcache.coordinator.build import STRATEGIES, TRANSPORTS
 from tpcache.coordinator.step_path import RAY_CALLS, ChannelPath
 from tpcache.coordinator.step_types import RankCallError, first_cause
 from tpcache.workers.group import node_ip
@@ -34,8 +35,6 @@ from tpcache.workers.rank import RankWorker
 from tpcache.workers.spec import WorkerSpec
 
 CPU_PER_RANK = 0.01
-TRANSPORTS = ("channel", "ray")
-STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 RankActor = ray.remote(RankWorker)
 
 
@@ -55,7 +54,8 @@ class RayRanks:
         worker_cls: type[RankWorker] = RankWorker,
         start_timeout_s: float = 120.0,
         transport: str = "channel",
-        rank_resources: dict[str, float] | None = None,
+        rank_resources: list[dict[str, float]] | None = None,
+        gpus_per_rank: float = 1.0,
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -68,17 +68,18 @@ class RayRanks:
         self.transport = transport
         gpus = cluster_gpus() >= tp if use_gpus is None else use_gpus
         self.use_gpus = gpus
-        bundle = {"GPU": 1, "CPU": CPU_PER_RANK} if gpus else {"CPU": CPU_PER_RANK}
-        bundle.update(rank_resources or {})
+        self.gpus_per_rank = gpus_per_rank
+        bundle = {"GPU": gpus_per_rank, "CPU": CPU_PER_RANK} if gpus else {"CPU": CPU_PER_RANK}
+        bundles = [{**bundle, **(rank_resources[r] if rank_resources else {})} for r in range(tp)]
         self.path: ChannelPath | None = None
-        self.pg = placement_group([dict(bundle) for _ in range(tp)], strategy=strategy)
+        self.pg = placement_group(bundles, strategy=strategy)
         try:
             ray.get(self.pg.ready(), timeout=start_timeout_s)
         except GetTimeoutError:
             remove_placement_group(self.pg)
             raise RuntimeError(
-                f"could not place {tp} ranks ({bundle} each) within {start_timeout_s:g}s; "
-                f"cluster has {ray.cluster_resources()}"
+                f"could not place {tp} ranks (bundles {bundles}, strategy {strategy}) within "
+                f"{start_timeout_s:g}s; the cluster has {ray.cluster_resources()}"
             ) from None
         nodes = placement_group_table(self.pg).get("bundles_to_node_id", {})
         self.rank_nodes = [nodes[i] for i in range(tp)]  # Ray node id of each rank
@@ -111,7 +112,7 @@ class RayRanks:
     def _new_actor(self, rank: int) -> Any:
         return self._actor_cls.options(
             num_cpus=CPU_PER_RANK,
-            num_gpus=1 if self.use_gpus else 0,
+            num_gpus=self.gpus_per_rank if self.use_gpus else 0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.pg, placement_group_bundle_index=rank
             ),
@@ -171,6 +172,13 @@ class RayRanks:
         if self.path is not None and method not in RAY_CALLS:
             return self.path.call(method, args, timeout)
         return self._get([getattr(a, method).remote(*args) for a in self.actors], timeout)
+
+    def paths(self) -> list[str]:
+        """How each rank's steps travel: ``ipc`` (on this node), ``tcp+curve`` (another
+        node), or ``ray`` (actor calls, ``transport="ray"``)."""
+        if self.path is None:
+            return ["ray"] * self.world_size
+        return ["tcp+curve" if a.server_key else "ipc" for a in self.path.hub.attach]
 
     def call_on(self, rank: int, method: str, *args: Any, timeout: float = 60.0) -> Any:
         """``RankWorker.<method>(*args)`` on ``rank`` alone (e.g. to plant a fault drill),

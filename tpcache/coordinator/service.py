@@ -45,6 +45,9 @@ def start_group(config: GroupConfig, worker_cls: type[RankWorker] = RankWorker) 
             use_gpus=config.use_gpus,
             strategy=config.strategy,
             worker_cls=worker_cls,
+            transport=config.transport,
+            rank_resources=[config.resources_of(r) for r in range(config.tp)],
+            gpus_per_rank=config.gpus_per_rank,
         )
     except BaseException:
         ends.close()
@@ -127,8 +130,11 @@ def serve(
     name: str = "tpcache",
     namespace: str = DEFAULT_NAMESPACE,
     detached: bool = False,
+    resources: dict[str, float] | None = None,
 ) -> Any:
-    """Start the coordinator as a named actor in ``namespace``; returns its handle."""
+    """Start the coordinator as a named actor in ``namespace``; returns its handle.
+    ``resources``: custom Ray resources the coordinator's actor asks for (to place it on
+    a node that has them; ranks on that node are reached over IPC)."""
     # Restarted by Ray if its process dies; it then starts a fresh group (empty cache).
     opts: dict[str, Any] = {
         "name": name,
@@ -139,6 +145,8 @@ def serve(
     }
     if detached:
         opts["lifetime"] = "detached"
+    if resources:
+        opts["resources"] = dict(resources)
     actor = ray.remote(CoordinatorService).options(**opts).remote(config)
     ray.get(actor.stats.remote())  # wait until the group is up (raises if it failed)
     return actor

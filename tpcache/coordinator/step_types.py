@@ -53,6 +53,8 @@ class RankTransport(Protocol):
 
     def call(self, method: str, *args: Any) -> list[Any]: ...
 
+    def paths(self) -> list[str]: ...  # how each rank is reached, e.g. "ipc", "tcp+curve"
+
     def close(self) -> None: ...
 
 

@@ -8,7 +8,8 @@ nodes over TCP, where the hub is a CURVE server that lets in only the key pairs 
 for those ranks (handed to them through the Ray setup call, which Ray's token protects).
 Ray keeps placement, start, restart, naming and the setup calls.
 
-Messages (multipart; a ZMQ message arrives whole or not at all):
+Messages (multipart; a ZMQ message arrives whole or not at all), each numbered by the
+hub (its ticket, 8 bytes, the second frame) and answered under the same number:
 - hub -> rank ``[STEPS, step, ...]``: encoded ``Step``s, applied in order, each with its
   own collectives (``RankWorker.apply``); ``[CALL, pickle((method, args, only))]``: a
   ``RankWorker`` method, in order with the steps, on every rank or on rank ``only``
@@ -68,6 +69,7 @@ class Attach:
     identity: bytes
     server_key: str | None = None  # the hub's CURVE public key (TCP only)
     keypair: tuple[str, str] | None = None  # this rank's CURVE (public, secret)
+    hwm: int = 1000  # messages queued at the rank before the hub's sends wait
 
 
 class RankLoop:
@@ -96,6 +98,7 @@ def serve(worker: Any, rank: int, attach: Attach, loop: RankLoop, poll_s: float 
     try:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, attach.identity)
+        sock.setsockopt(zmq.RCVHWM, attach.hwm)
         if attach.server_key is not None:
             make_client(sock, attach.server_key, attach.keypair)
         sock.connect(attach.endpoint)
@@ -108,10 +111,10 @@ def serve(worker: Any, rank: int, attach: Attach, loop: RankLoop, poll_s: float 
                 break
             loop.busy_since = time.monotonic()
             try:
-                reply = _run(worker, frames)
+                kind, *reply = _run(worker, frames[0], frames[2:])
             finally:
                 loop.busy_since = None
-            sock.send_multipart(reply)
+            sock.send_multipart([kind, frames[1], *reply])
             handled += 1
     finally:
         sock.close(linger=0)
@@ -120,18 +123,18 @@ def serve(worker: Any, rank: int, attach: Attach, loop: RankLoop, poll_s: float 
     return handled
 
 
-def _run(worker: Any, frames: list[bytes]) -> list[bytes]:
+def _run(worker: Any, kind: bytes, frames: list[bytes]) -> list[bytes]:
     try:
-        if frames[0] == STEPS:
-            return [RESULTS, *(worker.apply(data) for data in frames[1:])]
-        if frames[0] == CALL:
-            method, args, only = pickle.loads(frames[1])
+        if kind == STEPS:
+            return [RESULTS, *(worker.apply(data) for data in frames)]
+        if kind == CALL:
+            method, args, only = pickle.loads(frames[0])
             if method.startswith("_"):
                 raise ValueError(f"{method!r} is not a public RankWorker method")
             if only is not None and only != worker.rank:
                 return [REPLY, pickle.dumps(None)]
             return [REPLY, pickle.dumps(getattr(worker, method)(*args))]
-        raise ValueError(f"unknown message kind {frames[0]!r}")
+        raise ValueError(f"unknown message kind {kind!r}")
     except Exception as exc:  # the hub re-raises it, typed
         return [ERROR, _pickled(exc)]
 
@@ -154,8 +157,9 @@ class StepHub:
     recovery does. Not thread-safe.
     """
 
-    def __init__(self, world_size: int, remote_ranks: set[int], host: str) -> None:
+    def __init__(self, world_size: int, remote_ranks: set[int], host: str, hwm: int = 1000) -> None:
         self.world_size = world_size
+        self.hwm = hwm  # messages queued per rank (here and there) before a send waits
         self._ctx = zmq.Context()
         self._dir = tempfile.mkdtemp(prefix="tpcache-ch-")  # mode 0700
         self._sockets: dict[str, zmq.Socket] = {}
@@ -171,7 +175,6 @@ class StepHub:
             self._sockets["tcp" if r in remote_ranks else "ipc"] for r in range(world_size)
         ]
         self._replies: list[dict[int, list[bytes]]] = [{} for _ in range(world_size)]
-        self._answered = [0] * world_size  # messages each rank has answered
         self._sent = 0
         self._hello: set[int] = set()
 
@@ -200,14 +203,15 @@ class StepHub:
         for r in range(self.world_size):
             ident = f"r{r}-{tag}".encode()
             if r in remote:
-                self.attach.append(Attach(tcp, ident, server_public, keys[r]))
+                self.attach.append(Attach(tcp, ident, server_public, keys[r], self.hwm))
             else:
-                self.attach.append(Attach(ipc, ident))
+                self.attach.append(Attach(ipc, ident, hwm=self.hwm))
 
     def _router(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, self.hwm)
         return sock
 
     # ---- connecting ---------------------------------------------------------------------
@@ -225,8 +229,9 @@ class StepHub:
         naming a rank that is gone or has not read for ``timeout`` seconds."""
         ticket = self._sent
         self._sent += 1
+        number = ticket.to_bytes(8, "big")
         for r in range(self.world_size):
-            self._send_one(r, [self.attach[r].identity, kind, *frames], timeout)
+            self._send_one(r, [self.attach[r].identity, kind, number, *frames], timeout)
         return ticket
 
     def _send_one(self, rank: int, msg: list[bytes], timeout: float) -> None:
@@ -250,7 +255,10 @@ class StepHub:
     def ready(self, ticket: int) -> bool:
         """Whether every rank has answered ``ticket`` (reads what has arrived; no wait)."""
         self._drain(0.0)
-        return min(self._answered) > ticket
+        return self._all_answered(ticket)
+
+    def _all_answered(self, ticket: int) -> bool:
+        return all(ticket in q for q in self._replies)
 
     def collect(
         self, ticket: int, timeout: float, dead: Callable[[], int | None]
@@ -259,20 +267,20 @@ class StepHub:
         ``RankErrors`` with what the ranks raised for it, or ``ChannelError`` at the
         timeout or for a rank that is gone (``dead()``)."""
         deadline = time.monotonic() + timeout
-        while min(self._answered) <= ticket:
+        while not self._all_answered(ticket):
             self._drain(min(0.05, max(0.0, deadline - time.monotonic())))
             if self._any_error(ticket):
                 # Peers raise together: a moment more lets every rank's error arrive, so
                 # the one where it failed can be named, or a rank that died (its peers'
                 # collectives failed because of it) be seen as the cause.
                 grace = min(deadline, time.monotonic() + 1.0)
-                while min(self._answered) <= ticket and time.monotonic() < grace:
+                while not self._all_answered(ticket) and time.monotonic() < grace:
                     self._drain(0.02)
                     gone = dead()
                     if gone is not None:
                         raise ChannelError(gone, "is gone (its process died)", dead=True)
                 break
-            self._check(deadline, dead, f"did not answer message {ticket}")
+            self._check(deadline, dead, f"did not answer message {ticket}", ticket)
         out: list[list[bytes]] = []
         errors: list[tuple[int, BaseException]] = []
         for r in range(self.world_size):
@@ -317,16 +325,21 @@ class StepHub:
         if frames[1] == HELLO:
             self._hello.add(rank)
             return
-        self._replies[rank][self._answered[rank]] = frames[1:]
-        self._answered[rank] += 1
+        if len(frames) < 3 or len(frames[2]) != 8:
+            return
+        self._replies[rank][int.from_bytes(frames[2], "big")] = [frames[1], *frames[3:]]
 
-    def _check(self, deadline: float, dead: Callable[[], int | None], what: str) -> None:
+    def _check(
+        self, deadline: float, dead: Callable[[], int | None], what: str, ticket: int = -1
+    ) -> None:
         gone = dead()
         if gone is not None:
             raise ChannelError(gone, "is gone (its process died)", dead=True)
         if time.monotonic() >= deadline:
-            late = min(range(self.world_size), key=lambda r: self._answered[r])
-            raise ChannelError(late, f"{what} in time")
+            late = [r for r in range(self.world_size) if ticket not in self._replies[r]]
+            if ticket < 0:
+                late = [r for r in range(self.world_size) if r not in self._hello]
+            raise ChannelError(late[0] if late else 0, f"{what} in time")
 
     def stop_ranks(self) -> None:
         """Ask every connected rank to leave its loop (best effort, no wait)."""

@@ -1,0 +1,202 @@
+"""The step channel alone (``tpcache.workers.channel``): the coordinator's hub and the
+ranks' loops over real ZMQ sockets (IPC, and CURVE TCP on loopback), with stand-in
+workers that answer with the length and hash of each step (``channel_helpers``)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import signal
+import time
+
+import pytest
+from channel_helpers import expected, rank_process, run_rank
+
+from tpcache.workers.channel import CALL, STEPS, ChannelError, RankErrors, StepHub
+from tpcache.workers.netsec import new_keypair
+
+
+def never_dead() -> None:
+    return None
+
+
+def start(hub: StepHub, slow: dict[int, float] | None = None):
+    loops = [run_rank(r, hub.attach[r], (slow or {}).get(r, 0.0)) for r in range(hub.world_size)]
+    hub.wait_connected(10.0, never_dead)
+    return loops
+
+
+def stop(hub: StepHub, loops) -> None:
+    hub.stop_ranks()
+    for t, loop in loops:
+        loop.stop.set()
+        t.join(5)
+        assert not t.is_alive(), "a rank loop did not leave"
+    hub.close()
+
+
+def test_messages_arrive_whole_and_in_order() -> None:
+    """Many messages of all sizes, several steps a message, one of 64 MB (far larger than
+    any buffer on the way): every rank applies each whole, in order, and its results
+    come back under the right ticket."""
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    hub = StepHub(2, set(), "")
+    loops = start(hub)
+    try:
+        sent: list[tuple[int, list[bytes]]] = []
+        for i in range(1500):
+            n = rng.randrange(1, 4)
+            steps = [rng.randbytes(rng.randrange(0, 3000)) for _ in range(n)]
+            if i in (100, 900):
+                steps.append(rng.randbytes(8 << 20))
+            if i == 500:
+                steps = [os.urandom(64 << 20)]
+            sent.append((hub.send(STEPS, steps, 30.0), steps))
+            if len(sent) > 20:  # keep a few in flight, collect the oldest
+                ticket, steps = sent.pop(0)
+                for frames in hub.collect(ticket, 30.0, never_dead):
+                    assert frames == [expected(s) for s in steps]
+        for ticket, steps in sent:
+            for frames in hub.collect(ticket, 30.0, never_dead):
+                assert frames == [expected(s) for s in steps]
+    finally:
+        stop(hub, loops)
+
+
+def test_calls_and_steps_share_one_order_and_tickets_may_be_taken_out_of_order() -> None:
+    import pickle
+
+    hub = StepHub(2, set(), "")
+    loops = start(hub)
+    try:
+        t0 = hub.send(STEPS, [b"a"], 5.0)
+        t1 = hub.send(CALL, [pickle.dumps(("echo", ("x",), None))], 5.0)
+        t2 = hub.send(CALL, [pickle.dumps(("echo", (5,), 1))], 5.0)  # rank 1 alone
+        t3 = hub.send(STEPS, [b"bb", b"ccc"], 5.0)
+        assert [pickle.loads(f[0]) for f in hub.collect(t1, 5.0, never_dead)] == [
+            (0, "x"),
+            (1, "x"),
+        ]
+        assert [pickle.loads(f[0]) for f in hub.collect(t2, 5.0, never_dead)] == [None, (1, 5)]
+        assert hub.collect(t3, 5.0, never_dead)[1] == [expected(b"bb"), expected(b"ccc")]
+        assert hub.collect(t0, 5.0, never_dead)[0] == [expected(b"a")]
+        assert [w for w in (loops[0], loops[1])]  # both still running
+    finally:
+        stop(hub, loops)
+
+
+def test_a_rank_error_comes_back_as_itself() -> None:
+    hub = StepHub(2, set(), "")
+    loops = start(hub)
+    try:
+        t = hub.send(STEPS, [b"fail"], 5.0)
+        with pytest.raises(RankErrors) as caught:
+            hub.collect(t, 5.0, never_dead)
+        assert [(r, type(e).__name__) for r, e in caught.value.errors] == [
+            (0, "ValueError"),
+            (1, "ValueError"),
+        ]
+        assert "rank 1 refused" in str(caught.value.errors[1][1])
+        t = hub.send(STEPS, [b"ok"], 5.0)  # the channel goes on
+        assert hub.collect(t, 5.0, never_dead)[0] == [expected(b"ok")]
+    finally:
+        stop(hub, loops)
+
+
+def test_a_slow_reader_holds_the_writer_back_and_nothing_is_lost() -> None:
+    """Rank 1 takes 0.5 s a step. With room for 2 messages queued per rank, the hub's
+    send waits for it and, past its timeout, fails naming rank 1 without having sent the
+    message to it; everything sent before arrives whole and in order."""
+    hub = StepHub(2, set(), "", hwm=2)
+    loops = start(hub, slow={1: 0.5})
+    try:
+        payload = [os.urandom(256 << 10)]  # fills the socket buffers on the way fast
+        sent = []
+        with pytest.raises(ChannelError) as caught:
+            for _ in range(200):
+                sent.append(hub.send(STEPS, payload, 0.2))
+        assert caught.value.rank == 1 and "stopped reading" in str(caught.value)
+        assert 2 <= len(sent) < 200
+        print(f"{len(sent)} messages went before the writer was held back")
+        for ticket in sent:  # the reader catches up: every one arrives, in order
+            assert hub.collect(ticket, 30.0, never_dead)[1] == [expected(payload[0])]
+        # The message that timed out never reached rank 1 (whole or not at all); rank 0
+        # got it; replies carry their ticket, so the next message is answered as itself.
+        t = hub.send(STEPS, [b"after"], 10.0)
+        assert hub.collect(t, 30.0, never_dead)[1] == [expected(b"after")]
+    finally:
+        stop(hub, loops)
+
+
+def test_a_rank_that_dies_fails_the_wait_and_the_next_send_at_once() -> None:
+    hub = StepHub(2, set(), "")
+    loop0 = run_rank(0, hub.attach[0])
+    proc = mp.get_context("spawn").Process(target=rank_process, args=(1, hub.attach[1]))
+    proc.start()
+    try:
+        hub.wait_connected(60.0, never_dead)
+        t = hub.send(STEPS, [b"x"], 5.0)
+        hub.collect(t, 10.0, never_dead)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+
+        def dead() -> int | None:
+            return None if proc.is_alive() else 1
+
+        t0 = time.monotonic()
+        with pytest.raises(ChannelError) as caught:
+            t = hub.send(STEPS, [b"y"], 5.0)
+            hub.collect(t, 30.0, dead)
+        assert caught.value.rank == 1 and caught.value.dead
+        assert time.monotonic() - t0 < 2.0
+        deadline = time.monotonic() + 5  # the hub sees the disconnect and fails sends
+        while True:
+            try:
+                hub.send(STEPS, [b"z"], 1.0)
+            except ChannelError as exc:
+                assert exc.rank == 1 and exc.dead
+                break
+            assert time.monotonic() < deadline, "a send to a dead rank kept succeeding"
+            time.sleep(0.05)
+    finally:
+        stop(hub, [loop0])
+        if proc.is_alive():
+            proc.kill()
+
+
+def test_shutdown_with_steps_in_flight_returns_and_the_loops_leave() -> None:
+    hub = StepHub(2, set(), "")
+    loops = start(hub, slow={0: 0.2, 1: 0.2})
+    for _ in range(10):
+        hub.send(STEPS, [b"s"], 5.0)
+    t0 = time.monotonic()
+    stop(hub, loops)  # asserts every loop left
+    assert time.monotonic() - t0 < 5.0
+
+
+def test_curve_tcp_for_remote_ranks_lets_in_only_their_keys() -> None:
+    hub = StepHub(2, {1}, "127.0.0.1")
+    a0, a1 = hub.attach
+    assert a0.endpoint.startswith("ipc://") and a0.server_key is None
+    assert a1.endpoint.startswith("tcp://127.0.0.1:") and a1.server_key and a1.keypair
+    # A client with another key pair is not let in: no hello ever arrives.
+    import dataclasses
+
+    stranger = dataclasses.replace(a1, keypair=new_keypair())
+    t_bad, loop_bad = run_rank(1, stranger)
+    try:
+        with pytest.raises(ChannelError, match="did not connect"):
+            StepHub.wait_connected(hub, 1.5, never_dead)
+    finally:
+        loop_bad.stop.set()
+        t_bad.join(5)
+    loops = [run_rank(0, a0), run_rank(1, a1)]
+    try:
+        hub.wait_connected(10.0, never_dead)
+        t = hub.send(STEPS, [b"over curve"], 5.0)
+        assert hub.collect(t, 5.0, never_dead) == [[expected(b"over curve")]] * 2
+    finally:
+        stop(hub, loops)
