@@ -2,11 +2,17 @@
 batches of 1, 8 and 64 requests (admit + finish each), unpipelined and pipelined (up to
 4 messages in flight), the latter with and without coalescing (up to the default
 ``CoordinatorConfig().coalesce`` steps per message while every slot is taken;
-``coalesce=1``: one step per message), against the floor measured in the same run: one
-bare Ray round trip to every rank that does one bare all-reduce of one element (what a
-step cannot avoid; a step's own check is two).
+``coalesce=1``: one step per message), on the step channel (``transport="channel"``,
+the default) and on Ray actor calls (``transport="ray"``), both in the same run with
+their rounds alternating, each against its own floor measured in the same rounds: the
+same bytes as a step sent to every rank over the same path, where every rank does one
+bare all-reduce of one element and answers (what a step cannot avoid).
 
-    .venv/bin/python scripts/bench_lockstep.py [--tp 2 4] [--steps 60] [--rounds 3] [--json]
+    .venv/bin/python scripts/bench_lockstep.py [--tp 2 4] [--transport channel ray]
+        [--steps 60] [--rounds 3] [--json]
+
+``vs_ray`` is, for each channel row, the Ray row's unpipelined step latency over the
+channel's (the median of the per-round ratios).
 
 Honesty rules it keeps: the floor is sampled inside every round, next to the steps it is
 compared with (the machine is shared: load moves within a minute), and once more in a
@@ -39,6 +45,7 @@ import ray
 
 from tpcache.coordinator.core import Coordinator, CoordinatorConfig
 from tpcache.coordinator.service import GroupConfig, start_group
+from tpcache.workers.ops import Admit, Finish, Step, encode, pack_tokens
 from tpcache.workers.rank import CacheSpec
 
 _TCK = os.sysconf("SC_CLK_TCK")
@@ -136,8 +143,9 @@ class Cell:
         shared, tails = workload(batch, steps, seed)
         pings: list[float] = []
         lat: list[float] = []
+        payload = step_bytes(batch)
         for s in range(steps):
-            pings += floor_samples(coord, 1)
+            pings += floor_samples(coord, 1, payload)
             t = time.perf_counter()
             with coord.batch():
                 self.calls(shared, tails[s])
@@ -153,14 +161,28 @@ def workload(batch: int, steps: int, seed: int) -> tuple[np.ndarray, np.ndarray]
     return shared, rng.integers(1, 30_000, size=(steps, batch, 16), dtype=np.int32)
 
 
-def floor_samples(coord: Coordinator, n: int) -> list[float]:
-    """``n`` timings of one bare Ray round trip to all ranks, each doing one all-reduce of
-    one element."""
-    actors = coord.ranks.actors
+def step_bytes(batch: int) -> bytes:
+    """An encoded step of ``batch`` admits and finishes like the workload's: what the
+    floor sends, so that it moves as many bytes as a step does."""
+    shared, tails = workload(batch, 1, 0)
+    ops = []
+    for i, tail in enumerate(tails[0]):
+        ops.append(Admit(i, pack_tokens(np.concatenate((shared, tail)))))
+        ops.append(Finish(i, pack_tokens(tail[:4])))
+    return encode(Step(0, ops))
+
+
+def floor_samples(coord: Coordinator, n: int, payload: bytes = b"") -> list[float]:
+    """``n`` timings of ``payload`` sent to every rank over the group's step path, each
+    rank doing one bare all-reduce of one element and answering."""
+    ranks = coord.ranks
     out = []
     for _ in range(n):
         t = time.perf_counter()
-        ray.get([a.collective_ping.remote() for a in actors])
+        if ranks.transport == "ray":
+            ray.get([a.collective_ping.remote(payload) for a in ranks.actors])
+        else:
+            ranks.call("collective_ping", payload)
         out.append(time.perf_counter() - t)
     return out
 
@@ -169,33 +191,50 @@ def med(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def measure(cell: Cell, batch: int, steps: int, rounds: int, tag: str) -> dict:
-    """Rounds of (floor, unpipelined, pipelined); medians over all of them."""
-    floor: list[float] = []
-    unp: list[Sample] = []
-    pip: list[Sample] = []
-    pip1: list[Sample] = []  # pipelined, one step per message
-    pair_floor: list[float] = []
-    pair_step: list[float] = []
-    for r in range(rounds):
-        floor += floor_samples(cell.coord, steps)
-        order: list[tuple[bool, int, list[Sample]]] = [
-            (False, 1, unp),
-            (True, COALESCE, pip),
-            (True, 1, pip1),
-        ]
-        k = r % len(order)
-        for pipelined, coalesce, into in order[k:] + order[:k]:
-            into.append(cell.run(batch, steps, pipelined, 1000 * r + batch, coalesce))
-            if tag != "evict":
-                cell.coord.reset()
-                cell.coord.sync()
-        pings, lat = cell.paired(batch, steps, 1000 * r + batch + 500)
-        pair_floor += pings
-        pair_step += lat
+@dataclass
+class Acc:
+    """What one cell measured over its rounds so far."""
+
+    floor: list[float]
+    unp: list[Sample]
+    pip: list[Sample]
+    pip1: list[Sample]  # pipelined, one step per message
+    pair_floor: list[float]
+    pair_step: list[float]
+    round_lat: list[float]  # per round, the median unpipelined step latency
+
+    @classmethod
+    def new(cls) -> Acc:
+        return cls([], [], [], [], [], [], [])
+
+
+def measure_round(cell: Cell, acc: Acc, batch: int, steps: int, r: int, tag: str) -> None:
+    """One round of (floor, unpipelined, pipelined, paired) for one cell."""
+    acc.floor += floor_samples(cell.coord, steps, step_bytes(batch))
+    order: list[tuple[bool, int, list[Sample]]] = [
+        (False, 1, acc.unp),
+        (True, COALESCE, acc.pip),
+        (True, 1, acc.pip1),
+    ]
+    k = r % len(order)
+    for pipelined, coalesce, into in order[k:] + order[:k]:
+        into.append(cell.run(batch, steps, pipelined, 1000 * r + batch, coalesce))
         if tag != "evict":
             cell.coord.reset()
             cell.coord.sync()
+    acc.round_lat.append(med(acc.unp[-1].lat_s))
+    pings, lat = cell.paired(batch, steps, 1000 * r + batch + 500)
+    acc.pair_floor += pings
+    acc.pair_step += lat
+    if tag != "evict":
+        cell.coord.reset()
+        cell.coord.sync()
+
+
+def summarize(cell: Cell, acc: Acc, batch: int, tag: str) -> dict:
+    """Medians over every round of a cell."""
+    floor, unp, pip, pip1 = acc.floor, acc.unp, acc.pip, acc.pip1
+    pair_floor, pair_step = acc.pair_floor, acc.pair_step
     lat = med([x for s in unp for x in s.lat_s])
     fl = med(floor)
     mirror = med([x for s in unp for x in s.mirror_s])
@@ -206,6 +245,7 @@ def measure(cell: Cell, batch: int, steps: int, rounds: int, tag: str) -> dict:
 
     return {
         "tp": cell.coord.ranks.world_size,
+        "transport": cell.coord.ranks.transport,
         "batch": batch,
         "cache": tag,
         "floor_ms": round(fl * 1e3, 3),
@@ -241,7 +281,7 @@ def measure(cell: Cell, batch: int, steps: int, rounds: int, tag: str) -> dict:
     }
 
 
-def group(tp: int, capacity: int) -> tuple[Cell, Coordinator]:
+def group(tp: int, capacity: int, transport: str = "channel") -> tuple[Cell, Coordinator]:
     cfg = GroupConfig(
         tp=tp,
         capacity_tokens=capacity,
@@ -250,6 +290,7 @@ def group(tp: int, capacity: int) -> tuple[Cell, Coordinator]:
         num_layers=1,
         head_dim=4,
         cpu_budget_bytes=1 << 26,
+        transport=transport,
     )
     coord = start_group(cfg)
     pids = [os.getpid(), *coord.ranks.call("pid")]
@@ -258,6 +299,33 @@ def group(tp: int, capacity: int) -> tuple[Cell, Coordinator]:
     coord.reset()
     coord.sync()
     return cell, coord
+
+
+def compare(
+    tp: int, transports: list[str], capacity: int, batches: list[int], args, tag: str
+) -> list[dict]:
+    """Rows for every (transport, batch), the transports' rounds alternating."""
+    cells = {t: group(tp, capacity, t) for t in transports}
+    rows = []
+    try:
+        for batch in batches:
+            accs = {t: Acc.new() for t in transports}
+            for r in range(args.rounds):
+                k = r % len(transports)
+                for t in transports[k:] + transports[:k]:
+                    measure_round(cells[t][0], accs[t], batch, args.steps, r, tag)
+            got = {t: summarize(cells[t][0], accs[t], batch, tag) for t in transports}
+            if "ray" in got and "channel" in got:
+                ratios = [
+                    x / y
+                    for x, y in zip(accs["ray"].round_lat, accs["channel"].round_lat, strict=True)
+                ]
+                got["channel"]["vs_ray"] = round(med(ratios), 2)
+            rows += got.values()
+    finally:
+        for _, coord in cells.values():
+            coord.close()
+    return rows
 
 
 def machine() -> str:
@@ -278,6 +346,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-evict", action="store_true", help="skip the evicting-cache rows")
+    ap.add_argument(
+        "--transport", nargs="+", default=["channel", "ray"], choices=["channel", "ray"]
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     where = machine()
@@ -285,19 +356,10 @@ def main() -> None:
     ray.init(num_cpus=4, include_dashboard=False, _temp_dir=tmp, log_to_driver=False)
     rows = []
     for tp in args.tp:
-        cell, coord = group(tp, 1 << 18)
-        try:
-            for batch in args.batch:
-                rows.append(measure(cell, batch, args.steps, args.rounds, "large"))
-        finally:
-            coord.close()
+        rows += compare(tp, args.transport, 1 << 18, args.batch, args, "large")
         if not args.no_evict:
             # 64 pages: the shared prefix stays, each admit evicts an older request's page.
-            cell, coord = group(tp, 64 * 16)
-            try:
-                rows.append(measure(cell, 8, args.steps, args.rounds, "evict"))
-            finally:
-                coord.close()
+            rows += compare(tp, args.transport, 64 * 16, [8], args, "evict")
     if args.json:
         print(
             json.dumps({"machine": where, "steps": args.steps, "rounds": args.rounds, "rows": rows})
@@ -306,7 +368,8 @@ def main() -> None:
     print(f"lockstep benchmark on {where}")
     print(f"{args.steps} steps x {args.rounds} rounds per cell; medians; floor sampled each round")
     head = (
-        f"{'tp':>2} {'batch':>5} {'cache':>5} {'floor':>6} {'step':>6} {'xflr':>5} {'xflr_p':>6} "
+        f"{'tp':>2} {'path':>7} {'batch':>5} {'cache':>5} {'floor':>6} {'step':>6} {'xflr':>5} "
+        f"{'xflr_p':>6} {'vs_ray':>6} "
         f"{'xflr_w':>6} "
         f"{'mirror':>6} "
         f"{'rkops':>6} {'coll':>4} {'steps/s':>7} {'piped/s':>7} {'gain':>5} {'st/msg':>6} "
@@ -315,10 +378,11 @@ def main() -> None:
     )
     print(head)
     for r in rows:
+        vs = f"{r['vs_ray']:>6.2f}" if "vs_ray" in r else f"{'':>6}"
         print(
-            f"{r['tp']:>2} {r['batch']:>5} {r['cache']:>5} {r['floor_ms']:>6.2f} "
+            f"{r['tp']:>2} {r['transport']:>7} {r['batch']:>5} {r['cache']:>5} {r['floor_ms']:>6.2f} "
             f"{r['step_ms_unpipelined']:>6.2f} {r['overhead_vs_floor']:>5.2f} "
-            f"{r['overhead_vs_floor_paired']:>6.2f} "
+            f"{r['overhead_vs_floor_paired']:>6.2f} {vs} "
             f"{r['overhead_beyond_work_vs_floor']:>6.2f} {r['mirror_ms']:>6.2f} "
             f"{r['rank_ops_ms']:>6.2f} {r['collectives_per_step']:>4.1f} "
             f"{r['steps_s_unpipelined']:>7.1f} {r['steps_s_pipelined']:>7.1f} {r['pipelining_gain']:>5.2f} "
@@ -328,7 +392,9 @@ def main() -> None:
             f"{r['gain_bound_all_cores']:>4.2f} {r['machine_busy_unpipelined']:>4.2f} {r['machine_busy_pipelined']:>6.2f}"
         )
     print(
-        "ms columns: floor, step (unpipelined latency), mirror (coordinator's calls before the "
+        "path: the step path (channel: ZMQ step channel; ray: an actor call per rank); "
+        "vs_ray: the Ray path's unpipelined step latency over the channel's (median of "
+        "per-round ratios); ms columns: floor, step (unpipelined latency), mirror (coordinator's calls before the "
         "send), rkops (slowest rank's ops + digest); xflr: step / floor; xflr_p: the same "
         "from a pass that times each step right after its own floor ping; xflr_w: (step - "
         "mirror - rkops) / floor, what lockstep adds beyond the step's own cache work; "

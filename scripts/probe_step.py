@@ -78,7 +78,7 @@ def main() -> None:
         _temp_dir=tempfile.mkdtemp(prefix="tpp", dir="/tmp"),
         log_to_driver=False,
     )
-    cell, coord = group(args.tp, 1 << 18)
+    cell, coord = group(args.tp, 1 << 18, transport="ray")
     actors = coord.ranks.actors
     ray.get([a.__ray_call__.remote(_stamp_collectives) for a in actors])
     submit_s: list[float] = []

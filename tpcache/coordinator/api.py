@@ -65,7 +65,13 @@ class SlotsReply(_Reply, tag="slots"):
 
 
 class CachedReply(_Reply, tag="cached"):
+    """``row``: after a ``cache_unfinished`` that rewrote the request's row (its cached
+    pages became the tree's), the request's slots now; ``freed``: the slots it held
+    before that are free now (stale for the frontend). Both empty when nothing moved."""
+
     cached_tokens: int
+    row: list[int] = []
+    freed: list[int] = []
 
 
 class OkReply(_Reply, tag="ok"):
@@ -95,6 +101,16 @@ class CoordinatorUnavailable(RuntimeError):
     retryable = True
 
 
+class Busy(RuntimeError):
+    """The network frontend has more calls waiting than it takes; retry shortly."""
+
+    retryable = True
+
+
+class Unauthenticated(RuntimeError):
+    """The network frontend needs a valid token (or CURVE keys) for this request."""
+
+
 class RequestLost(RuntimeError):
     """The request was running when the group failed or the coordinator restarted; its
     KV is gone. Retry it as a new request."""
@@ -105,17 +121,30 @@ class RequestLost(RuntimeError):
 _encoder = msgspec.msgpack.Encoder()
 _call_decoder = msgspec.msgpack.Decoder(Call)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
+_calls_decoder = msgspec.msgpack.Decoder(list[Call])
+_replies_decoder = msgspec.msgpack.Decoder(list[Reply])
 
 
 def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode_call(data: object) -> Call:
+def max_call_bytes(request_limit: int) -> int:
+    """The largest encoded call that can be valid for a cache whose requests hold at most
+    ``request_limit`` tokens: every token id at most 5 msgpack bytes, plus room for the
+    rest of the call. A frontend refuses a larger message before decoding it."""
+    return 5 * request_limit + 4096
+
+
+def decode_call(data: object, max_bytes: int | None = None) -> Call:
     """Decode a call; raises ``BadRequest`` saying what was wrong (also for something
-    that is not bytes at all)."""
+    that is not bytes at all, or larger than ``max_bytes``, checked before decoding)."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise BadRequest(f"a call must be msgpack bytes, got {type(data).__name__}")
+    if max_bytes is not None and len(data) > max_bytes:
+        raise BadRequest(
+            f"a call of {len(data):,} bytes is larger than any valid call here ({max_bytes:,})"
+        )
     try:
         return _call_decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -126,9 +155,37 @@ def decode_reply(data: bytes) -> Reply:
     return _reply_decoder.decode(data)
 
 
+def decode_calls(data: object, max_bytes: int) -> list[Call]:
+    """A list of calls (one step over the network frontend); ``BadRequest`` as
+    ``decode_call`` (size checked first, before decoding)."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise BadRequest(f"calls must be msgpack bytes, got {type(data).__name__}")
+    if len(data) > max_bytes:
+        raise BadRequest(f"a message of {len(data):,} bytes is over the limit ({max_bytes:,})")
+    try:
+        calls = _calls_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise BadRequest(f"malformed calls: {exc}") from None
+    if not calls:
+        raise BadRequest("a message must carry at least one call")
+    return calls
+
+
+def encode_calls(calls: list[Call]) -> bytes:
+    return _encoder.encode(calls)
+
+
+def encode_replies(replies: list[Reply]) -> bytes:
+    return _encoder.encode(replies)
+
+
+def decode_replies(data: bytes) -> list[Reply]:
+    return _replies_decoder.decode(data)
+
+
 def error_types() -> dict[str, type[BaseException]]:
     """Every error a reply may name, by type name (for clients to re-raise them)."""
-    from tpcache.workers.lockstep import DivergenceError, LockstepError, RankFailure
+    from tpcache.workers.errors import DivergenceError, LockstepError, RankFailure
 
     found: dict[str, type[BaseException]] = {}
     for obj in vars(cache_errors).values():
@@ -136,6 +193,8 @@ def error_types() -> dict[str, type[BaseException]]:
             found[obj.__name__] = obj
     for cls in (
         BadRequest,
+        Busy,
+        Unauthenticated,
         CoordinatorUnavailable,
         RequestLost,
         DivergenceError,
@@ -152,7 +211,7 @@ class RemoteError(RuntimeError):
 
 def raise_reply_error(reply: ErrorReply) -> None:
     """Raise the typed error an ``ErrorReply`` names (``RemoteError`` if unknown here)."""
-    from tpcache.workers.lockstep import LockstepError
+    from tpcache.workers.errors import LockstepError
 
     cls = error_types().get(reply.error)
     if cls is None:

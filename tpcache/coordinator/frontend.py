@@ -6,7 +6,13 @@ becomes an ``ErrorReply`` naming the error type; the state is unchanged.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
+import numpy as np
+
 from tpcache.cache.errors import CacheError
+from tpcache.cache.keys import pages_to_slots
 from tpcache.coordinator.api import (
     AbortCall,
     AdmitCall,
@@ -26,8 +32,10 @@ from tpcache.coordinator.api import (
     StatsReply,
     decode_call,
     encode,
+    max_call_bytes,
 )
 from tpcache.coordinator.core import Coordinator
+from tpcache.coordinator.netfront import FrontendConfig, NetFrontend
 from tpcache.workers.lockstep import LockstepError
 
 _REJECTED = (CacheError, CoordinatorUnavailable, RequestLost, LockstepError)
@@ -43,7 +51,7 @@ def dispatch(coord: Coordinator, call: Call) -> Reply:
             case ExtendCall(rid, n):
                 return SlotsReply(coord.extend(rid, n).tolist())
             case CacheUnfinishedCall(rid, tokens):
-                return CachedReply(coord.cache_unfinished(rid, tokens))
+                return _cache_unfinished(coord, rid, tokens)
             case FinishCall(rid, output):
                 return CachedReply(coord.finish(rid, output))
             case AbortCall(rid):
@@ -58,11 +66,50 @@ def dispatch(coord: Coordinator, call: Call) -> Reply:
     return ErrorReply("BadRequest", f"unknown call {call!r}")
 
 
+def _cache_unfinished(coord: Coordinator, rid, tokens) -> CachedReply:
+    """``cache_unfinished``, and, when it rewrote the request's row (pages the tree already
+    held replace the request's own), the row's slots now and the slots freed."""
+    mirror = coord.mirror
+    try:
+        old = mirror.request_row(rid).pages.copy()
+    except CacheError:
+        old = None  # the call below raises the right error (unknown, lost, bad id)
+    n = coord.cache_unfinished(rid, tokens)
+    row = mirror.request_row(rid)
+    if old is None or np.array_equal(old, row.pages):
+        return CachedReply(n)
+    ps = mirror.page_size
+    freed = old[old != row.pages]
+    return CachedReply(
+        n,
+        pages_to_slots(row.pages, ps, row.num_tokens).tolist(),
+        pages_to_slots(np.sort(freed), ps).tolist(),
+    )
+
+
+def apply_requests(coord: Coordinator, requests: list[list[Call]]) -> list[list[Reply]]:
+    """Several frontends' calls as one step, in order: one reply per call. A call the
+    cache refuses gets its own ``ErrorReply``; if the step itself fails, every call of it
+    gets the (retryable) error."""
+    try:
+        with coord.batch():
+            return [[dispatch(coord, call) for call in calls] for calls in requests]
+    except _REJECTED as exc:
+        err = ErrorReply(type(exc).__name__, str(exc), True)
+        return [[err] * len(calls) for calls in requests]
+
+
+def call_limit(coord: Coordinator) -> int:
+    """The largest encoded call ``coord`` can take (``api.max_call_bytes``)."""
+    return max_call_bytes(coord.mirror.config.request_limit)
+
+
 def handle(coord: Coordinator, data: object) -> bytes:
     """One encoded call in, one encoded reply out (its ops form one step). Anything that
-    is not a valid call (not bytes, malformed) gets an ``ErrorReply``."""
+    is not a valid call (not bytes, malformed, larger than any valid call: refused before
+    it is decoded) gets an ``ErrorReply``."""
     try:
-        call = decode_call(data)
+        call = decode_call(data, call_limit(coord))
     except CacheError as exc:
         return encode(ErrorReply(type(exc).__name__, str(exc)))
     return encode(dispatch(coord, call))
@@ -78,9 +125,10 @@ def handle_many(coord: Coordinator, items: object) -> list[bytes]:
         why = f"a batch must be a list of encoded calls, got {type(items).__name__}"
         return [encode(ErrorReply("BadRequest", why))]
     calls: list[Call] = []
+    limit = call_limit(coord)
     for i, data in enumerate(items):
         try:
-            calls.append(decode_call(data))
+            calls.append(decode_call(data, limit))
         except CacheError as exc:
             err = encode(ErrorReply("BadRequest", f"call {i} of the batch: {exc}; none applied"))
             return [err] * len(items)
@@ -94,3 +142,22 @@ def handle_many(coord: Coordinator, items: object) -> list[bytes]:
         err = encode(ErrorReply(type(exc).__name__, str(exc), True))
         replies = [err] * len(items)
     return replies
+
+
+def serve_network(
+    coord: Coordinator, config: FrontendConfig, lock: threading.Lock | None = None
+) -> NetFrontend:
+    """Serve ``coord`` on the network frontend (``netfront``). The coordinator is not
+    thread-safe: while it is served, call it only under ``lock`` (the frontend's thread
+    takes it for each step). A request may carry up to 16 full-size prompts."""
+    guard = lock or threading.Lock()
+
+    def run(requests: list[list[Call]]) -> list[list[Reply]]:
+        with guard:
+            return apply_requests(coord, requests)
+
+    def idle() -> None:
+        with guard, contextlib.suppress(*_REJECTED):
+            coord.flush()
+
+    return NetFrontend(config, run, 16 * call_limit(coord), idle)

@@ -116,8 +116,9 @@ class RayRanks:
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.pg, placement_group_bundle_index=rank
             ),
-            # The channel loop is one long call; health checks and stop_steps run beside it.
-            max_concurrency=4,
+            # On the channel the loop is one long call; health checks and stop_steps run
+            # beside it. On Ray calls, one thread keeps the steps in the order sent.
+            max_concurrency=4 if self.transport == "channel" else 1,
         ).remote(rank, self.spec, 0)
 
     def _form_group(self, method: str) -> int:

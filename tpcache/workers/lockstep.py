@@ -42,6 +42,7 @@ import numpy as np
 
 from tpcache.cache.keys import TokenLike, int_sum
 from tpcache.cache.reqtable import check_request_id
+from tpcache.workers.errors import DivergenceError, LockstepError, RankFailure
 from tpcache.workers.group import i64_to_u64, u64_to_i64
 from tpcache.workers.ops import (
     Abort,
@@ -79,51 +80,6 @@ class Agreement(Protocol):
     def digest_check(self, digest: int | None) -> tuple[int, int] | None: ...
 
     def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes: ...
-
-
-class LockstepError(RuntimeError):
-    """The group can no longer go on in lockstep; the coordinator must recover.
-
-    Retryable for a frontend: the requests it held are lost, new ones can be admitted
-    once the coordinator has recovered.
-    """
-
-    retryable = True
-
-    def __init__(self, step: int, message: str) -> None:
-        super().__init__(f"step {step}: {message}")
-        self.step = step
-        self.detail = message
-
-    def __reduce__(self):
-        return (type(self), (self.step, self.detail))
-
-
-class DivergenceError(LockstepError):
-    """Ranks hold different cache states after ``step``.
-
-    ``odd_ranks`` is filled in by whoever gathered every rank's digest (the coordinator).
-    """
-
-    def __init__(self, step: int, message: str, odd_ranks: tuple[int, ...] = ()) -> None:
-        super().__init__(step, message)
-        self.odd_ranks = odd_ranks
-
-    def __reduce__(self):
-        return (type(self), (self.step, self.detail, self.odd_ranks))
-
-
-class RankFailure(LockstepError):
-    """An op failed on at least one rank during ``step``. ``local``: raised by the rank
-    where it failed (the others only heard of it through an agreement), so whoever
-    gathers the ranks' errors can name that rank."""
-
-    def __init__(self, step: int, message: str, local: bool = False) -> None:
-        super().__init__(step, message)
-        self.local = local
-
-    def __reduce__(self):
-        return (type(self), (self.step, self.detail, self.local))
 
 
 class _PeerFailed(Exception):

@@ -330,6 +330,12 @@ class RankWorker:
         return self._swa_pool
 
     # ---- inspection ---------------------------------------------------------------------
+    def request_slots(self, rid: int | str) -> list[int]:
+        """The slot ids of running request ``rid`` on this rank (its whole row)."""
+        row = self._cache().request_row(rid)
+        ps = self._cache().page_size
+        return [int(p) * ps + o for p in row.pages for o in range(ps)][: row.num_tokens]
+
     def digest(self) -> int:
         return self._cache().digest()
 
@@ -367,9 +373,10 @@ class RankWorker:
 
         return os.getpid()
 
-    def collective_ping(self) -> int:
-        """One bare all-reduce of one element (collective): with a round trip, the floor
-        of a step."""
+    def collective_ping(self, payload: bytes = b"") -> int:
+        """One bare all-reduce of one element (collective): with a round trip carrying
+        ``payload`` (a step's bytes, unread), the floor of a step."""
+        del payload
         return self._group().agree_min([self.rank])[0]
 
     def shutdown(self) -> None:
