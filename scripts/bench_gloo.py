@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tpcache.workers.group import free_port
+from tpcache.workers.group_spec import free_port
 
 OPS = {"min": dist.ReduceOp.MIN, "band": dist.ReduceOp.BAND}
 

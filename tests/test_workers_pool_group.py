@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from tpcache.workers.group import (
+from tpcache.workers.group import TPGroup
+from tpcache.workers.group_spec import (
     GroupError,
     GroupInputError,
     GroupSpec,
-    TPGroup,
     free_port,
     i64_to_u64,
     u64_to_i64,

@@ -14,7 +14,7 @@ from tpcache.coordinator.event_config import EventConfig
 from tpcache.coordinator.metrics import CoordinatorMetrics, EventsHook
 from tpcache.coordinator.publisher import EventPublisher
 from tpcache.coordinator.step_types import RankTransport
-from tpcache.workers.group import check_seconds
+from tpcache.workers.group_spec import check_seconds
 from tpcache.workers.kvpool import PoolSpec
 from tpcache.workers.spec import CacheSpec, WorkerSpec
 

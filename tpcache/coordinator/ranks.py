@@ -30,7 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tpcache.coordinator.build import STRATEGIES, TRANSPORTS
 from tpcache.coordinator.step_path import RAY_CALLS, ChannelPath
 from tpcache.coordinator.step_types import RankCallError, first_cause
-from tpcache.workers.group import node_ip
+from tpcache.workers.group_spec import node_ip
 from tpcache.workers.rank import RankWorker
 from tpcache.workers.spec import WorkerSpec
 

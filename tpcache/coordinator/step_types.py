@@ -66,8 +66,7 @@ class CoordinatorConfig:
     auto_recover: bool = True  # after a rank failure or divergence, rebuild the group at once
     probe_s: float = 2.0  # a rank that does not answer a ping this fast is replaced
     # Most steps one message carries (1: one step per message). 32, not 8: with 8 the
-    # caller blocks while the ranks still work; bench_lockstep, 8-request steps, 2 cores:
-    # 8 / 16 / 32 gave 253 / 321 / 370 steps/s at TP=2 and 144 / 157 / 172 at TP=4.
+    # caller blocked while the ranks still worked (scripts/bench_lockstep.py measures it).
     coalesce: int = 32
     # After a failed recovery (a rank died while the group was being rebuilt), the next
     # attempt waits this long, doubling per failure up to the max, until one succeeds or

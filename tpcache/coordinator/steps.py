@@ -143,9 +143,8 @@ class StepDriver:
         self._waiting.append(closed)
         # Every slot taken: the step waits (the caller goes on) unless ``coalesce`` steps
         # wait already or the oldest message is back; ``_post`` then blocks for a slot.
-        # Whether it is back is asked only then: a non-blocking ray.wait, ~10 us when done,
-        # ~0.1 ms when not, measured here (results are checked later, at most max_inflight
-        # messages on).
+        # Whether it is back is asked only then, since asking costs the transport a poll
+        # (results are checked later, at most max_inflight messages on).
         cfg = self.config
         waits = (
             len(self._inflight) >= cfg.max_inflight
@@ -155,8 +154,8 @@ class StepDriver:
         if not waits:
             self._post()
         # Taken after the send, while the ranks apply the step: the mirror has not changed
-        # since the step closed, and a digest costs ~0.2 ms here (hashing the new nodes),
-        # which an unpipelined step no longer waits for. Results are checked only later.
+        # since the step closed, and a digest hashes the new nodes, which an unpipelined
+        # step need not wait for. Results are checked only later.
         closed.digest = self.mirror.digest()
 
     def _post(self) -> None:

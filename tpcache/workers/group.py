@@ -8,15 +8,12 @@ bug that gloo answers inconsistently (a quiet wrong result, an error, or abortin
 process); a two-int64 length header turns the quiet case into a GroupError.
 
 The lockstep path pays for every element instead: gloo's all-reduce splits its tensor
-over the ranks, so its cost grows with the element count until there is one per rank.
-``scripts/bench_gloo.py`` here (2 cores, CPU per rank per call): 4 ranks, 1 element
-0.4 ms, 2: 0.5-0.6, 3: 1.2, 6: 1.8-2.0; 2 ranks, 1: 0.3, 2: 0.5, 3 or 6: 0.8-1.2. So the
-two collectives a step runs carry no header: ``agree_min`` for lists whose length the
-code fixes (one per pool of the cache kind every rank builds from the same spec), and
-``digest_check``, which carries a failure too: one element under gloo (a bitwise AND,
-which costs what a MIN of one does: 2 ranks 0.42-0.50 ms wall a call against 0.74-0.94
-for a MIN of two; 4 ranks 1.54-1.82 against 1.48-1.98, a smaller and noisier gain),
-two under NCCL (``digest_range``), which has no bitwise reduction.
+over the ranks, so its cost grows with the element count until there is one per rank
+(figures in ``results/group_timings.md``). So the two collectives a step runs carry no
+header: ``agree_min`` for lists whose length the code fixes (one per pool of the cache
+kind every rank builds from the same spec), and ``digest_check``, which carries a failure
+too: one element under gloo (a bitwise AND, which costs what a MIN of one does), two
+under NCCL (``digest_range``), which has no bitwise reduction.
 
 Unsigned 64-bit values (state digests, block hashes) travel as int64 with the same bits:
 ``u64_to_i64`` before, ``i64_to_u64`` after. The reinterpretation is a bijection, so the
@@ -35,70 +32,36 @@ uses; it meets on the already formed group's store, in milliseconds. (torch's pr
 its gloo path was broken in some releases, pytorch#165422; ``new_group(timeout=)`` is
 public and has bounded gloo collectives since torch 1.0.)
 
-Measured with gloo on torch 2.13, ``timeout_s=2``, ``join_timeout_s=30``: a rank 6 s late
-still joins (its peer's ``init`` takes ~6 s); the master 8 s late as well (the other rank
-retries connecting with back-off, so it joins up to ~4 s after the master arrives); the
-extra ``new_group`` takes 1-5 ms; a peer that then never enters a collective fails it after
-2.0 s (``timeout_s``, not ``join_timeout_s``), where without the second group it waits
-until the peer exits. With ``join_timeout_s=3`` a rendezvous with a missing rank fails in
-``init`` (the TCPStore on rank 0 waits for clients: ~4 s; a rank whose master never comes
-retries connecting: ~7 s). A peer that died fails a collective at once (connection
-reset). After any failure the group is broken and every later call raises GroupError at
-once. NCCL differs: by default its watchdog (TORCH_NCCL_ASYNC_ERROR_HANDLING=3) tears the
-process down on a collective timeout instead of raising.
+How each timeout behaved under gloo (a late rank, a late master, a peer that never
+enters, a dead peer) is written down in ``results/group_timings.md``. After any failure
+the group is broken and every later call raises GroupError at once. NCCL differs: by
+default its watchdog (TORCH_NCCL_ASYNC_ERROR_HANDLING=3) tears the process down on a
+collective timeout instead of raising.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
-import os
-import socket
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-_BACKENDS = ("gloo", "nccl", "auto")
-_I64_MIN = -(2**63)
-_I64_MAX = 2**63 - 1
+from tpcache.workers.group_spec import (
+    _I64_MAX,
+    _I64_MIN,
+    GroupError,
+    GroupInputError,
+    GroupSpec,
+    check_seconds,
+    i64_to_u64,
+    loopback_only,
+)
+
 _T = TypeVar("_T")
 _PG_METHODS = ("allreduce", "broadcast", "allgather", "barrier", "rank", "size", "name")
-
-
-class GroupError(RuntimeError):
-    """The group could not form, or a collective failed; the message names rank and address."""
-
-
-class GroupInputError(GroupError, ValueError):
-    """A collective was called with bad arguments; raised before entering it."""
-
-
-def check_seconds(name: str, value: Any) -> None:
-    """Raise GroupInputError unless ``value`` is a finite number of seconds > 0 (not a bool)."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not (math.isfinite(value) and value > 0)
-    ):
-        raise GroupInputError(f"{name}={value!r} must be a finite number of seconds > 0")
-
-
-def u64_to_i64(value: int) -> int:
-    """The int64 with the same 64 bits as unsigned ``value`` (raises ValueError if out of range)."""
-    if not 0 <= value < 2**64:
-        raise ValueError(f"{value} is not an unsigned 64-bit value")
-    return value - 2**64 if value >= 2**63 else value
-
-
-def i64_to_u64(value: int) -> int:
-    """The unsigned value with the same 64 bits as int64 ``value``."""
-    if not _I64_MIN <= value <= _I64_MAX:
-        raise ValueError(f"{value} is not a signed 64-bit value")
-    return value + 2**64 if value < 0 else value
 
 
 _M31 = (1 << 31) - 1
@@ -113,69 +76,6 @@ def _fold_pair(digest: int) -> int:
     u = i64_to_u64(digest)
     f = (u ^ (u >> 31) ^ (u >> 62)) & _M31
     return _FLAG | f << 31 | (~f & _M31)
-
-
-@dataclass(frozen=True)
-class GroupSpec:
-    """Where and how one rank joins its TP group.
-
-    ``timeout_s`` bounds each collective: how long a hung peer goes unnoticed.
-    ``join_timeout_s`` bounds the rendezvous: how long ``TPGroup.init`` waits for the
-    slowest rank's process to arrive. They differ because joining waits on process
-    start-up (seconds, tens of seconds under load) while a collective among live ranks
-    takes milliseconds. ``join_timeout_s`` is a plain 120 s rather than derived from
-    ``timeout_s``: start-up time does not scale with the collective bound, and 120 s is
-    how long the Ray side waits for ranks to be placed (``RayRanks.start_timeout_s``).
-    Both are always passed to torch, never its 10-30 min defaults.
-    """
-
-    rank: int
-    world_size: int
-    master_addr: str
-    master_port: int
-    backend: str = "auto"
-    timeout_s: float = 60.0
-    join_timeout_s: float = 120.0
-    # Every rank on one node: meet through a file there (in a private directory) instead
-    # of a TCP store, and talk over loopback only (the TCP store listens on every
-    # interface, whatever host it is given). ``master_addr``/``master_port`` unused then.
-    store_path: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.store_path is not None and (
-            not isinstance(self.store_path, str) or not self.store_path.startswith("/")
-        ):
-            raise GroupInputError(f"store_path must be an absolute path, got {self.store_path!r}")
-        for name in ("rank", "world_size", "master_port"):
-            if type(getattr(self, name)) is not int:
-                raise GroupInputError(f"{name} must be an int, got {getattr(self, name)!r}")
-        if self.world_size < 1:
-            raise GroupInputError(f"world_size={self.world_size} must be >= 1")
-        if not 0 <= self.rank < self.world_size:
-            raise GroupInputError(f"rank={self.rank} is outside [0, {self.world_size})")
-        if not 1 <= self.master_port <= 65535:
-            raise GroupInputError(f"master_port={self.master_port} is outside [1, 65535]")
-        if not isinstance(self.master_addr, str) or not self.master_addr.strip():
-            raise GroupInputError(f"master_addr must be a non-empty host, got {self.master_addr!r}")
-        if self.backend not in _BACKENDS:
-            raise GroupInputError(f"backend={self.backend!r} is not one of {_BACKENDS}")
-        check_seconds("timeout_s", self.timeout_s)
-        check_seconds("join_timeout_s", self.join_timeout_s)
-
-    @property
-    def init_method(self) -> str:
-        if self.store_path is not None:
-            return f"file://{self.store_path}"
-        host = self.master_addr
-        if ":" in host and not host.startswith("["):
-            host = f"[{host}]"  # an IPv6 literal needs brackets in a URL
-        return f"tcp://{host}:{self.master_port}"
-
-    @property
-    def where(self) -> str:
-        """``rank r/world at addr:port``, for error messages."""
-        at = self.store_path or f"{self.master_addr}:{self.master_port}"
-        return f"rank {self.rank}/{self.world_size} at {at}"
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -288,7 +188,7 @@ class TPGroup:
         if backend == "nccl":
             torch.cuda.set_device(comm_device)
         try:
-            local = _loopback_only() if spec.store_path is not None else contextlib.nullcontext()
+            local = loopback_only() if spec.store_path is not None else contextlib.nullcontext()
             with local:
                 dist.init_process_group(
                     backend,
@@ -399,7 +299,7 @@ class TPGroup:
         equal iff the ranks agree. Collective.
 
         NCCL: ``digest_range``, the MIN and MAX of the whole 64 bits. gloo: one element,
-        because a second costs 0.23-0.36 ms a step here (``scripts/bench_gloo.py``). NCCL
+        because a second costs a step measurably (``results/group_timings.md``). NCCL
         has no bitwise reduction; gloo's BAND of ``_fold_pair`` gives the AND and the OR of
         a 31-bit fold of the digests (its pair: equal iff every rank's fold is the same).
         A failed rank sends 0, which clears the flag bit every healthy rank sets, so a
@@ -578,53 +478,7 @@ class TPGroup:
         )
 
 
-@contextlib.contextmanager
-def _loopback_only() -> Iterator[None]:
-    """Gloo's and NCCL's sockets on the loopback interface while a group forms (they
-    read these variables when they make their devices); the caller's values after."""
-    names = [n for _, n in socket.if_nameindex() if n.startswith("lo")]
-    keys = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-    saved = {k: os.environ.get(k) for k in keys}
-    if names:
-        for k in keys:
-            os.environ[k] = names[0]
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def _first_line(exc: BaseException) -> str:
     # torch's distributed errors carry a C++ stack trace after the first line.
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
-
-
-def free_port(host: str = "") -> int:
-    """A TCP port free now on ``host`` (default: every interface, as the rendezvous store
-    listens). Racy by nature: another process may take it before the group binds it; a
-    taken port makes ``TPGroup.init`` raise GroupError."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def node_ip(probe: str = "10.255.255.255") -> str:
-    """The address other nodes can reach this one at (best effort).
-
-    Asks the kernel which local address routes to ``probe`` (a UDP connect sends no
-    packet); falls back to the host name's address, then to 127.0.0.1, which is only
-    right for a single-node group.
-    """
-    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((probe, 1))
-        addr = str(s.getsockname()[0])
-        if not addr.startswith("0."):
-            return addr
-    with contextlib.suppress(OSError):
-        return socket.gethostbyname(socket.gethostname())
-    return "127.0.0.1"

@@ -43,7 +43,7 @@ import numpy as np
 from tpcache.cache.keys import TokenLike, int_sum
 from tpcache.cache.reqtable import check_request_id
 from tpcache.workers.errors import DivergenceError, LockstepError, RankFailure
-from tpcache.workers.group import i64_to_u64, u64_to_i64
+from tpcache.workers.group_spec import i64_to_u64, u64_to_i64
 from tpcache.workers.ops import (
     Abort,
     Admit,

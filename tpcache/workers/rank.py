@@ -24,7 +24,8 @@ from tpcache.cache.swa_cache import HybridCache
 from tpcache.workers.channel import Attach, RankLoop
 from tpcache.workers.channel import serve as serve_channel
 from tpcache.workers.context import ForwardError, check_forward, to_context
-from tpcache.workers.group import GroupSpec, TPGroup, free_port, node_ip
+from tpcache.workers.group import TPGroup
+from tpcache.workers.group_spec import GroupSpec, free_port, node_ip
 from tpcache.workers.kvpool import (
     KVPool,
     PoolSpec,

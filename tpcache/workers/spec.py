@@ -11,7 +11,7 @@ from tpcache.cache.errors import CacheError
 from tpcache.cache.radix import CacheConfig, RadixCache
 from tpcache.cache.swa_cache import HybridCache
 from tpcache.cache.swa_config import HybridConfig
-from tpcache.workers.group import check_seconds
+from tpcache.workers.group_spec import check_seconds
 from tpcache.workers.kvpool import PoolSpec
 
 
