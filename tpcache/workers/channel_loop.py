@@ -1,0 +1,112 @@
+"""A rank's side of the step channel (``channel.py`` has the protocol and the hub): the
+DEALER loop that applies the hub's messages in order and answers each under its ticket.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from tpcache.workers.netsec import make_client
+
+STEPS, CALL, STOP = b"S", b"C", b"X"
+HELLO, RESULTS, REPLY, ERROR = b"H", b"R", b"P", b"E"
+
+
+class ChannelError(RuntimeError):
+    """A rank did not answer, stopped reading, or is gone; ``rank`` names it."""
+
+    def __init__(self, rank: int, message: str, dead: bool = False) -> None:
+        super().__init__(f"rank {rank}: {message}")
+        self.rank = rank
+        self.dead = dead
+
+
+@dataclass(frozen=True)
+class Attach:
+    """What one rank needs to join the channel (sent through the Ray setup call)."""
+
+    endpoint: str
+    identity: bytes
+    server_key: str | None = None  # the hub's CURVE public key (TCP only)
+    keypair: tuple[str, str] | None = None  # this rank's CURVE (public, secret)
+    hwm: int = 1000  # messages queued at the rank before the hub's sends wait
+
+
+class RankLoop:
+    """A rank's side of the channel: its state, shared with the rank's other threads.
+
+    ``busy_since`` is the time the command in hand started (None while waiting): a rank
+    whose loop has been busy much longer than a step takes is hung. ``stop`` asks the
+    loop to leave (it checks between messages, at least every ``poll_s``)."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.done = threading.Event()
+        self.busy_since: float | None = None
+
+    def busy_s(self) -> float:
+        since = self.busy_since
+        return 0.0 if since is None else time.monotonic() - since
+
+
+def serve(worker: Any, rank: int, attach: Attach, loop: RankLoop, poll_s: float = 0.1) -> int:
+    """Run the channel loop of ``worker`` (a ``RankWorker``) until ``STOP`` or ``loop.stop``;
+    returns the number of messages handled. Errors a message raises go back to the hub."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    handled = 0
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, attach.identity)
+        sock.setsockopt(zmq.RCVHWM, attach.hwm)
+        if attach.server_key is not None:
+            make_client(sock, attach.server_key, attach.keypair)
+        sock.connect(attach.endpoint)
+        sock.send_multipart([HELLO, str(rank).encode()])
+        while not loop.stop.is_set():
+            if not sock.poll(int(poll_s * 1000)):
+                continue
+            frames = sock.recv_multipart()
+            if frames[0] == STOP:
+                break
+            loop.busy_since = time.monotonic()
+            try:
+                kind, *reply = _run(worker, frames[0], frames[2:])
+            finally:
+                loop.busy_since = None
+            sock.send_multipart([kind, frames[1], *reply])
+            handled += 1
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+        loop.done.set()
+    return handled
+
+
+def _run(worker: Any, kind: bytes, frames: list[bytes]) -> list[bytes]:
+    try:
+        if kind == STEPS:
+            return [RESULTS, *(worker.apply(data) for data in frames)]
+        if kind == CALL:
+            method, args, only = pickle.loads(frames[0])
+            if method.startswith("_"):
+                raise ValueError(f"{method!r} is not a public RankWorker method")
+            if only is not None and only != worker.rank:
+                return [REPLY, pickle.dumps(None)]
+            return [REPLY, pickle.dumps(getattr(worker, method)(*args))]
+        raise ValueError(f"unknown message kind {kind!r}")
+    except Exception as exc:  # the hub re-raises it, typed
+        return [ERROR, _pickled(exc)]
+
+
+def _pickled(exc: BaseException) -> bytes:
+    try:
+        return pickle.dumps(exc)
+    except Exception:
+        return pickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))
