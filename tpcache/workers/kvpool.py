@@ -121,7 +121,10 @@ class KVPool:
     touch a buffer, so a PoolError means the pool is unchanged. Not thread-safe.
     """
 
-    def __init__(self, spec: PoolSpec, num_slots: int, device: torch.device) -> None:
+    def __init__(
+        self, spec: PoolSpec, num_slots: int, device: torch.device, *, pin: bool = False
+    ) -> None:
+        """``pin``: page-locked host memory (a host pool that CUDA copies overlap with)."""
         _check_positive_int("num_slots", num_slots)
         if device.type == "cuda" and device.index is None:
             # Pin the index so equality checks against tensors' devices are exact.
@@ -132,11 +135,11 @@ class KVPool:
         shape = (num_slots, spec.heads_per_rank, spec.head_dim)
         # Owned by this pool; callers get views through layer_buffers() or copies via read().
         self._k = [
-            torch.zeros(shape, dtype=spec.torch_dtype, device=device)
+            torch.zeros(shape, dtype=spec.torch_dtype, device=device, pin_memory=pin)
             for _ in range(spec.num_layers)
         ]
         self._v = [
-            torch.zeros(shape, dtype=spec.torch_dtype, device=device)
+            torch.zeros(shape, dtype=spec.torch_dtype, device=device, pin_memory=pin)
             for _ in range(spec.num_layers)
         ]
 

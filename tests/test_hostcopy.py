@@ -1,0 +1,97 @@
+"""A rank's copies between its device pool and its host pool (``workers/hostcopy.py``):
+exact bytes both ways on every layer, done in id order (a prefix), slow and failing jobs,
+and bad jobs refused before anything is queued. CPU pools (CUDA paths are GPU-only)."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from tpcache.workers.hostcopy import TO_DEVICE, TO_HOST, CopyEngine, CopyJob, host_pool
+from tpcache.workers.kvpool import KVPool, PoolSpec
+
+SPEC = PoolSpec(num_layers=3, kv_heads=4, head_dim=8, tp=2, dtype="float32")
+
+
+def filled(slots: int, seed: int) -> KVPool:
+    pool = KVPool(SPEC, slots, torch.device("cpu"))
+    g = torch.Generator().manual_seed(seed)
+    for layer in range(SPEC.num_layers):
+        k, v = pool.layer_buffers(layer)
+        k.copy_(torch.randn(k.shape, generator=g))
+        v.copy_(torch.randn(v.shape, generator=g))
+    return pool
+
+
+def ids(xs) -> np.ndarray:
+    return np.asarray(xs, dtype=np.int64)
+
+
+def test_copies_both_ways_are_exact_and_done_in_order() -> None:
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = np.random.default_rng(seed)
+    dev = filled(64, seed)
+    host = host_pool(dev, 40)
+    eng = CopyEngine(dev, host)
+    try:
+        out_src = rng.choice(64, size=20, replace=False)
+        out_dst = rng.choice(40, size=20, replace=False)
+        eng.submit(CopyJob(0, TO_HOST, out_src, out_dst))
+        back_dst = rng.choice(64, size=20, replace=False)
+        eng.submit(CopyJob(1, TO_DEVICE, out_dst, back_dst))
+        assert eng.wait(2, 10.0) and eng.done() == 2 and not eng.failed
+        for layer in range(SPEC.num_layers):
+            for d_buf, h_buf in zip(
+                dev.layer_buffers(layer), host.layer_buffers(layer), strict=True
+            ):
+                assert torch.equal(
+                    h_buf[torch.as_tensor(out_dst)], d_buf[torch.as_tensor(back_dst)]
+                )
+        assert eng.copied_bytes == 40 * SPEC.bytes_per_slot
+    finally:
+        eng.close()
+
+
+def test_a_slow_engine_is_a_prefix_and_a_failure_is_counted_done() -> None:
+    dev = filled(16, 1)
+    host = host_pool(dev, 16)
+    eng = CopyEngine(dev, host, delay_s=0.05, fail=frozenset({1}))
+    try:
+        for i in range(4):
+            eng.submit(CopyJob(i, TO_HOST, ids([i]), ids([i])))
+        seen = []
+        deadline = time.monotonic() + 10
+        while eng.done() < 4 and time.monotonic() < deadline:
+            seen.append(eng.done())
+            time.sleep(0.005)
+        assert seen == sorted(seen) and seen[0] < 4  # it was slow, and only grew
+        assert eng.done() == 4 and eng.failed == {1}
+        k_host, _ = host.layer_buffers(0)
+        k_dev, _ = dev.layer_buffers(0)
+        assert torch.equal(k_host[0], k_dev[0]) and not torch.equal(k_host[1], k_dev[1])
+    finally:
+        eng.close()
+
+
+def test_bad_jobs_are_refused_before_they_are_queued() -> None:
+    dev = filled(8, 2)
+    eng = CopyEngine(dev, host_pool(dev, 8))
+    try:
+        with pytest.raises(ValueError, match="expected 0"):
+            eng.submit(CopyJob(3, TO_HOST, ids([0]), ids([0])))
+        with pytest.raises(ValueError, match="copy kind"):
+            CopyJob(0, "sideways", ids([0]), ids([0]))
+        with pytest.raises(ValueError, match="source slots"):
+            CopyJob(0, TO_HOST, ids([0, 1]), ids([0]))
+        with pytest.raises(ValueError, match="spec"):
+            CopyEngine(dev, KVPool(PoolSpec(1, 4, 8, 2), 8, torch.device("cpu")))
+        assert eng.done() == 0
+        eng.submit(CopyJob(0, TO_HOST, ids([7]), ids([0])))  # the next id still fits
+        assert eng.wait(1, 10.0)
+    finally:
+        eng.close()

@@ -1,0 +1,158 @@
+"""A rank's host (CPU) tier: its shard of the host KV pool, and the copies between it and
+the device pool, run off the step path.
+
+The host pool has the device pool's layout (per layer K and V, ``[slots, heads, dim]``)
+with slot ids of its own; with CUDA its memory is pinned, so device-to-host and back can
+run on a stream of their own while the rank goes on with steps. Copies are jobs with
+consecutive ids (the op log numbers them identically on every rank); one worker thread
+(and, on CUDA, one stream) runs them in id order, so what is done is always a prefix:
+``done()`` is that prefix's length. A job that fails is counted done too and listed in
+``failed``: the lockstep decides what a failure means (every rank must see it, so it
+travels through the same agreement as the count).
+
+The engine owns its thread; ``close()`` stops it (a job in hand finishes first).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tpcache.workers.kvpool import KVPool
+
+TO_HOST, TO_DEVICE = "d2h", "h2d"
+
+
+@dataclass(frozen=True)
+class CopyJob:
+    """Copy slots ``src`` of one pool to slots ``dst`` of the other, every layer."""
+
+    id: int
+    kind: str  # TO_HOST (device -> host) or TO_DEVICE (host -> device)
+    src: np.ndarray  # int64 slot ids
+    dst: np.ndarray
+
+    def __post_init__(self) -> None:
+        if self.kind not in (TO_HOST, TO_DEVICE):
+            raise ValueError(f"copy kind must be {TO_HOST!r} or {TO_DEVICE!r}, got {self.kind!r}")
+        if self.src.shape != self.dst.shape or self.src.ndim != 1:
+            raise ValueError(
+                f"copy {self.id}: {self.src.size} source slots, {self.dst.size} targets"
+            )
+
+
+class CopyEngine:
+    """Runs copy jobs between ``device`` and ``host`` (two pools of one spec) in id order.
+
+    ``delay_s`` makes every job that much slower, and ``fail`` lists job ids that fail:
+    fault drills for tests (a slow rank must hold back the group's completion, never its
+    correctness; a failure must fail everywhere). Thread-safe: ``submit`` and ``done``
+    from the rank's thread, the copies on the engine's own.
+    """
+
+    def __init__(
+        self,
+        device: KVPool,
+        host: KVPool,
+        *,
+        delay_s: float = 0.0,
+        fail: frozenset[int] = frozenset(),
+    ) -> None:
+        if device.spec != host.spec:
+            raise ValueError("the host pool must have the device pool's spec")
+        self.device, self.host = device, host
+        self.delay_s = delay_s
+        self.fail = set(fail)
+        self._next = 0  # the id the next submitted job must have
+        self._done = 0  # jobs finished (a prefix of the ids)
+        self.failed: set[int] = set()
+        self.copied_bytes = 0
+        self._lock = threading.Lock()
+        self._jobs: queue.Queue[CopyJob | None] = queue.Queue()
+        cuda = device.device.type == "cuda"
+        self._stream = torch.cuda.Stream(device.device) if cuda else None
+        self._thread = threading.Thread(target=self._run, name="tpcache-copies", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: CopyJob) -> None:
+        """Queue ``job``; its id must be the next one. Raises ValueError otherwise."""
+        with self._lock:
+            if job.id != self._next:
+                raise ValueError(f"copy job {job.id} submitted, expected {self._next}")
+            self._next += 1
+        self._jobs.put(job)
+
+    def done(self) -> int:
+        """How many jobs have finished (ids ``0 .. done() - 1``), failed ones included."""
+        with self._lock:
+            return self._done
+
+    def wait(self, count: int, timeout: float) -> bool:
+        """Until ``count`` jobs are done or ``timeout``; True if they are."""
+        deadline = time.monotonic() + timeout
+        while self.done() < count:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.0005)
+        return True
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(30.0)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            ok = False
+            try:
+                if self.delay_s:
+                    time.sleep(self.delay_s)
+                if job.id in self.fail:
+                    raise RuntimeError(f"copy {job.id} failed (fault drill)")
+                self._copy(job)
+                ok = True
+            except Exception:
+                pass  # counted below: every rank learns of it through the agreement
+            with self._lock:
+                if not ok:
+                    self.failed.add(job.id)
+                self._done += 1
+
+    def _copy(self, job: CopyJob) -> None:
+        src_pool, dst_pool = (
+            (self.device, self.host) if job.kind == TO_HOST else (self.host, self.device)
+        )
+        src = torch.as_tensor(job.src, dtype=torch.int64)
+        dst = torch.as_tensor(job.dst, dtype=torch.int64)
+        spec = self.device.spec
+        for layer in range(spec.num_layers):
+            for s_buf, d_buf in zip(
+                src_pool.layer_buffers(layer), dst_pool.layer_buffers(layer), strict=True
+            ):
+                self._move(s_buf, src, d_buf, dst)
+        self.copied_bytes += int(job.src.size) * spec.bytes_per_slot
+
+    def _move(
+        self, s_buf: torch.Tensor, src: torch.Tensor, d_buf: torch.Tensor, dst: torch.Tensor
+    ) -> None:
+        if self._stream is None:
+            d_buf.index_copy_(0, dst, s_buf.index_select(0, src))
+            return
+        with torch.cuda.stream(self._stream):
+            rows = s_buf.index_select(0, src.to(s_buf.device, non_blocking=True))
+            rows = rows.to(d_buf.device, non_blocking=True)
+            d_buf.index_copy_(0, dst.to(d_buf.device, non_blocking=True), rows)
+        self._stream.synchronize()
+
+
+def host_pool(device: KVPool, num_slots: int) -> KVPool:
+    """A host pool with ``device``'s spec and ``num_slots`` slots of its own, on the CPU
+    (pinned memory when CUDA is there, so copies can overlap the rank's work)."""
+    return KVPool(device.spec, num_slots, torch.device("cpu"), pin=torch.cuda.is_available())
+
+
+__all__ = ["TO_DEVICE", "TO_HOST", "CopyEngine", "CopyJob", "host_pool"]
