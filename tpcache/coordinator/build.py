@@ -8,6 +8,7 @@ thread ranks, and both finish through ``build_coordinator``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tpcache.coordinator.core import Coordinator, CoordinatorConfig
 from tpcache.coordinator.event_config import EventConfig
@@ -16,6 +17,7 @@ from tpcache.coordinator.publisher import EventPublisher
 from tpcache.coordinator.step_types import RankTransport
 from tpcache.workers.group_spec import check_seconds
 from tpcache.workers.kvpool import PoolSpec
+from tpcache.workers.runner_spec import RunnerSpec, RunnerSpecError, runner_pool
 from tpcache.workers.spec import CacheSpec, WorkerSpec
 
 # The Ray placement strategies and step paths a group may ask for (ranks.py checks them
@@ -56,6 +58,12 @@ class GroupConfig:
     events: EventConfig | None = None  # None: no KV events published
     metrics_port: int | None = None  # None: no Prometheus endpoint; 0 picks a port
     metrics_host: str = "127.0.0.1"  # loopback unless the operator names an address
+    # The model runner every rank builds ("package.module:Class") with these keyword
+    # arguments (plain data); its KV layout then shapes the pool, and num_layers,
+    # kv_heads, head_dim and dtype above are not used. ``runner_spec.runner_options``
+    # makes both from ``--runner``/``--runner-arg``.
+    runner: str | None = None
+    runner_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Before start_group binds an events endpoint or starts a rank.
@@ -69,6 +77,7 @@ class GroupConfig:
         if isinstance(g, bool) or not isinstance(g, int | float) or not 0 < g <= 64:
             raise ValueError(f"gpus_per_rank must be a number in (0, 64], got {g!r}")
         self.resources_of(0)  # checks rank_resources
+        self.runner_spec()  # checks the runner's name and arguments (imports nothing)
 
     def resources_of(self, rank: int) -> dict[str, float]:
         """The custom resources of ``rank``'s bundle. Raises ValueError for a malformed
@@ -97,9 +106,27 @@ class GroupConfig:
                 )
         return dict(per[rank])
 
+    def runner_spec(self) -> RunnerSpec | None:
+        """The runner, or None. Raises RunnerSpecError for a malformed name or arguments
+        (or arguments without a runner)."""
+        if self.runner is None:
+            if self.runner_args:
+                raise RunnerSpecError("runner_args need a runner")
+            return None
+        return RunnerSpec.of(self.runner, self.runner_args)
+
+    def pool_spec(self) -> PoolSpec:
+        """The pool of each rank: the runner's layout (its module imported and the runner
+        constructed here, no weights loaded), else the fields above. Raises
+        RunnerConfigError if the runner cannot be built or does not fit tp or the cache."""
+        runner = self.runner_spec()
+        if runner is not None:
+            return runner_pool(runner, self.tp, self.cache.sliding_window)
+        return PoolSpec(self.num_layers, self.kv_heads, self.head_dim, self.tp, self.dtype)
+
     def worker_spec(self) -> WorkerSpec:
         return WorkerSpec(
-            pool=PoolSpec(self.num_layers, self.kv_heads, self.head_dim, self.tp, self.dtype),
+            pool=self.pool_spec(),
             cache=self.cache,
             capacity_tokens=self.capacity_tokens,
             cpu_budget_bytes=self.cpu_budget_bytes,
@@ -107,6 +134,7 @@ class GroupConfig:
             backend=self.backend,
             timeout_s=self.timeout_s,
             join_timeout_s=self.join_timeout_s,
+            runner=self.runner_spec(),
         )
 
 

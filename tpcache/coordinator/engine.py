@@ -1,46 +1,62 @@
-"""``ModelEngine``: run the TP model over a coordinator's cache, request by request.
+"""``ModelEngine``: run a TP group's model runner over a coordinator's cache, one batched
+forward per step.
 
-The cache decides, the ranks compute. For each call the coordinator's mirror gives the
-request's row (``admit``/``extend`` first, so the slots exist); the engine turns it into
-one ``Forward`` command and sends the same bytes to every rank at once (under Ray, one
-actor call each; under torchrun, one broadcast). Every rank checks the command against
-its own cache, writes its heads' K and V, attends, and enters the model's all-reduces;
-the logits come back from every rank, identical, and rank 0's are returned.
+The cache decides, the ranks compute. For a step (``step``: a list of ``Prefill``,
+``Chunk``, ``Decode`` and ``Compute`` items, at most one per request) the engine first
+makes every item's cache calls through the coordinator (admit, cache_unfinished, extend),
+in order, so the slots exist; then it turns the mirror's rows into ONE ``ForwardBatch``
+and sends the same bytes to every rank at once (under Ray, over the step channel; under
+torchrun, one broadcast). Every rank checks every item against its own cache, and its
+runner writes the new tokens' K and V, attends, and enters its collectives; every rank
+returns its outputs, which must agree, and rank 0's are returned.
 
 The order of calls to each rank is the coordinator's order (steps, flushed first, then
 this forward), so a rank always applies the step that gave the slots before the forward.
 Works with any ``RankTransport`` whose ``call`` runs a method on every rank concurrently.
+The single-request methods (``admit``, ``prefill_more``, ``decode``, ``forward``) are
+batches of one.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from tpcache.cache.errors import DuplicateRequest, UnknownRequest
 from tpcache.cache.keys import TokenLike, as_tokens
+from tpcache.cache.reqtable import check_request_id
 from tpcache.coordinator.core import Coordinator
-from tpcache.workers.context import ForwardError, build_forward
+from tpcache.coordinator.engine_work import (
+    Chunk,
+    Compute,
+    Decode,
+    ForwardOut,
+    Prefill,
+    Work,
+)
+from tpcache.workers.context import ForwardError, build_forward, build_forward_batch
 from tpcache.workers.lockstep import is_hybrid
-from tpcache.workers.ops import decode_forward_result, encode, unpack_slots
+from tpcache.workers.ops import (
+    ForwardBatchResult,
+    RequestId,
+    decode_forward_batch_result,
+    encode,
+    unpack_slots,
+)
 
-
-@dataclass(frozen=True)
-class ForwardOut:
-    """One forward: rank 0's logits ``[computed, vocab]`` (float32) of the new tokens."""
-
-    logits: np.ndarray
-    start: int  # position of the first new token
-    computed: int  # tokens every rank ran through the model
-    swa_read: int  # SWA-pool positions read per SWA layer (0 without the hybrid cache)
+__all__ = ["Chunk", "Compute", "Decode", "ForwardOut", "ModelEngine", "Prefill", "Work"]
 
 
 @dataclass
 class EngineCounters:
     """Owned by the engine; read by checks and tests."""
 
-    forwards: int = 0
+    forwards: int = 0  # batched forwards (one per step)
+    items: int = 0  # request parts of those forwards
+    max_batch: int = 0  # most requests in one forward
     computed_tokens: int = 0  # tokens run through the model (as every rank reported)
     hit_tokens: int = 0  # prompt tokens taken from the cache at admission
     tombstoned_hit_pages: int = 0  # hybrid: matched pages that had lost their SWA KV
@@ -62,11 +78,69 @@ class ModelEngine:
         self.timeout_s = timeout_s
         self.counters = EngineCounters()
 
-    # ---- one request ----------------------------------------------------------------------
-    def admit(self, rid: Any, tokens: TokenLike, priority: int = 0) -> tuple[int, ForwardOut]:
-        """Admit ``rid`` with ``tokens`` (a whole prompt or its first chunk) and compute the
-        tokens after its cached prefix. Returns (prefix length, the forward)."""
-        toks = as_tokens(tokens)
+    # ---- one step over many requests ------------------------------------------------------
+    def step(self, work: Sequence[Work], *, all_logits: bool = False) -> list[ForwardOut]:
+        """Make every item's cache calls, in order, then compute all of them in one
+        forward. Returns one ``ForwardOut`` per item, in order (``all_logits``: every new
+        position's logits, else the last one's).
+
+        Raises, before anything changes: ForwardError for an empty step, an item that is
+        not work or a request given twice, or a ``Compute`` the row has no slots for;
+        the cache's typed errors for a bad id or tokens, a ``Prefill`` of a running
+        request (DuplicateRequest) or another item of one that is not (UnknownRequest).
+        A cache call that fails later (OutOfCapacity) raises with the items before it
+        applied; so does a forward the ranks refuse (``RankCallError``, cause
+        ForwardError: e.g. token ids outside the runner's vocabulary): those requests
+        hold slots without KV, and the caller aborts or retries them.
+        """
+        checked = self._check(work)
+        prefix: dict[RequestId, int] = {}
+        pairs: list[tuple[RequestId, np.ndarray]] = []
+        for w, rid, toks in checked:
+            match w:
+                case Prefill():
+                    prefix[rid] = self._admit(rid, toks, w.priority)
+                    toks = toks[prefix[rid] :]
+                case Chunk():
+                    self.coord.cache_unfinished(rid, w.done)
+                    self.coord.extend(rid, int(toks.size))
+                case Decode():
+                    self.coord.extend(rid, 1)
+            pairs.append((rid, toks))
+        return self._forward(pairs, all_logits, prefix)
+
+    def _check(self, work: Sequence[Work]) -> list[tuple[Work, RequestId, np.ndarray]]:
+        """Each item with its normalised id and the tokens it computes (a Prefill: all it
+        admits). Changes nothing."""
+        if not work:
+            raise ForwardError("an empty step: nothing to compute")
+        mirror = self.coord.mirror
+        running = set(mirror.running_ids())
+        seen: set[tuple[type, RequestId]] = set()
+        out = []
+        for w in work:
+            if not isinstance(w, Prefill | Chunk | Decode | Compute):
+                raise ForwardError(f"not a work item: {type(w).__name__}")
+            rid = check_request_id(w.rid)
+            if (type(rid), rid) in seen:
+                raise ForwardError(f"request {rid!r} is in the step twice")
+            seen.add((type(rid), rid))
+            if isinstance(w, Prefill) == (rid in running):
+                kind = DuplicateRequest if rid in running else UnknownRequest
+                raise kind(f"request {rid!r} {'is' if rid in running else 'is not'} running")
+            match w:
+                case Prefill(tokens=toks) | Compute(tokens=toks) | Chunk(chunk=toks):
+                    toks = as_tokens(toks)
+                case Decode(token=token):
+                    toks = as_tokens([token])
+            if isinstance(w, Chunk):
+                as_tokens(w.done)
+            if isinstance(w, Compute):
+                build_forward(mirror, rid, toks)  # its slots exist already
+            out.append((w, rid, toks))
+        return out
+
+    def _admit(self, rid: RequestId, toks: np.ndarray, priority: int) -> int:
         got = self.coord.admit(rid, toks, priority)
         c = self.counters
         c.hit_tokens += got.prefix_len
@@ -75,20 +149,23 @@ class ModelEngine:
         if is_hybrid(mirror) and got.prefix_len:
             matched = got.slots[: got.prefix_len : mirror.page_size] // mirror.page_size
             c.tombstoned_hit_pages += int((~mirror.alloc.has_swa(matched)).sum())
-        return got.prefix_len, self.forward(rid, toks[got.prefix_len :])
+        return got.prefix_len
+
+    # ---- one request (a batch of one) --------------------------------------------------------
+    def admit(self, rid: Any, tokens: TokenLike, priority: int = 0) -> tuple[int, ForwardOut]:
+        """Admit ``rid`` with ``tokens`` (a whole prompt or its first chunk) and compute the
+        tokens after its cached prefix. Returns (prefix length, the forward)."""
+        out = self.step([Prefill(rid, tokens, priority)], all_logits=True)[0]
+        return out.prefix_len, out
 
     def prefill_more(self, rid: Any, done: TokenLike, chunk: TokenLike) -> ForwardOut:
         """Chunked prefill: cache the ``done`` tokens (which have KV) for others to match,
         then give ``rid`` slots for ``chunk`` and compute it."""
-        self.coord.cache_unfinished(rid, done)
-        new = as_tokens(chunk)
-        self.coord.extend(rid, int(new.size))
-        return self.forward(rid, new)
+        return self.step([Chunk(rid, done, chunk)], all_logits=True)[0]
 
     def decode(self, rid: Any, token: int) -> ForwardOut:
         """One decode step: a slot for ``token`` (the last one generated) and its logits."""
-        self.coord.extend(rid, 1)
-        return self.forward(rid, [token])
+        return self.step([Decode(rid, token)], all_logits=True)[0]
 
     def prefill(
         self, rid: Any, prompt: TokenLike, chunk: int | None = None
@@ -110,32 +187,58 @@ class ModelEngine:
         """Finish ``rid`` (cache its prompt and the outputs that have KV)."""
         return self.coord.finish(rid, output_tokens)
 
-    # ---- the model call -------------------------------------------------------------------
     def forward(self, rid: Any, tokens: TokenLike) -> ForwardOut:
-        """Compute the newest ``len(tokens)`` positions of ``rid`` on every rank."""
-        cmd = build_forward(self.coord.mirror, rid, tokens)
+        """Compute the newest ``len(tokens)`` positions of ``rid`` on every rank (every
+        new position's logits)."""
+        return self.step([Compute(rid, tokens)], all_logits=True)[0]
+
+    # ---- the model call -------------------------------------------------------------------
+    def _forward(
+        self,
+        pairs: list[tuple[RequestId, np.ndarray]],
+        all_logits: bool,
+        prefix: dict[RequestId, int],
+    ) -> list[ForwardOut]:
+        cmd = build_forward_batch(self.coord.mirror, pairs, all_logits)
         self.coord.flush()  # the steps that gave the slots must reach the ranks first
-        outs = self.coord.ranks.call("forward", encode(cmd), timeout=self.timeout_s)
-        results = [decode_forward_result(o) for o in outs]
+        outs = self.coord.ranks.call("forward_batch", encode(cmd), timeout=self.timeout_s)
+        results = [decode_forward_batch_result(o) for o in outs]
         first = results[0]
-        logits = np.frombuffer(first.logits, dtype="<f4").reshape(first.computed, first.vocab)
-        scale = float(np.abs(logits).max()) if logits.size else 0.0
-        for r in results[1:]:
-            other = np.frombuffer(r.logits, dtype="<f4")
-            if (
-                r.computed != first.computed
-                or other.size != logits.size
-                or float(np.abs(other - logits.ravel()).max(initial=0.0)) > 1e-3 * scale
-            ):
-                raise ForwardError(
-                    f"request {rid!r}: rank {r.rank}'s logits differ from rank 0's "
-                    "(after the all-reduces every rank holds the same hidden state)"
-                )
-        n = first.computed
-        swa_read = unpack_slots(cmd.swa_slots).size
+        logits = np.frombuffer(first.logits, dtype="<f4").reshape(sum(first.rows), first.vocab)
+        _check_ranks_agree(results, logits)
+        ids = np.frombuffer(first.token_ids, dtype="<i8") if first.token_ids else None
         c = self.counters
         c.forwards += 1
-        c.computed_tokens += n
-        if swa_read:
-            c.max_swa_read_over_new = max(c.max_swa_read_over_new, swa_read - n)
-        return ForwardOut(logits.copy(), cmd.start, n, swa_read)
+        c.items += len(pairs)
+        c.max_batch = max(c.max_batch, len(pairs))
+        c.computed_tokens += sum(first.computed)
+        got, row = [], 0
+        for i, (item, (rid, _)) in enumerate(zip(cmd.items, pairs, strict=True)):
+            n, rows = first.computed[i], first.rows[i]
+            swa_read = unpack_slots(item.swa_slots).size
+            if swa_read:
+                c.max_swa_read_over_new = max(c.max_swa_read_over_new, swa_read - n)
+            part = logits[row : row + rows].copy() if rows else np.zeros((0, 0), np.float32)
+            row += rows
+            token = int(ids[i]) if ids is not None else None
+            got.append(ForwardOut(part, item.start, n, swa_read, rid, prefix.get(rid, 0), token))
+        return got
+
+
+def _check_ranks_agree(results: list[ForwardBatchResult], logits: np.ndarray) -> None:
+    """Raise ForwardError unless every rank computed the same tokens and returned the
+    same outputs as rank 0 (after the all-reduces every rank holds the same hidden state;
+    logits may differ in the last bits where a rank's kernels round differently)."""
+    first = results[0]
+    scale = float(np.abs(logits).max()) if logits.size else 0.0
+    for r in results[1:]:
+        other = np.frombuffer(r.logits, dtype="<f4")
+        if (
+            (r.computed, r.rows, r.token_ids) != (first.computed, first.rows, first.token_ids)
+            or other.size != logits.size
+            or float(np.abs(other - logits.ravel()).max(initial=0.0)) > 1e-3 * scale
+        ):
+            raise ForwardError(
+                f"rank {r.rank}'s outputs differ from rank 0's (after the all-reduces "
+                "every rank holds the same hidden state)"
+            )

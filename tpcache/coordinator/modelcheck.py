@@ -15,11 +15,24 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Protocol
 
 import numpy as np
 
 from tpcache.coordinator.engine import ModelEngine
-from tpcache.workers.model import ModelSpec, reference_logits
+from tpcache.coordinator.engine_work import Chunk, Decode, Prefill, Work
+
+
+class Reference(Protocol):
+    """The model a check compares against: its vocabulary and its full recompute
+    (``ModelSpec``, ``LlamaSpec``)."""
+
+    @property
+    def vocab(self) -> int: ...
+
+    def full_logits(self, tokens: list[int], dtype: str) -> np.ndarray:
+        """Logits ``[len(tokens), vocab]`` of every position, no cache."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -56,7 +69,9 @@ class Report:
     decode_tokens: int = 0
     hit_tokens: int = 0
     computed_tokens: int = 0
-    forwards: int = 0
+    forwards: int = 0  # batched forwards
+    items: int = 0  # request parts of them
+    max_batch: int = 0  # most requests in one forward (over the engine's life)
     max_rel_err: float = 0.0
     worst: str = ""
     greedy_checked: int = 0
@@ -113,7 +128,7 @@ Prompt = list[int] | tuple[int, list[int]]
 
 def run_workload(
     engine: ModelEngine,
-    spec: ModelSpec,
+    spec: Reference,
     wl: Workload,
     *,
     tol: float,
@@ -141,7 +156,7 @@ def run_workload(
 
 def run_script(
     engine: ModelEngine,
-    spec: ModelSpec,
+    spec: Reference,
     waves: list[list[Prompt]],
     *,
     tol: float,
@@ -164,7 +179,7 @@ def run_script(
 
 def run_requests(
     engine: ModelEngine,
-    spec: ModelSpec,
+    spec: Reference,
     next_wave: Callable[[list[list[int]]], Wave | None],
     chunk: int | None,
     decode_steps: int,
@@ -174,71 +189,82 @@ def run_requests(
     rid_prefix: str,
 ) -> Report:
     """Run waves of concurrent requests until ``next_wave`` (given the finished requests'
-    whole sequences, in order) returns None: prefill, ``decode_steps`` greedy steps,
-    finish; then compare every computed row and greedy token with full recompute."""
+    whole sequences, in order) returns None, one batched forward per round (``_round``):
+    prefill (request i joins in round i), ``decode_steps`` greedy steps, then finish in
+    order; then compare every computed row and greedy token with full recompute."""
     rep = Report(seed=seed)
     c0 = _snapshot(engine)
     marks0 = engine.coord.mirror.eviction_marks()
     finished: list[list[int]] = []
     while (prompts := next_wave(finished)) is not None:
-        rids = [f"{rid_prefix}{seed}-{len(finished) + i}" for i in range(len(prompts))]
-        logits = _prefill(engine, rids, prompts, chunk)
-        prefix = {rid: rows[0][1] for rid, rows in logits.items()}
-        parts = {rid: [r for r, _ in rows] for rid, rows in logits.items()}
-        # Greedy decode, round-robin.
-        generated: dict[str, list[int]] = {r: [] for r in rids}
-        for _ in range(decode_steps):
-            for rid in rids:
-                token = int(np.argmax(parts[rid][-1][-1]))
-                generated[rid].append(token)
-                parts[rid].append(engine.decode(rid, token).logits)
-        for rid, prompt in zip(rids, prompts, strict=True):
-            last = int(np.argmax(parts[rid][-1][-1]))
-            engine.finish(rid, [*generated[rid], last])
-            seq = prompt + generated[rid]
+        reqs = [_Req(f"{rid_prefix}{seed}-{len(finished) + i}", p) for i, p in enumerate(prompts)]
+        step = chunk or max(len(p) for p in prompts)
+        rnd = 0
+        while _round(engine, reqs, rnd, step, decode_steps):
+            rnd += 1
+        for r in reqs:
+            last = int(np.argmax(r.parts[-1][-1]))
+            engine.finish(r.rid, [*r.generated, last])
+            seq = r.prompt + r.generated
             finished.append(seq)
-            _compare(rep, spec, rid, seq, len(prompt), prefix[rid], parts[rid], tol, dtype)
+            _compare(rep, spec, r.rid, seq, len(r.prompt), r.prefix, r.parts, tol, dtype)
             rep.requests += 1
-            rep.prompt_tokens += len(prompt)
-            rep.decode_tokens += len(generated[rid])
-            rep.prefix_lens.append(prefix[rid])
+            rep.prompt_tokens += len(r.prompt)
+            rep.decode_tokens += len(r.generated)
+            rep.prefix_lens.append(r.prefix)
     c1 = _snapshot(engine)
     marks1 = engine.coord.mirror.eviction_marks()
     rep.hit_tokens = c1["hit_tokens"] - c0["hit_tokens"]
     rep.computed_tokens = c1["computed_tokens"] - c0["computed_tokens"]
     rep.forwards = c1["forwards"] - c0["forwards"]
+    rep.items = c1["items"] - c0["items"]
     rep.tombstoned_hit_pages = c1["tombstoned_hit_pages"] - c0["tombstoned_hit_pages"]
     rep.max_swa_read_over_new = engine.counters.max_swa_read_over_new
+    rep.max_batch = engine.counters.max_batch
     rep.evicted_pages = marks1[0] - marks0[0]
     rep.evicted_swa_pages = marks1[1] - marks0[1] if len(marks1) > 1 else 0
     return rep
 
 
-def _prefill(
-    engine: ModelEngine, rids: list[str], prompts: Wave, chunk: int | None
-) -> dict[str, list[tuple[np.ndarray, int]]]:
-    """Prefill a wave: whole, or chunk by chunk round-robin, request i joining in round
-    i, after the others' chunks so far were cached unfinished (so it may hit them).
-    Returns each request's logit rows per forward, with its cached prefix length."""
-    step = chunk or max(len(p) for p in prompts)
-    out: dict[str, list[tuple[np.ndarray, int]]] = {r: [] for r in rids}
-    done: dict[str, int] = {}
-    rounds = 0
-    while len(done) < len(rids) or any(
-        done[r] < len(p) for r, p in zip(rids, prompts, strict=True)
-    ):
-        for i, (rid, prompt) in enumerate(zip(rids, prompts, strict=True)):
-            if rid not in done and i <= rounds:
-                prefix, fwd = engine.admit(rid, prompt[:step])
-                out[rid].append((fwd.logits, prefix))
-                done[rid] = min(step, len(prompt))
-            elif rid in done and done[rid] < len(prompt):
-                nxt = min(done[rid] + step, len(prompt))
-                fwd = engine.prefill_more(rid, prompt[: done[rid]], prompt[done[rid] : nxt])
-                out[rid].append((fwd.logits, out[rid][0][1]))
-                done[rid] = nxt
-        rounds += 1
-    return out
+@dataclass
+class _Req:
+    """One request of a wave, as the check drives it (owned by ``run_requests``)."""
+
+    rid: str
+    prompt: list[int]
+    prefix: int = -1  # -1: not admitted yet
+    done: int = 0  # prompt tokens with KV (or computed in the round under way)
+    parts: list[np.ndarray] = field(default_factory=list)  # logit rows per forward
+    generated: list[int] = field(default_factory=list)
+
+
+def _round(engine: ModelEngine, reqs: list[_Req], rnd: int, step: int, decode_steps: int) -> bool:
+    """One batched forward over the wave: request i is admitted in round i (after the
+    others' chunks so far were cached unfinished, so it may hit them); the others take
+    their next prefill chunk or greedy decode step. False when nothing was left to do."""
+    work: list[Work] = []
+    for i, r in enumerate(reqs):
+        if r.prefix < 0:
+            if i <= rnd:
+                work.append(Prefill(r.rid, r.prompt[:step]))
+        elif r.done < len(r.prompt):
+            nxt = min(r.done + step, len(r.prompt))
+            work.append(Chunk(r.rid, r.prompt[: r.done], r.prompt[r.done : nxt]))
+        elif len(r.generated) < decode_steps:
+            token = int(np.argmax(r.parts[-1][-1]))
+            r.generated.append(token)
+            work.append(Decode(r.rid, token))
+    if not work:
+        return False
+    by_rid = {r.rid: r for r in reqs}
+    for out in engine.step(work, all_logits=True):
+        r = by_rid[out.rid]
+        if r.prefix < 0:
+            r.prefix = out.prefix_len
+        if r.done < len(r.prompt):
+            r.done = out.start + out.computed
+        r.parts.append(out.logits)
+    return True
 
 
 def _snapshot(engine: ModelEngine) -> dict[str, int]:
@@ -247,13 +273,14 @@ def _snapshot(engine: ModelEngine) -> dict[str, int]:
         "hit_tokens": c.hit_tokens,
         "computed_tokens": c.computed_tokens,
         "forwards": c.forwards,
+        "items": c.items,
         "tombstoned_hit_pages": c.tombstoned_hit_pages,
     }
 
 
 def _compare(
     rep: Report,
-    spec: ModelSpec,
+    spec: Reference,
     rid: str,
     seq: list[int],
     prompt_len: int,
@@ -264,7 +291,7 @@ def _compare(
 ) -> None:
     """Compare the rows computed for ``rid`` (positions ``prefix ..`` of ``seq``) with the
     reference over ``seq``; judge each greedy token against the reference argmax."""
-    ref = reference_logits(spec, seq, dtype).numpy()  # on the CPU, in the ranks' dtype
+    ref = spec.full_logits(seq, dtype)  # on the CPU, in the ranks' dtype
     got = np.concatenate(parts)
     want = ref[prefix : len(seq)]
     if got.shape != want.shape:

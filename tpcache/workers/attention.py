@@ -43,12 +43,20 @@ def attend(
 ) -> torch.Tensor:
     """Causal (and, with ``window``, sliding-window) attention.
 
-    ``q`` ``[n, heads, d]`` at positions ``q_pos``; ``k``/``v`` ``[c, heads, d]`` at
-    ``k_pos``. A query at position p sees keys at positions ``k <= p`` and, with a
-    window W, ``k >= p - W`` (W tokens before it and itself). Scores and softmax in
-    float32. Returns ``[n, heads * d]`` in q's dtype. Raises ValueError if some query
-    sees no key (its own K must always be among ``k``).
+    ``q`` ``[n, heads, d]`` at positions ``q_pos``; ``k``/``v`` ``[c, kv_heads, d]`` at
+    ``k_pos``. Grouped-query attention when ``kv_heads < heads``: query head h uses KV
+    head ``h // (heads // kv_heads)``. A query at position p sees keys at positions
+    ``k <= p`` and, with a window W, ``k >= p - W`` (W tokens before it and itself).
+    Scores and softmax in float32. Returns ``[n, heads * d]`` in q's dtype. Raises
+    ValueError if some query sees no key (its own K must always be among ``k``), or if
+    ``kv_heads`` does not divide ``heads``.
     """
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if kv_heads != heads:
+        if kv_heads < 1 or heads % kv_heads:
+            raise ValueError(f"{heads} query heads cannot share {kv_heads} KV heads evenly")
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
     scale = q.shape[-1] ** -0.5
     scores = torch.einsum("nhd,chd->hnc", q.float(), k.float()) * scale
     rel = q_pos[:, None] - k_pos[None, :]  # [n, c]: how far back each key is

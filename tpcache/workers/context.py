@@ -1,21 +1,33 @@
-"""A forward's context from a cache's request row: the coordinator builds it, ranks check it.
+"""A forward's context from a cache's request rows: the coordinator builds it, ranks check it.
 
-The coordinator builds each ``Forward`` from its mirror (``build_forward``); every rank
-rebuilds it from its own cache and refuses a command that differs (``check_forward``),
-so the slot ids the model writes and reads are the ones the lockstep cache agreed on.
+The coordinator builds each ``Forward`` (one request) and ``ForwardBatch`` (many) from
+its mirror (``build_forward``, ``build_forward_batch``); every rank rebuilds them from its
+own cache and refuses a command that differs (``check_forward``, ``check_forward_batch``),
+so the slot ids the runner writes and reads are the ones the lockstep cache agreed on.
 For the hybrid cache the SWA slots cover only the window the first new token sees
 (``start - window`` on), mapped through the cache's full->SWA page pairing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
-from tpcache.cache.keys import as_tokens, pages_to_slots
+from tpcache.cache.errors import CacheError
+from tpcache.cache.keys import TokenLike, as_tokens, pages_to_slots
 from tpcache.workers.lockstep import is_hybrid
-from tpcache.workers.model import Context
-from tpcache.workers.ops import Forward, pack_slots, pack_tokens, unpack_slots, unpack_tokens
+from tpcache.workers.ops import (
+    Forward,
+    ForwardBatch,
+    RequestId,
+    pack_slots,
+    pack_tokens,
+    unpack_slots,
+    unpack_tokens,
+)
+from tpcache.workers.runner_batch import RequestInput, RunnerBatch
 
 
 class ForwardError(RuntimeError):
@@ -27,35 +39,59 @@ def row_slots(cache, rid) -> np.ndarray:
 
     Reads the cache's request row; changes nothing. Raises ``UnknownRequest``.
     """
-    req = cache.reqs.get(rid)
-    return pages_to_slots(req.pages, cache.page_size, req.num_tokens)
+    row = cache.request_row(rid)
+    return pages_to_slots(row.pages, cache.page_size, row.num_tokens)
 
 
-def build_forward(cache, rid, tokens) -> Forward:
+def build_forward(cache, rid, tokens: TokenLike, all_logits: bool = True) -> Forward:
     """The ``Forward`` for the newest ``len(tokens)`` positions of ``rid`` (those the last
-    admit or extend gave slots to). Raises ``ForwardError`` for more tokens than that."""
-    toks = as_tokens(tokens)
-    slots = row_slots(cache, rid)
+    admit or extend gave slots to). Changes nothing. Raises ``ForwardError`` for a request
+    that is not running, no tokens or tokens that are not ids, or more tokens than the
+    request holds slots for."""
+    try:
+        toks = as_tokens(tokens)
+        slots = row_slots(cache, rid)
+    except CacheError as exc:
+        raise ForwardError(f"request {rid!r}: {type(exc).__name__}: {exc}") from None
     start = slots.size - toks.size
     if start < 0:
         raise ForwardError(
             f"{toks.size} new tokens for request {rid!r}, but it holds only {slots.size} slots"
         )
+    packed = pack_tokens(toks)
     if not is_hybrid(cache):
-        return Forward(rid, pack_tokens(toks), start, pack_slots(slots))
+        return Forward(rid, packed, start, pack_slots(slots), all_logits=all_logits)
     swa_start = max(0, start - cache.window)
     swa = cache.swa_slots(slots[swa_start:])
-    return Forward(rid, pack_tokens(toks), start, pack_slots(slots), swa_start, pack_slots(swa))
+    return Forward(rid, packed, start, pack_slots(slots), swa_start, pack_slots(swa), all_logits)
+
+
+def build_forward_batch(
+    cache, work: Sequence[tuple[RequestId, TokenLike]], all_logits: bool = False
+) -> ForwardBatch:
+    """The ``ForwardBatch`` of ``work`` ((request, its newest tokens) pairs, in order).
+    Changes nothing. Raises ``ForwardError`` for an empty batch, a request given twice,
+    or any item ``build_forward`` refuses."""
+    if not work:
+        raise ForwardError("an empty batch: nothing to compute")
+    _check_distinct([rid for rid, _ in work])
+    return ForwardBatch([build_forward(cache, rid, toks, all_logits) for rid, toks in work])
+
+
+def _check_distinct(rids: list[RequestId]) -> None:
+    seen: set[tuple[type, RequestId]] = set()
+    for rid in rids:
+        key = (type(rid), rid)  # 1 and "1" are different requests
+        if key in seen:
+            raise ForwardError(f"request {rid!r} is in the batch twice")
+        seen.add(key)
 
 
 def check_forward(cache, cmd: Forward) -> None:
     """Raise ``ForwardError`` unless ``cmd`` is what ``build_forward`` gives on ``cache``
     and its tokens agree with those the cache was told for ``rid``. Changes nothing."""
     toks = unpack_tokens(cmd.tokens)
-    try:
-        want = build_forward(cache, cmd.rid, toks)
-    except Exception as exc:
-        raise ForwardError(f"request {cmd.rid!r}: {type(exc).__name__}: {exc}") from None
+    want = build_forward(cache, cmd.rid, toks)
     if want.start != cmd.start:
         raise ForwardError(
             f"request {cmd.rid!r}: forward starts at {cmd.start}, the row says {want.start}"
@@ -70,12 +106,22 @@ def check_forward(cache, cmd: Forward) -> None:
             )
     if want.swa_start != cmd.swa_start:
         raise ForwardError(f"request {cmd.rid!r}: swa_start {cmd.swa_start} != {want.swa_start}")
-    known = cache.reqs.get(cmd.rid).tokens
+    known = cache.request_row(cmd.rid).tokens
     lo, hi = cmd.start, min(known.size, cmd.start + toks.size)
     if hi > lo and not np.array_equal(known[lo:hi], toks[: hi - lo]):
         raise ForwardError(
             f"request {cmd.rid!r}: new tokens differ from the ones the cache keys them by"
         )
+
+
+def check_forward_batch(cache, cmd: ForwardBatch) -> None:
+    """``check_forward`` of every item, and at most one item per request. Changes
+    nothing; raises ``ForwardError`` naming the first item that differs."""
+    if not cmd.items:
+        raise ForwardError("an empty batch: nothing to compute")
+    _check_distinct([item.rid for item in cmd.items])
+    for item in cmd.items:
+        check_forward(cache, item)
 
 
 def _first_difference(a: np.ndarray, b: np.ndarray) -> int:
@@ -84,9 +130,25 @@ def _first_difference(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if diff.size else n
 
 
-def to_context(cmd: Forward) -> tuple[torch.Tensor, Context]:
-    """The new tokens and the model's ``Context`` of a (checked) command, as tensors."""
-    tokens = torch.from_numpy(unpack_tokens(cmd.tokens).astype(np.int64))
-    slots = torch.from_numpy(unpack_slots(cmd.slots).copy())
-    swa = torch.from_numpy(unpack_slots(cmd.swa_slots).copy()) if cmd.swa_slots else None
-    return tokens, Context(cmd.start, slots, cmd.swa_start, swa)
+def _ids(data: bytes, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(unpack_slots(data).copy()).to(device)
+
+
+def to_batch(cmd: ForwardBatch, device: torch.device, after_step: int = -1) -> RunnerBatch:
+    """The runner's ``RunnerBatch`` of a (checked) command, as tensors on ``device``."""
+    reqs = []
+    for item in cmd.items:
+        tokens = torch.from_numpy(unpack_tokens(item.tokens).astype(np.int64)).to(device)
+        swa = _ids(item.swa_slots, device) if item.swa_slots else None
+        reqs.append(
+            RequestInput(
+                item.rid,
+                tokens,
+                item.start,
+                _ids(item.slots, device),
+                item.swa_start,
+                swa,
+                item.all_logits,
+            )
+        )
+    return RunnerBatch(tuple(reqs), after_step)

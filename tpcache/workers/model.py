@@ -8,10 +8,11 @@ columns of Wq, Wk, Wv; its rows of Wo) and ``ffn // tp`` MLP units (columns of t
 projection, rows of the down projection); the row-parallel products are summed over the
 group by an all-reduce, so every rank ends each block with the same hidden state.
 
-The cached path (``RankModel.forward``) computes only the request's new tokens: it writes
-their K and V into the pool at the slot ids of the cache's row and attends over K and V
-*read back from the pool* at the slots of the whole context. ``reference_logits`` is the
-same model computed over the whole sequence at once, with full weights and no pool.
+The cached path (``ReferenceRunner.run``, the reference ``ModelRunner``) computes only a
+batch's new tokens: it writes their K and V into the pool at the slot ids of the cache's
+rows and attends over K and V *read back from the pool* at the slots of each request's
+whole context. ``reference_logits`` is the same model computed over the whole sequence at
+once, with full weights and no pool.
 
 Sliding-window layers (``swa_layers``) see only the last ``window`` tokens before each
 query. With the hybrid cache, their K and V live in the SWA pool at the SWA slots the
@@ -22,22 +23,29 @@ May import torch, numpy and ``tpcache.workers``/``tpcache.cache``; nothing else.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from tpcache.workers.attention import attend, rms_norm, rotary
-from tpcache.workers.kvpool import KVPool
+from tpcache.workers.kvpool import _DTYPES
+from tpcache.workers.runner import (
+    Collectives,
+    KVLayout,
+    KVShard,
+    RankShard,
+    RunnerConfigError,
+    RunnerOutput,
+)
+from tpcache.workers.runner_batch import RunnerBatch, paged_attention
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-AllReduce = Callable[[torch.Tensor], torch.Tensor]
-
-
-class ModelConfigError(ValueError):
+class ModelConfigError(RunnerConfigError):
     """A model shape that cannot work, or one that does not fit the pool or the cache."""
 
 
@@ -78,6 +86,10 @@ class ModelSpec:
     @property
     def full_layers(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.num_layers) if i not in self.swa_layers)
+
+    def full_logits(self, tokens: list[int], dtype: str) -> np.ndarray:
+        """``reference_logits`` as numpy: what ``modelcheck`` compares against."""
+        return reference_logits(self, tokens, dtype).numpy()
 
     def check_tokens(self, tokens: torch.Tensor) -> None:
         """Raises ValueError unless every token id is in ``[0, vocab)``."""
@@ -146,126 +158,66 @@ def shard_weights(spec: ModelSpec, rank: int, tp: int) -> dict[str, torch.Tensor
     return out
 
 
-@dataclass(frozen=True)
-class Context:
-    """Where one forward's KV lives, as the cache's row gives it.
+class ReferenceRunner:
+    """The built-in checking model as a ``ModelRunner``: one rank's shard, on the rank's
+    device, in the pool's dtype. Arguments: ``ModelSpec``'s fields and ``dtype``
+    (``tpcache.workers.model:ReferenceRunner`` with ``--runner-arg heads=8`` ...).
 
-    ``slots[p]``: the full-pool slot of position p, for every position of the context
-    (cached prefix + new tokens, ``start + n`` of them). ``swa_slots``: the SWA-pool slots
-    of positions ``swa_start ..`` to the end (empty without an SWA pool).
+    Mixed precision: weights, activations and KV in ``dtype``; the residual stream, the
+    row-parallel products (Wo, down: their weights rounded to the dtype, then held in
+    float32) and their all-reduce in float32. So TP changes only the order of a float32
+    sum, and a bf16 run differs from its bf16 reference by little more than that: the
+    cache, not the TP rounding, decides whether they agree.
+
+    ``run`` computes the whole batch's new tokens at once (one matmul per weight, one
+    pair of all-reduces per layer, ``2 * num_layers`` in layer order on every rank) and
+    changes the pools only at the batch's write slots.
     """
 
-    start: int
-    slots: torch.Tensor
-    swa_start: int = 0
-    swa_slots: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class LayerKV:
-    """Which pool, and which layer of it, holds one model layer's K and V."""
-
-    pool: str  # "full" or "swa"
-    index: int
-    window: int | None  # None: full attention
-
-
-def layer_placement(spec: ModelSpec, hybrid: bool) -> list[LayerKV]:
-    """Where each layer's KV lives: with an SWA pool, sliding-window layers in it (in layer
-    order) and full layers in the full pool; without, every layer in the full pool."""
-    out: list[LayerKV] = []
-    full = swa = 0
-    for i in range(spec.num_layers):
-        window = spec.window if i in spec.swa_layers else None
-        if hybrid and window is not None:
-            out.append(LayerKV("swa", swa, window))
-            swa += 1
-        else:
-            out.append(LayerKV("full", full, window))
-            full += 1
-    return out
-
-
-class RankModel:
-    """One rank's shard of the model, on the rank's device, in the pool's dtype.
-
-    Mixed precision: weights, activations and KV in the pool's dtype; the residual
-    stream, the row-parallel products (Wo, down: their weights rounded to the dtype, then
-    held in float32) and their all-reduce in float32. So TP changes only the order of a
-    float32 sum, and a bf16 run differs from its bf16 reference by little more than
-    that: the cache, not the TP rounding, decides whether they agree.
-
-    ``forward`` changes the pools (it writes the new tokens' K and V) and nothing else.
-    It enters ``2 * num_layers`` all-reduces, in layer order, on every rank alike.
-    """
-
-    def __init__(
-        self, spec: ModelSpec, rank: int, tp: int, device: torch.device, dtype: str, hybrid: bool
-    ) -> None:
+    def __init__(self, dtype: str = "float32", **fields: Any) -> None:
         if dtype not in _DTYPES:
             raise ModelConfigError(f"dtype={dtype!r} is not one of {sorted(_DTYPES)}")
-        self.spec = spec
-        self.rank = rank
-        self.tp = tp
-        self.device = device
+        if isinstance(fields.get("swa_layers"), list | tuple):
+            fields["swa_layers"] = tuple(fields["swa_layers"])
+        self.spec = ModelSpec(**fields)
+        self.dtype_name = dtype
         self.dtype = _DTYPES[dtype]
-        self.heads = spec.heads // tp
-        self.placement = layer_placement(spec, hybrid)
-        # Owned by this object; never written after construction.
-        self.w = _cast(shard_weights(spec, rank, tp), self.dtype, device)
+        # Set once by load(); owned by this object, never written after.
+        self.w: dict[str, torch.Tensor] = {}
+        self.heads = 0
 
-    @property
-    def pool_layers(self) -> tuple[int, int]:
-        """How many layers the full pool and the SWA pool must hold."""
-        full = sum(p.pool == "full" for p in self.placement)
-        return full, len(self.placement) - full
+    @classmethod
+    def of(cls, spec: ModelSpec, dtype: str) -> ReferenceRunner:
+        return cls(dtype, **dataclasses.asdict(spec))
 
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        ctx: Context,
-        pool: KVPool,
-        swa_pool: KVPool | None,
-        all_reduce: AllReduce,
-    ) -> torch.Tensor:
-        """Logits ``[n, vocab]`` (float32) of the ``n`` new ``tokens`` at positions
-        ``ctx.start ..``; their K and V are written into the pools first.
+    def kv_layout(self) -> KVLayout:
+        s = self.spec
+        return KVLayout(s.num_layers, s.heads, s.head_dim, self.dtype_name, s.swa_layers, s.window)
 
-        The caller has checked the context against the cache; slot ids are trusted here.
-        """
-        spec, w, dev = self.spec, self.w, self.device
-        n = int(tokens.numel())
-        end = ctx.start + n
-        q_pos = torch.arange(ctx.start, end, device=dev)
-        slots = ctx.slots.to(dev)
-        swa_slots = ctx.swa_slots.to(dev) if ctx.swa_slots is not None else None
-        dt = self.dtype
-        x = w["embed"][tokens.to(dev)].float()  # the residual stream stays float32
-        for i, where in enumerate(self.placement):
+    def load(self, shard: RankShard) -> None:
+        self.spec.check_tp(shard.tp)
+        self.heads = self.spec.heads // shard.tp
+        self.w = _cast(shard_weights(self.spec, shard.rank, shard.tp), self.dtype, shard.device)
+
+    def check_batch(self, batch: RunnerBatch) -> None:
+        self.spec.check_tokens(batch.tokens)
+
+    def run(self, batch: RunnerBatch, kv: KVShard, group: Collectives) -> RunnerOutput:
+        spec, w, dt = self.spec, self.w, self.dtype
+        t, hd = batch.num_tokens, spec.head_dim
+        pos = batch.positions
+        x = w["embed"][batch.tokens].float()  # the residual stream stays float32
+        for i, where in enumerate(kv.placement):
             h = rms_norm(x, w[f"{i}.norm1"], spec.eps).to(dt)
-            q = (h @ w[f"{i}.wq"]).view(n, self.heads, spec.head_dim)
-            k = (h @ w[f"{i}.wk"]).view(n, self.heads, spec.head_dim)
-            v = (h @ w[f"{i}.wv"]).view(n, self.heads, spec.head_dim)
-            q = rotary(q, q_pos, spec.rope_base)
-            k = rotary(k, q_pos, spec.rope_base)
-            if where.pool == "swa":
-                assert swa_pool is not None and swa_slots is not None
-                kbuf, vbuf = swa_pool.layer_buffers(where.index)
-                lo, read, write = ctx.swa_start, swa_slots, swa_slots[swa_slots.numel() - n :]
-            else:
-                kbuf, vbuf = pool.layer_buffers(where.index)
-                lo = 0 if where.window is None else max(0, ctx.start - where.window)
-                read, write = slots[lo:end], slots[ctx.start : end]
-            kbuf.index_copy_(0, write, k)
-            vbuf.index_copy_(0, write, v)
-            k_ctx = kbuf.index_select(0, read)  # one gather for the whole context
-            v_ctx = vbuf.index_select(0, read)
-            k_pos = torch.arange(lo, end, device=dev)
-            a = attend(q, k_ctx, v_ctx, q_pos, k_pos, where.window)
-            x = x + all_reduce(a.float() @ w[f"{i}.wo"])  # row-parallel: sum over heads
+            q = rotary((h @ w[f"{i}.wq"]).view(t, self.heads, hd), pos, spec.rope_base)
+            k = rotary((h @ w[f"{i}.wk"]).view(t, self.heads, hd), pos, spec.rope_base)
+            v = (h @ w[f"{i}.wv"]).view(t, self.heads, hd)
+            a = paged_attention(batch, q, k, v, where.pool, where.window, kv.buffers(i))
+            x = x + group.all_reduce_sum(a.float() @ w[f"{i}.wo"])  # row-parallel: sum heads
             h = rms_norm(x, w[f"{i}.norm2"], spec.eps).to(dt)
-            x = x + all_reduce(F.gelu(h @ w[f"{i}.up"]).float() @ w[f"{i}.down"])
-        return (rms_norm(x, w["norm"], spec.eps).to(dt) @ w["head"]).float()
+            x = x + group.all_reduce_sum(F.gelu(h @ w[f"{i}.up"]).float() @ w[f"{i}.down"])
+        out = batch.output_rows(x)
+        return RunnerOutput(logits=(rms_norm(out, w["norm"], spec.eps).to(dt) @ w["head"]).float())
 
 
 def _cast(weights: dict[str, torch.Tensor], dt: torch.dtype, device) -> dict[str, torch.Tensor]:
@@ -287,7 +239,7 @@ def reference_logits(
     """Full recompute without any cache: logits ``[T, vocab]`` (float32) of every position
     of ``tokens``, from the whole weights (TP=1 math), K and V of the whole sequence
     computed at once, causal and (for SWA layers) windowed masks. Same precision recipe
-    as ``RankModel`` (weights and activations in ``dtype``, residual in float32).
+    as ``ReferenceRunner`` (weights and activations in ``dtype``, residual in float32).
     Changes nothing."""
     dt = _DTYPES[dtype]
     w = _cast(full_weights(spec), dt, device)

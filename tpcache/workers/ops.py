@@ -111,6 +111,29 @@ class Forward(msgspec.Struct, tag=True, frozen=True):
     slots: bytes
     swa_start: int = 0
     swa_slots: bytes = b""
+    all_logits: bool = True  # every new position's logits; False: the last one's
+
+
+class ForwardBatch(msgspec.Struct, tag=True, frozen=True):
+    """One forward over many running requests (prefill chunks and decodes mixed): each
+    item is a ``Forward``, at most one per request. Every rank checks every item against
+    its own cache, and the whole batch runs as one call of the rank's model runner."""
+
+    items: list[Forward]
+
+
+class ForwardBatchResult(msgspec.Struct, frozen=True):
+    """What one rank's runner returned for a ``ForwardBatch``. ``rows[i]``: logit rows of
+    item i (its new tokens, or 1 without ``all_logits``; 0 for all when the runner gave
+    no logits); ``logits``: little-endian float32 ``[sum(rows), vocab]``; ``token_ids``:
+    little-endian int64, one per item, when the runner sampled (else empty)."""
+
+    rank: int
+    computed: list[int]  # new tokens per item
+    rows: list[int]
+    vocab: int
+    logits: bytes
+    token_ids: bytes = b""
 
 
 class ForwardResult(msgspec.Struct, frozen=True):
@@ -165,6 +188,8 @@ _step_decoder = msgspec.msgpack.Decoder(Step)
 _result_decoder = msgspec.msgpack.Decoder(StepResult)
 _forward_decoder = msgspec.msgpack.Decoder(Forward)
 _forward_result_decoder = msgspec.msgpack.Decoder(ForwardResult)
+_batch_decoder = msgspec.msgpack.Decoder(ForwardBatch)
+_batch_result_decoder = msgspec.msgpack.Decoder(ForwardBatchResult)
 _command_decoder = msgspec.msgpack.Decoder(Command)
 _reply_decoder = msgspec.msgpack.Decoder(CallReply)
 
@@ -187,6 +212,14 @@ def decode_forward(data: bytes) -> Forward:
 
 def decode_forward_result(data: bytes) -> ForwardResult:
     return _forward_result_decoder.decode(data)
+
+
+def decode_forward_batch(data: bytes) -> ForwardBatch:
+    return _batch_decoder.decode(data)
+
+
+def decode_forward_batch_result(data: bytes) -> ForwardBatchResult:
+    return _batch_result_decoder.decode(data)
 
 
 def decode_command(data: bytes) -> Command:

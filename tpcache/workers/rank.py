@@ -8,7 +8,6 @@ of the cache state machine, and its process group. It applies steps in order thr
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import shutil
 import tempfile
@@ -20,10 +19,8 @@ import torch
 
 from tpcache.cache.errors import CacheError
 from tpcache.cache.radix import RadixCache
-from tpcache.cache.swa_cache import HybridCache
 from tpcache.workers.channel import Attach, RankLoop
 from tpcache.workers.channel import serve as serve_channel
-from tpcache.workers.context import ForwardError, check_forward, to_context
 from tpcache.workers.group import TPGroup
 from tpcache.workers.group_spec import GroupSpec, free_port, node_ip
 from tpcache.workers.kvpool import (
@@ -34,8 +31,11 @@ from tpcache.workers.kvpool import (
     slots_that_fit,
 )
 from tpcache.workers.lockstep import apply_step
-from tpcache.workers.model import Context, ModelConfigError, ModelSpec, RankModel
-from tpcache.workers.ops import ForwardResult, Op, decode_forward, decode_step, encode
+from tpcache.workers.model import ModelConfigError, ModelSpec, ReferenceRunner
+from tpcache.workers.model_host import ModelHost
+from tpcache.workers.ops import Op, decode_step, encode
+from tpcache.workers.runner import ModelRunner, RunnerConfigError
+from tpcache.workers.runner_spec import RunnerSpec, build_runner
 from tpcache.workers.spec import CacheSpec, WorkerSpec
 
 
@@ -44,6 +44,10 @@ class RankWorker:
 
     Call order: ``address`` (rank 0), ``join`` (all, concurrently), ``setup`` (all,
     concurrently: a collective), then ``apply`` for each step in step order.
+
+    With ``spec.runner`` the constructor builds that model runner and loads its shard of
+    the weights (raising RunnerConfigError unless ``spec.pool`` is the pool its layout
+    asks for); ``load_model``/``load_runner`` install one later instead.
     """
 
     def __init__(self, rank: int, spec: WorkerSpec, local_rank: int = 0) -> None:
@@ -58,13 +62,11 @@ class RankWorker:
         self.last_step = -1
         # Fault drills (tests, chaos runs): step -> what to do there. Owned by this rank.
         self._faults: dict[int, tuple[str, float]] = {}
-        # The model (load_model) and the SWA pool it needs with a hybrid cache, built for
-        # one cache instance (a new cache after setup/rejoin gets a new pool). Owned here.
-        self.model: RankModel | None = None
-        self._swa_pool: KVPool | None = None
-        self._swa_pool_cache: object | None = None
-        self.tokens_computed = 0  # tokens run through the model since load_model
-        self._slot_fault = 0  # test double: shift of the first context slot, next forward
+        # The model runner, its SWA pool and the forwards (workers/model_host.py). Owned here.
+        self.models = ModelHost(rank, spec.pool.tp, self.device)
+        if spec.runner is not None:
+            runner = build_runner(spec.runner)
+            self.models.install(runner, spec.pool, spec.cache.sliding_window)
         self._store_dir: str | None = None  # local_store's directory (rank 0 of one node)
         self._loop: RankLoop | None = None  # the step channel's loop, while it runs
         self._joining_since: float | None = None  # a join_and_setup in hand since then
@@ -233,102 +235,63 @@ class RankWorker:
         k, v = self._pool().read(layer, slots)
         return k.float().cpu().numpy(), v.float().cpu().numpy()
 
-    # ---- the model (workers/model.py) ---------------------------------------------------
-    def load_model(self, spec: ModelSpec) -> dict[str, Any]:
-        """Build this rank's shard of ``spec`` on its device, in the pool's dtype.
+    # ---- the model runner (workers/runner.py, workers/model_host.py) ----------------------
+    @property
+    def runner(self) -> ModelRunner | None:
+        return self.models.runner
 
-        After ``setup``. Raises ``ModelConfigError`` (nothing loaded) unless the pool holds
-        the model's KV: ``kv_heads == heads``, same ``head_dim``, one pool layer per
+    @property
+    def tokens_computed(self) -> int:
+        """Tokens run through the runner since it was installed."""
+        return self.models.tokens_computed
+
+    def load_model(self, spec: ModelSpec) -> dict[str, Any]:
+        """Install the built-in checking model ``spec`` (``ReferenceRunner``) on this
+        rank's device, in the pool's dtype. Not a collective.
+
+        Raises ``ModelConfigError`` (the current runner kept) unless the pool holds the
+        model's KV: ``kv_heads == heads``, same ``head_dim``, one pool layer per
         full-attention layer (with a hybrid cache; per layer otherwise), and a model
-        window equal to the hybrid cache's. Not a collective.
+        window equal to the hybrid cache's.
         """
-        pool, cache = self.spec.pool, self._cache()
-        spec.check_tp(pool.tp)
-        if (spec.heads, spec.head_dim) != (pool.kv_heads, pool.head_dim):
-            raise ModelConfigError(
-                f"the model has {spec.heads} heads of {spec.head_dim}, the pool "
-                f"{pool.kv_heads} of {pool.head_dim}"
-            )
-        hybrid = isinstance(cache, HybridCache)
-        if hybrid and spec.swa_layers and spec.window != cache.window:
-            raise ModelConfigError(
-                f"model window {spec.window} != the hybrid cache's {cache.window}"
-            )
-        model = RankModel(spec, self.rank, pool.tp, self.device, pool.dtype, hybrid)
-        full, swa = model.pool_layers
-        if full != pool.num_layers:
-            raise ModelConfigError(
-                f"the pool holds {pool.num_layers} layers, the model keeps {full} "
-                f"in it ({swa} in the SWA pool)"
-            )
-        self.model = model
-        self.tokens_computed = 0
-        return {"rank": self.rank, "full_layers": full, "swa_layers": swa, "hybrid": hybrid}
+        runner = ReferenceRunner.of(spec, self.spec.pool.dtype)
+        try:
+            return self.models.install(runner, self.spec.pool, self.spec.cache.sliding_window)
+        except RunnerConfigError as exc:
+            raise ModelConfigError(str(exc)) from None
+
+    def load_runner(self, target: str, args: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Build the runner ``target`` (``"module:Class"``) with ``args`` here and install
+        it, as ``WorkerSpec.runner`` does at construction. Not a collective. Raises
+        RunnerSpecError / RunnerConfigError (the current runner kept) if it cannot be
+        built or its layout does not fit this rank's pool."""
+        runner = build_runner(RunnerSpec.of(target, args))
+        return self.models.install(runner, self.spec.pool, self.spec.cache.sliding_window)
 
     def forward(self, data: bytes) -> bytes:
-        """Run the model on an encoded ``Forward``; returns an encoded ``ForwardResult``.
+        """Run the runner on an encoded ``Forward`` (one request); returns an encoded
+        ``ForwardResult``. As ``forward_batch`` for a batch of one."""
+        return encode(self.models.forward(self._group(), self._state, data, self.last_step))
 
-        Collective (every rank, same order, same command). The command is first checked
-        against this rank's own cache (``check_forward``) and the verdict agreed by MIN,
-        so a bad command raises ``ForwardError`` on every rank before any compute. Then
-        the new tokens' K and V are written into the pool(s) and the model's
-        ``2 * num_layers`` all-reduces run. Changes the pools, not the cache.
+    def forward_batch(self, data: bytes) -> bytes:
+        """Run the runner on an encoded ``ForwardBatch``; returns an encoded
+        ``ForwardBatchResult``.
+
+        Collective (every rank, same order, same command). Every item is first checked
+        against this rank's own cache (``check_forward_batch``) and by the runner
+        (``check_batch``), and the verdict agreed by MIN, so a bad command raises
+        ``ForwardError`` on every rank before any compute. Then the runner writes the new
+        tokens' K and V and enters its collectives. Changes the pools, not the cache.
         """
-        group = self._group()
-        problem = None
-        try:
-            cmd = decode_forward(data)
-            if self.model is None:
-                raise ForwardError("no model loaded (call load_model)")
-            check_forward(self._cache(), cmd)
-            tokens, ctx = to_context(cmd)
-            self.model.spec.check_tokens(tokens)
-            swa_pool = self._swa_pool_now()
-        except Exception as exc:  # must reach the peers through the agreement, not hang them
-            problem = f"{type(exc).__name__}: {exc}"
-        if group.agree_min([0 if problem is None else -1])[0] < 0:
-            where = f"this rank ({self.rank}): {problem}" if problem else "another rank"
-            raise ForwardError(f"forward refused on {where}")
-        if self._slot_fault:
-            ctx = self._plant_slot_fault(ctx)
-        assert self.model is not None
-        logits = self.model.forward(tokens, ctx, self._pool(), swa_pool, group.all_reduce_sum)
-        n = int(tokens.numel())
-        self.tokens_computed += n
-        return encode(
-            ForwardResult(
-                self.rank,
-                n,
-                ctx.start + n,
-                self.model.spec.vocab,
-                logits.cpu().numpy().astype("<f4").tobytes(),
-            )
-        )
+        return self.models.forward_batch(self._group(), self._state, data, self.last_step)
 
     def plant_slot_error(self, shift: int = 1) -> None:
         """Test double of a wrong slot id on this rank: the next forward (after its check)
-        reads position 0 of its context from slot ``slots[0] + shift``. Tests only."""
-        self._slot_fault = shift
+        reads position 0 of its first request's context from slot ``slots[0] + shift``."""
+        self.models.plant_slot_error(shift)
 
-    def _plant_slot_fault(self, ctx: Context) -> Context:
-        shift, self._slot_fault = self._slot_fault, 0
-        slots = ctx.slots.clone()
-        slots[0] = (slots[0] + shift) % self._pool().num_slots
-        return dataclasses.replace(ctx, slots=slots)
-
-    def _swa_pool_now(self) -> KVPool | None:
-        """The SWA pool of the current cache (built on first use for each new cache)."""
-        cache = self._cache()
-        model = self.model
-        if model is None or not isinstance(cache, HybridCache) or model.pool_layers[1] == 0:
-            return None
-        if self._swa_pool is None or self._swa_pool_cache is not cache:
-            self._swa_pool = None  # free the old one first
-            spec = dataclasses.replace(self.spec.pool, num_layers=model.pool_layers[1])
-            slots = cache.config.num_swa_pages * cache.page_size
-            self._swa_pool = KVPool(spec, slots, self.device)
-            self._swa_pool_cache = cache
-        return self._swa_pool
+    def _state(self) -> tuple[RadixCache, KVPool]:
+        return self._cache(), self._pool()
 
     # ---- inspection ---------------------------------------------------------------------
     def request_slots(self, rid: int | str) -> list[int]:

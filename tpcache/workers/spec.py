@@ -13,6 +13,7 @@ from tpcache.cache.swa_cache import HybridCache
 from tpcache.cache.swa_config import HybridConfig
 from tpcache.workers.group_spec import check_seconds
 from tpcache.workers.kvpool import PoolSpec
+from tpcache.workers.runner_spec import RunnerSpec
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,10 @@ class WorkerSpec:
     backend: str = "auto"
     timeout_s: float = 60.0
     join_timeout_s: float = 120.0
+    # The model runner every rank builds and loads at construction (None: none until
+    # load_model/load_runner); ``pool`` must then be the pool its layout asks for
+    # (``runner_spec.runner_pool``).
+    runner: RunnerSpec | None = None
 
     def __post_init__(self) -> None:
         if self.capacity_tokens is not None and self.capacity_tokens < self.cache.page_size:

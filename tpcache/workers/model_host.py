@@ -1,0 +1,192 @@
+"""The model side of one rank: the runner it hosts, the SWA pool the runner needs with a
+hybrid cache, and the forwards (``RankWorker.forward`` / ``forward_batch`` delegate here).
+
+A forward is collective and must never leave a peer waiting: each rank decodes the
+command, checks every item against its own cache and asks the runner to check the batch,
+then the verdict is agreed by MIN (``agree_min``, -1 for a refusal) before the runner
+enters any collective. So a bad command raises ``ForwardError`` on every rank together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tpcache.workers.context import ForwardError, check_forward_batch, to_batch
+from tpcache.workers.kvpool import KVPool, PoolSpec
+from tpcache.workers.lockstep import is_hybrid
+from tpcache.workers.ops import (
+    ForwardBatch,
+    ForwardBatchResult,
+    ForwardResult,
+    decode_forward,
+    decode_forward_batch,
+    encode,
+)
+from tpcache.workers.runner import (
+    KVLayout,
+    KVShard,
+    ModelRunner,
+    RankShard,
+    RunnerConfigError,
+    RunnerOutput,
+)
+from tpcache.workers.runner_batch import RunnerBatch
+
+# (cache, pool) of the rank now: read inside the checked part, so a rank that is not set
+# up refuses through the agreement instead of leaving its peers in it.
+State = Callable[[], tuple[Any, KVPool]]
+
+
+def _describe(p: PoolSpec) -> str:
+    return f"{p.num_layers} layers x {p.kv_heads} KV heads x {p.head_dim} ({p.dtype}, tp={p.tp})"
+
+
+class ModelHost:
+    """Owns one rank's runner, its SWA pool and the forward counters (see module doc)."""
+
+    def __init__(self, rank: int, tp: int, device: torch.device) -> None:
+        self.rank = rank
+        self.tp = tp
+        self.device = device
+        # Owned here: set together by install(); the runner is the rank's only model.
+        self.runner: ModelRunner | None = None
+        self.layout: KVLayout | None = None
+        self.tokens_computed = 0  # tokens run through the runner since install
+        self.forwards = 0  # runner calls since install
+        # The SWA pool, built for one cache instance (a new cache after setup/rejoin gets
+        # a new pool: its slots mean nothing to the new cache).
+        self._swa_pool: KVPool | None = None
+        self._swa_pool_cache: object | None = None
+        self._slot_fault = 0  # test double: shift of the first context slot, next forward
+
+    def install(self, runner: ModelRunner, pool: PoolSpec, window: int | None) -> dict[str, Any]:
+        """Check that ``runner``'s layout is what ``pool`` holds (the pool sized from this
+        layout, with the cache's sliding ``window``), load its weights and make it this
+        rank's runner. Not a collective. Raises RunnerConfigError with the old runner
+        kept, if the layout does not fit."""
+        layout = runner.kv_layout()
+        want = layout.pool_spec(self.tp, window)
+        if want != pool:
+            raise RunnerConfigError(
+                f"the runner's KV needs a pool of {_describe(want)}; "
+                f"this rank's holds {_describe(pool)}"
+            )
+        runner.load(RankShard(self.rank, self.tp, self.device))
+        self.runner, self.layout = runner, layout
+        self.tokens_computed = self.forwards = 0
+        self._swa_pool = self._swa_pool_cache = None
+        full, swa = layout.pool_layers(window is not None)
+        return {
+            "rank": self.rank,
+            "full_layers": full,
+            "swa_layers": swa,
+            "hybrid": window is not None,
+        }
+
+    # ---- forwards -------------------------------------------------------------------------
+    def forward(self, group, state: State, data: bytes, after_step: int) -> ForwardResult:
+        """One request's ``Forward`` (every new position's logits unless it says not)."""
+        sent = []
+
+        def decode() -> ForwardBatch:
+            sent.append(decode_forward(data))
+            return ForwardBatch(sent)
+
+        res = self._forward(group, state, decode, after_step)
+        n, rows = res.computed[0], res.rows[0]
+        end = sent[0].start + n
+        return ForwardResult(self.rank, n, end, res.vocab, res.logits[: rows * res.vocab * 4])
+
+    def forward_batch(self, group, state: State, data: bytes, after_step: int) -> bytes:
+        """An encoded ``ForwardBatch``; returns the encoded ``ForwardBatchResult``."""
+        return encode(self._forward(group, state, lambda: decode_forward_batch(data), after_step))
+
+    def _forward(
+        self, group, state: State, decode: Callable[[], ForwardBatch], after_step: int
+    ) -> ForwardBatchResult:
+        problem = None
+        try:
+            batch, kv = self._prepare(state, decode(), after_step)
+        except Exception as exc:  # must reach the peers through the agreement, not hang them
+            problem = f"{type(exc).__name__}: {exc}"
+        if group.agree_min([0 if problem is None else -1])[0] < 0:
+            where = f"this rank ({self.rank}): {problem}" if problem else "another rank"
+            raise ForwardError(f"forward refused on {where}")
+        if self._slot_fault:
+            batch = self._plant_slot_fault(batch, kv.pool.num_slots)
+        assert self.runner is not None
+        out = self.runner.run(batch, kv, group)
+        result = self._result(batch, out)
+        self.tokens_computed += batch.num_tokens
+        self.forwards += 1
+        return result
+
+    def _prepare(
+        self, state: State, cmd: ForwardBatch, after_step: int
+    ) -> tuple[RunnerBatch, KVShard]:
+        if self.runner is None or self.layout is None:
+            raise ForwardError("no runner loaded (load_model, load_runner or WorkerSpec.runner)")
+        cache, pool = state()
+        check_forward_batch(cache, cmd)
+        batch = to_batch(cmd, self.device, after_step)
+        self.runner.check_batch(batch)
+        hybrid = is_hybrid(cache)
+        return batch, KVShard(pool, self._swa_pool_now(cache, pool), self.layout.placement(hybrid))
+
+    def _result(self, batch: RunnerBatch, out: RunnerOutput) -> ForwardBatchResult:
+        """The wire record of ``out``; ForwardError if the runner broke its contract (the
+        same on every rank for a deterministic runner, so nobody waits on a peer)."""
+        reqs = batch.requests
+        logits, ids = out.logits, out.token_ids
+        if logits is None and ids is None:
+            raise ForwardError("the runner returned neither logits nor token ids")
+        rows = [r.rows for r in reqs] if logits is not None else [0] * len(reqs)
+        vocab, data = 0, b""
+        if logits is not None:
+            if logits.dim() != 2 or logits.shape[0] != sum(rows):
+                raise ForwardError(
+                    f"the runner returned logits of shape {tuple(logits.shape)}, "
+                    f"expected [{sum(rows)}, vocab]"
+                )
+            vocab = int(logits.shape[1])
+            data = logits.detach().float().cpu().contiguous().numpy().astype("<f4").tobytes()
+        tokens = b""
+        if ids is not None:
+            if tuple(ids.shape) != (len(reqs),):
+                raise ForwardError(
+                    f"the runner returned {tuple(ids.shape)} token ids for {len(reqs)} requests"
+                )
+            tokens = ids.detach().cpu().numpy().astype("<i8").tobytes()
+        return ForwardBatchResult(self.rank, [r.n for r in reqs], rows, vocab, data, tokens)
+
+    # ---- the SWA pool, fault drills --------------------------------------------------------
+    def _swa_pool_now(self, cache, pool: KVPool) -> KVPool | None:
+        """The SWA pool of the current cache (built on first use for each new cache)."""
+        assert self.layout is not None
+        layers = self.layout.pool_layers(True)[1]
+        if not is_hybrid(cache) or layers == 0:
+            return None
+        if self._swa_pool is None or self._swa_pool_cache is not cache:
+            self._swa_pool = None  # free the old one first
+            spec = dataclasses.replace(pool.spec, num_layers=layers)
+            slots = cache.config.num_swa_pages * cache.page_size
+            self._swa_pool = KVPool(spec, slots, self.device)
+            self._swa_pool_cache = cache
+        return self._swa_pool
+
+    def plant_slot_error(self, shift: int = 1) -> None:
+        """Test double of a wrong slot id on this rank: the next forward (after its check)
+        reads position 0 of its first request's context from slot ``slots[0] + shift``."""
+        self._slot_fault = shift
+
+    def _plant_slot_fault(self, batch: RunnerBatch, num_slots: int) -> RunnerBatch:
+        shift, self._slot_fault = self._slot_fault, 0
+        first = batch.requests[0]
+        slots = first.read_slots.clone()
+        slots[0] = (slots[0] + shift) % num_slots
+        first = dataclasses.replace(first, read_slots=slots)
+        return dataclasses.replace(batch, requests=(first, *batch.requests[1:]))

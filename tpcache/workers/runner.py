@@ -1,0 +1,219 @@
+"""The model-runner interface: how an engine runs its model inside a tpcache rank.
+
+tpcache owns the KV pool shard of each rank, the cache that hands out its slots and the
+rank's process group; an engine owns the model. A runner joins them: it declares the KV
+layout its model needs (``kv_layout``), tpcache sizes the pool from it (capacity agreed
+by MIN over the ranks, as for any pool), the runner loads its shard of the weights
+(``load``), and for each forward tpcache hands it ONE batch (``run``): per request the
+new tokens, their positions, the slots to write their K and V at, and the slots of the
+whole context to read (and the SWA slots with the hybrid cache), every slot id checked
+against the rank's own cache first. What ``run`` returns (logits of the last positions,
+or of every new position when asked, or sampled token ids) goes back to the caller.
+
+Order of calls on one rank: the constructor (``Class(**args)``: cheap, loads nothing,
+also run by the coordinator to learn the layout), ``kv_layout`` (pure), ``load`` (once),
+then ``check_batch`` and ``run`` for every forward, in the coordinator's order. ``run``
+is collective: it enters the same collectives in the same order on every rank (the
+batch is the same on every rank); ``check_batch`` must not enter any collective, since
+its verdict is agreed by MIN before ``run`` starts.
+
+Two runners ship: ``tpcache.workers.model:ReferenceRunner`` (the built-in checking
+model) and ``tpcache.workers.llama:LlamaRunner`` (a standard decoder: RMSNorm, RoPE,
+grouped-query attention, SwiGLU). The batch records and the paged attention both use
+live in ``runner_batch``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from tpcache.workers.kvpool import _DTYPES, KVPool, PoolSpec
+from tpcache.workers.runner_batch import RunnerBatch
+
+
+class RunnerConfigError(ValueError):
+    """A runner or layout that cannot work here: a bad shape, heads that do not divide by
+    tp, a layout that does not fit the pool or the cache. Raised before anything starts."""
+
+
+def _positive(name: str, value: object) -> None:
+    # bool is an int subclass; True as a head count is a bug, not 1.
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise RunnerConfigError(f"{name} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """Which pool, and which layer of it, holds one model layer's K and V."""
+
+    pool: str  # "full" or "swa"
+    index: int
+    window: int | None  # None: full attention
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The KV a model keeps per token: ``num_layers`` layers of ``kv_heads`` heads of
+    ``head_dim`` (totals over the TP group) in ``dtype``. ``swa_layers``: the layers that
+    attend over a sliding ``window`` (the tokens before the current one they see)."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str = "float32"
+    swa_layers: tuple[int, ...] = ()
+    window: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "kv_heads", "head_dim"):
+            _positive(name, getattr(self, name))
+        if self.dtype not in _DTYPES:
+            raise RunnerConfigError(f"dtype={self.dtype!r} is not one of {sorted(_DTYPES)}")
+        swa = self.swa_layers
+        if list(swa) != sorted(set(swa)) or any(
+            isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_layers
+            for i in swa
+        ):
+            raise RunnerConfigError(
+                f"swa_layers={swa} must be distinct sorted layer indices in [0, {self.num_layers})"
+            )
+        if swa:
+            _positive("window", self.window)
+        elif self.window is not None:
+            raise RunnerConfigError("a window without swa_layers means nothing; drop it")
+
+    def placement(self, hybrid: bool) -> tuple[LayerKV, ...]:
+        """Where each layer's KV lives: with an SWA pool (``hybrid``), sliding-window
+        layers in it (in layer order) and full layers in the full pool; without, every
+        layer in the full pool (a sliding layer then reads only its window from it)."""
+        out: list[LayerKV] = []
+        full = swa = 0
+        for i in range(self.num_layers):
+            window = self.window if i in self.swa_layers else None
+            if hybrid and window is not None:
+                out.append(LayerKV("swa", swa, window))
+                swa += 1
+            else:
+                out.append(LayerKV("full", full, window))
+                full += 1
+        return tuple(out)
+
+    def pool_layers(self, hybrid: bool) -> tuple[int, int]:
+        """How many layers the full pool and the SWA pool must hold."""
+        full = sum(p.pool == "full" for p in self.placement(hybrid))
+        return full, self.num_layers - full
+
+    def pool_spec(self, tp: int, window: int | None) -> PoolSpec:
+        """The full pool of a TP group of ``tp`` ranks whose cache has the sliding
+        ``window`` (None: no SWA pool). Raises RunnerConfigError unless ``kv_heads``
+        divides by ``tp``, the cache's window is the model's, and the full pool keeps
+        at least one layer."""
+        _positive("tp", tp)
+        if self.kv_heads % tp:
+            raise RunnerConfigError(
+                f"kv_heads={self.kv_heads} does not divide by tp={tp}: each rank keeps whole heads"
+            )
+        hybrid = window is not None
+        if hybrid and self.swa_layers and window != self.window:
+            raise RunnerConfigError(
+                f"the model's window is {self.window}, the hybrid cache's {window}"
+            )
+        full, _swa = self.pool_layers(hybrid)
+        if full == 0:
+            raise RunnerConfigError("the hybrid cache needs a full-attention layer in the model")
+        return PoolSpec(full, self.kv_heads, self.head_dim, tp, self.dtype)
+
+
+@dataclass(frozen=True)
+class RankShard:
+    """What a runner is loaded for: this rank of a TP group of ``tp``, on ``device``."""
+
+    rank: int
+    tp: int
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class KVShard:
+    """This rank's pools as a runner sees them: ``placement[i]`` says where layer i's K
+    and V are (``buffers(i)``: the live ``[slots, kv_heads // tp, head_dim]`` tensors).
+    Writing through them is how a runner stores K and V; only at the batch's slots."""
+
+    pool: KVPool
+    swa_pool: KVPool | None
+    placement: tuple[LayerKV, ...]
+
+    def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        where = self.placement[layer]
+        pool = self.swa_pool if where.pool == "swa" else self.pool
+        assert pool is not None, "an SWA layer without an SWA pool"  # placement's invariant
+        return pool.layer_buffers(where.index)
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    """What ``run`` returns; at least one of the two.
+
+    ``logits``: float32 ``[rows, vocab]``, each request's rows in batch order: every new
+    position's when its ``all_logits`` is set, else its last one's. ``token_ids``:
+    int64 ``[requests]``, a token sampled at each request's last position.
+    """
+
+    logits: torch.Tensor | None = None
+    token_ids: torch.Tensor | None = None
+
+
+class Collectives(Protocol):
+    """The rank's process group, as a runner uses it."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum a floating-point tensor over the ranks in place; returns it."""
+        ...
+
+
+@runtime_checkable
+class ModelRunner(Protocol):
+    """What an engine implements to run its model on a tpcache rank (module docstring)."""
+
+    def kv_layout(self) -> KVLayout:
+        """The KV the model keeps per token. Pure; callable before ``load``."""
+        ...
+
+    def load(self, shard: RankShard) -> None:
+        """Load this rank's shard of the weights on ``shard.device``. Once, before any
+        batch; not a collective."""
+        ...
+
+    def check_batch(self, batch: RunnerBatch) -> None:
+        """Raise (ValueError) for a batch this runner cannot run, e.g. token ids outside
+        its vocabulary. Changes nothing, enters no collective: every rank's verdict is
+        agreed before ``run``, so a refusal stops every rank, none hangs."""
+        ...
+
+    def run(self, batch: RunnerBatch, kv: KVShard, group: Collectives) -> RunnerOutput:
+        """Compute the batch: write each request's new K and V at its write slots, attend
+        over its read slots, return the outputs. Collective. Changes the pools only at
+        the batch's write slots."""
+        ...
+
+
+__all__ = [
+    "Collectives",
+    "KVLayout",
+    "KVShard",
+    "LayerKV",
+    "ModelRunner",
+    "RankShard",
+    "RunnerBatch",
+    "RunnerConfigError",
+    "RunnerOutput",
+]
