@@ -19,8 +19,9 @@ its verdict is agreed by MIN before ``run`` starts.
 
 Two runners ship: ``tpcache.workers.model:ReferenceRunner`` (the built-in checking
 model) and ``tpcache.workers.llama:LlamaRunner`` (a standard decoder: RMSNorm, RoPE,
-grouped-query attention, SwiGLU). The batch records and the paged attention both use
-live in ``runner_batch``.
+grouped-query attention, SwiGLU). The batch records, and the paged attention both of
+them use, live in ``runner_batch``; naming a runner (``"module:Class"`` and arguments)
+in ``runner_spec``.
 """
 
 from __future__ import annotations
