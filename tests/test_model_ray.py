@@ -23,6 +23,7 @@ from tpcache.coordinator.engine import ModelEngine
 from tpcache.coordinator.modelcheck import Workload, run_script, run_workload
 from tpcache.coordinator.service import GroupConfig, start_group
 from tpcache.workers.context import ForwardError, build_forward
+from tpcache.workers.llama import LlamaReference, LlamaSpec
 from tpcache.workers.model import ModelSpec, reference_logits
 from tpcache.workers.ops import encode, pack_slots, unpack_slots
 from tpcache.workers.rank import CacheSpec
@@ -264,3 +265,28 @@ def test_a_forward_flushes_steps_waiting_in_the_coordinator(engines):
     finally:
         coord.config = old
     check_clean(eng)
+
+
+def test_a_runner_named_in_the_group_config_runs_batched_on_ray_ranks(ray_cluster):
+    """GroupConfig(runner=...): every Ray rank builds the Llama-style runner in its own
+    process (grouped-query attention, 4 query heads over 2 KV heads), the pool shaped by
+    its layout; batched forwards over the step channel equal full recompute."""
+    seed = 7500
+    print(f"seed={seed}")
+    args = {"seed": seed, "heads": 4, "kv_heads": 2, "hidden": 32, "ffn": 64, "vocab": 64}
+    cfg = dataclasses.replace(
+        group_config(2, "base"), runner="tpcache.workers.llama:LlamaRunner", runner_args=args
+    )
+    assert cfg.worker_spec().pool.kv_heads == 2  # the runner's, not the config's 4
+    coord = start_group(cfg)
+    try:
+        eng = ModelEngine(coord)
+        ref = LlamaReference(LlamaSpec.from_args(**args))
+        wl = Workload(seed=seed, requests=8, chunk=6, concurrency=3)
+        rep = run_workload(eng, ref, wl, tol=TOL)
+        assert rep.ok(TOL), rep
+        assert rep.hit_tokens > 0 and rep.forwards < rep.items and rep.greedy_checked > 0
+        assert computed_on_ranks(eng) == [rep.computed_tokens] * 2
+        check_clean(eng)
+    finally:
+        coord.close()
