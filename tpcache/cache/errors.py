@@ -27,6 +27,9 @@ class OutOfCapacity(CacheError):
 class UnknownHandle(CacheError, KeyError):
     """A handle that this cache did not give out, or whose node is gone."""
 
+    def __str__(self) -> str:  # KeyError's would repr-quote the message
+        return Exception.__str__(self)
+
 
 class LockError(CacheError):
     """Unlocking what is not locked."""
@@ -34,6 +37,9 @@ class LockError(CacheError):
 
 class UnknownRequest(CacheError, KeyError):
     """A request id the cache does not hold."""
+
+    def __str__(self) -> str:  # KeyError's would repr-quote the message
+        return Exception.__str__(self)
 
 
 class DuplicateRequest(CacheError, ValueError):
