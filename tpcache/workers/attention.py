@@ -69,3 +69,38 @@ def attend(
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("hnc,chd->nhd", probs, v.float())
     return out.reshape(out.shape[0], -1).to(q.dtype)
+
+
+def attend_one_each(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    valid: torch.Tensor,
+    window: int | None,
+) -> torch.Tensor:
+    """``attend`` for many sequences with one query each (a decode batch), at once.
+
+    ``q`` ``[b, heads, d]`` at ``q_pos`` ``[b]``; ``k``/``v`` ``[b, c, kv_heads, d]`` at
+    ``k_pos`` ``[b, c]``, of which ``valid`` ``[b, c]`` are real (the rest is padding).
+    Same masks, grouping and precision as ``attend``. Returns ``[b, heads * d]``.
+    """
+    heads, kv_heads = q.shape[1], k.shape[2]
+    if kv_heads != heads:
+        if kv_heads < 1 or heads % kv_heads:
+            raise ValueError(f"{heads} query heads cannot share {kv_heads} KV heads evenly")
+        k = k.repeat_interleave(heads // kv_heads, dim=2)
+        v = v.repeat_interleave(heads // kv_heads, dim=2)
+    scale = q.shape[-1] ** -0.5
+    scores = torch.einsum("bhd,bchd->bhc", q.float(), k.float()) * scale
+    rel = q_pos[:, None] - k_pos  # [b, c]
+    allowed = valid & (rel >= 0)
+    if window is not None:
+        allowed &= rel <= window
+    if not bool(allowed.any(dim=1).all()):
+        raise ValueError("a query has no key in its context (its own K is missing)")
+    scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bhc,bchd->bhd", probs, v.float())
+    return out.reshape(out.shape[0], -1).to(q.dtype)

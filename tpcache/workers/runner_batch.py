@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tpcache.workers.attention import attend
+from tpcache.workers.attention import attend, attend_one_each
 
 RequestId = int | str
 
@@ -134,22 +134,51 @@ def paged_attention(
     flat order, rotary positions applied. Their K and V are written into ``bufs`` (the
     layer's K and V buffers in ``pool``) at each request's write slots, one copy for the
     whole batch; then each request's queries attend over its context *read back from the
-    pool* (one gather per request). No request reads what another writes in the same
-    batch: a request's new slots are its own until it is cached. Returns ``[T, q_heads *
-    d]`` in q's dtype.
+    pool*: the one-token requests (decodes) together, one gather for all of them, the
+    others one gather each. No request reads what another writes in the same batch: a
+    request's new slots are its own until it is cached. Returns ``[T, q_heads * d]`` in
+    q's dtype.
     """
     kbuf, vbuf = bufs
     ctx = [r.context(pool, window) for r in batch.requests]
     writes = torch.cat([c[2] for c in ctx])
     kbuf.index_copy_(0, writes, k)
     vbuf.index_copy_(0, writes, v)
-    outs = []
+    out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
     starts = batch.query_starts
-    for r, (read, lo, _), s, e in zip(batch.requests, ctx, starts, starts[1:], strict=False):
+    singles = [i for i, r in enumerate(batch.requests) if r.n == 1]
+    if len(singles) > 1:
+        rows = torch.tensor([starts[i] for i in singles], device=q.device)
+        out[rows] = _attend_singles(q[rows], [ctx[i] for i in singles], kbuf, vbuf, window)
+    for i, (r, (read, lo, _)) in enumerate(zip(batch.requests, ctx, strict=True)):
+        if r.n == 1 and len(singles) > 1:
+            continue
         k_pos = torch.arange(lo, lo + int(read.numel()), device=q.device)
         kc, vc = kbuf.index_select(0, read), vbuf.index_select(0, read)
-        outs.append(attend(q[s:e], kc, vc, r.positions, k_pos, window))
-    return torch.cat(outs)
+        out[starts[i] : starts[i + 1]] = attend(
+            q[starts[i] : starts[i + 1]], kc, vc, r.positions, k_pos, window
+        )
+    return out
+
+
+def _attend_singles(
+    q: torch.Tensor,
+    ctx: list[tuple[torch.Tensor, int, torch.Tensor]],
+    kbuf: torch.Tensor,
+    vbuf: torch.Tensor,
+    window: int | None,
+) -> torch.Tensor:
+    """Attention of ``len(ctx)`` one-token requests: their contexts gathered into one
+    padded block (padding reads slot 0 and is masked out). The query of each is its
+    context's last position."""
+    lens = torch.tensor([int(c[0].numel()) for c in ctx], device=q.device)
+    idx = torch.nn.utils.rnn.pad_sequence([c[0] for c in ctx], batch_first=True)
+    cols = torch.arange(idx.shape[1], device=q.device)
+    k_pos = torch.tensor([c[1] for c in ctx], device=q.device)[:, None] + cols[None, :]
+    q_pos = k_pos[:, 0] + lens - 1
+    valid = cols[None, :] < lens[:, None]
+    kc, vc = kbuf[idx], vbuf[idx]  # [b, c, kv_heads, d]: one gather for every request
+    return attend_one_each(q, kc, vc, q_pos, k_pos, valid, window)
 
 
 __all__ = ["RequestInput", "RunnerBatch", "paged_attention"]
