@@ -125,9 +125,10 @@ class ModelEngine:
             if (type(rid), rid) in seen:
                 raise ForwardError(f"request {rid!r} is in the step twice")
             seen.add((type(rid), rid))
-            if isinstance(w, Prefill) == (rid in running):
-                kind = DuplicateRequest if rid in running else UnknownRequest
-                raise kind(f"request {rid!r} {'is' if rid in running else 'is not'} running")
+            if isinstance(w, Prefill) and rid in running:
+                raise DuplicateRequest(f"request {rid!r} is running already")
+            if not isinstance(w, Prefill) and rid not in running:
+                raise UnknownRequest(f"request {rid!r} is not running")
             match w:
                 case Prefill(tokens=toks) | Compute(tokens=toks) | Chunk(chunk=toks):
                     toks = as_tokens(toks)
