@@ -2,6 +2,21 @@
 
 Imports flow one way: ``coordinator -> workers -> cache``. ``cache`` imports nothing
 else of tpcache, so it can be tested, benchmarked and reused alone.
+
+A frontend reaches a served coordinator with ``tpcache.connect(name, namespace,
+address=...)``, which returns a ``tpcache.Client`` (``coordinator.ray_client``). Both are
+imported on first use, so ``import tpcache`` imports neither Ray nor torch.
 """
 
+from typing import Any
+
 __version__ = "0.1.0"
+__all__ = ["Client", "connect"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from tpcache.coordinator import ray_client
+
+        return getattr(ray_client, name)
+    raise AttributeError(f"module 'tpcache' has no attribute {name!r}")

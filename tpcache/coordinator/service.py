@@ -1,8 +1,9 @@
-"""Starting a TP group, serving it as a named Ray actor, and connecting frontends to it.
+"""Starting a TP group, serving it as a named Ray actor, and stopping it.
 
 ``start_group`` builds ranks + mirror + coordinator in the calling process.
 ``CoordinatorService`` is the same behind a named (optionally detached) Ray actor, so a
-frontend on any node of the cluster reaches it with ``connect(name, namespace)``.
+frontend on any node of the cluster reaches it with ``connect(name, namespace)``
+(``ray_client``; importable from here too).
 """
 
 from __future__ import annotations
@@ -12,22 +13,45 @@ import threading
 import time
 from typing import Any
 
-import numpy as np
 import ray
-from ray.exceptions import ActorUnavailableError, RayActorError
 
-from tpcache.cache.keys import TokenLike
+from tpcache.cache.errors import CacheError
 from tpcache.coordinator import api
-from tpcache.coordinator.api import CoordinatorUnavailable
+from tpcache.coordinator.api import CoordinatorUnavailable, RequestLost
 from tpcache.coordinator.build import Endpoints, GroupConfig, build_coordinator
-from tpcache.coordinator.core import Admission, Coordinator
+from tpcache.coordinator.core import Coordinator
 from tpcache.coordinator.frontend import handle, handle_many
 from tpcache.coordinator.ranks import RayRanks
+from tpcache.coordinator.ray_client import DEFAULT_NAMESPACE, Client, connect
+from tpcache.workers.errors import LockstepError
 from tpcache.workers.rank import RankWorker
 
-__all__ = ["Client", "CoordinatorService", "GroupConfig", "connect", "serve", "start_group"]
+__all__ = [
+    "AlreadyServing",
+    "Client",
+    "CoordinatorService",
+    "GroupConfig",
+    "connect",
+    "describe",
+    "find_served",
+    "serve",
+    "start_group",
+    "stop_served",
+]
 
-DEFAULT_NAMESPACE = "tpcache"
+# What the service answers as a typed error (as the frontend does), not as Ray's.
+_REJECTED = (CacheError, CoordinatorUnavailable, RequestLost, LockstepError)
+
+
+class AlreadyServing(RuntimeError):
+    """A coordinator is served under that name and namespace already."""
+
+    def __init__(self, name: str, namespace: str, what: str) -> None:
+        super().__init__(
+            f"a coordinator is already serving as {name!r} in namespace {namespace!r} ({what})"
+        )
+        self.name = name
+        self.namespace = namespace
 
 
 def start_group(config: GroupConfig, worker_cls: type[RankWorker] = RankWorker) -> Coordinator:
@@ -66,18 +90,35 @@ class CoordinatorService:
 
     def __init__(self, config: GroupConfig, health_interval_s: float = 2.0) -> None:
         self.config = config
-        self.coord = start_group(config)
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        restarted = False
         with contextlib.suppress(Exception):  # not inside an actor: no restart to detect
-            if ray.get_runtime_context().was_current_actor_reconstructed:
-                self.coord.restart_note = (
-                    f"the coordinator restarted at {time.strftime('%Y-%m-%d %H:%M:%S')}"
-                )
+            restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        # A group that cannot start the first time (a taken metrics port, a bad events
+        # endpoint) is kept as its error, for ``serve`` to raise as itself and remove the
+        # actor: raised here, Ray would report an ActorDiedError with it as text. After a
+        # restart there is no ``serve`` waiting: it raises, and Ray restarts again.
+        self.start_error: Exception | None = None
+        try:
+            self.coord = start_group(config)
+        except Exception as exc:
+            if restarted:
+                raise
+            self.start_error = exc
+            return
+        if restarted:
+            self.coord.restart_note = (
+                f"the coordinator restarted at {time.strftime('%Y-%m-%d %H:%M:%S')}"
+            )
         if health_interval_s > 0:
             threading.Thread(
                 target=self._watch, args=(health_interval_s,), name="tpcache-health", daemon=True
             ).start()
+
+    def failed_start(self) -> Exception | None:
+        """Why the group did not start (None: it did)."""
+        return self.start_error
 
     def _watch(self, interval: float) -> None:
         while not self._stop.wait(interval):
@@ -95,6 +136,27 @@ class CoordinatorService:
     def sync(self) -> None:
         with self._lock:
             self.coord.sync()
+
+    def flush(self) -> None:
+        with self._lock:
+            self.coord.flush()
+
+    def evict(self, num_tokens: int, swa_tokens: int = 0) -> tuple[int | None, bytes | None]:
+        """``Coordinator.evict``, answered as ``(tokens evicted, None)`` or ``(None, an
+        encoded ErrorReply)`` (``Client._op`` raises it as its type)."""
+        return self._answer(lambda: int(self.coord.evict(num_tokens, swa_tokens)))
+
+    def reset(self) -> tuple[None, bytes | None]:
+        """``Coordinator.reset``, answered as ``evict`` is."""
+        return self._answer(self.coord.reset)
+
+    def _answer(self, fn: Any) -> tuple[Any, bytes | None]:
+        with self._lock:
+            try:
+                return fn(), None
+            except _REJECTED as exc:
+                retry = bool(getattr(exc, "retryable", False))
+                return None, api.encode(api.ErrorReply(type(exc).__name__, str(exc), retry))
 
     def rank_digests(self) -> list[int]:
         with self._lock:
@@ -120,9 +182,11 @@ class CoordinatorService:
             self.coord.stop_recovery()
 
     def shutdown(self) -> None:
+        """Stop the health check, the ranks and the endpoints (the actor stays)."""
         self._stop.set()
-        with self._lock:
-            self.coord.close()
+        if self.start_error is None:
+            with self._lock:
+                self.coord.close()
 
 
 def serve(
@@ -131,10 +195,21 @@ def serve(
     namespace: str = DEFAULT_NAMESPACE,
     detached: bool = False,
     resources: dict[str, float] | None = None,
+    replace: bool = False,
 ) -> Any:
-    """Start the coordinator as a named actor in ``namespace``; returns its handle.
-    ``resources``: custom Ray resources the coordinator's actor asks for (to place it on
-    a node that has them; ranks on that node are reached over IPC)."""
+    """Start the coordinator as a named actor in ``namespace``; returns its handle once
+    its group is up. ``resources``: custom Ray resources the coordinator's actor asks
+    for (to place it on a node that has them; ranks on that node are reached over IPC).
+
+    Raises ``AlreadyServing`` if the name is taken (``replace``: stop that coordinator
+    first), and the group's own start-up error (``MetricsError``, ``EventConfigError``,
+    ...) if it cannot start; no actor is left behind then.
+    """
+    old = find_served(name, namespace)
+    if old is not None:
+        if not replace:
+            raise AlreadyServing(name, namespace, describe(old))
+        stop_served(old, name, namespace)
     # Restarted by Ray if its process dies; it then starts a fresh group (empty cache).
     opts: dict[str, Any] = {
         "name": name,
@@ -147,104 +222,43 @@ def serve(
         opts["lifetime"] = "detached"
     if resources:
         opts["resources"] = dict(resources)
-    actor = ray.remote(CoordinatorService).options(**opts).remote(config)
-    ray.get(actor.stats.remote())  # wait until the group is up (raises if it failed)
+    try:
+        actor = ray.remote(CoordinatorService).options(**opts).remote(config)
+    except ValueError:  # taken since we looked (ActorAlreadyExistsError is a ValueError)
+        raise AlreadyServing(name, namespace, "started by another process just now") from None
+    error = ray.get(actor.failed_start.remote())  # waits until the group is up
+    if error is not None:
+        ray.kill(actor, no_restart=True)
+        raise error
     return actor
 
 
-class Client:
-    """A frontend's handle on a served coordinator: the same calls as ``Coordinator``,
-    over encoded messages; errors come back as the same typed exceptions.
-
-    While the coordinator's actor restarts (its process died; Ray starts it again), Ray
-    answers with its own errors: they become ``CoordinatorUnavailable`` (retryable). Calls
-    that change nothing (``stats``, ``sync``) are retried here for up to
-    ``retry_s``; the others are not, since a call cut off by the restart may or may not
-    have been applied (after a restart, its requests are lost anyway).
-    """
-
-    def __init__(self, actor: Any, retry_s: float = 30.0) -> None:
-        self.actor = actor
-        self.retry_s = retry_s
-
-    def _get(self, ref: Any) -> Any:
-        try:
-            return ray.get(ref)
-        except (ActorUnavailableError, RayActorError) as exc:
-            raise CoordinatorUnavailable(
-                f"the coordinator is unreachable (restarting or gone): {type(exc).__name__}"
-            ) from None
-
-    def _retried(self, method: str, *args: Any) -> Any:
-        deadline = time.monotonic() + self.retry_s
-        delay = 0.1
-        while True:
-            try:
-                return self._get(getattr(self.actor, method).remote(*args))
-            except CoordinatorUnavailable:
-                if time.monotonic() + delay > deadline:
-                    raise
-                time.sleep(delay)
-                delay = min(2.0, delay * 2)
-
-    def _call(self, call: api.Call) -> api.Reply:
-        reply = api.decode_reply(self._get(self.actor.call.remote(api.encode(call))))
-        if isinstance(reply, api.ErrorReply):
-            api.raise_reply_error(reply)
-        return reply
-
-    def admit(
-        self, request_id: Any, tokens: TokenLike, priority: int = 0, reserve: int = 0
-    ) -> Admission:
-        r = self._call(api.AdmitCall(request_id, _ints(tokens), priority, reserve))
-        assert isinstance(r, api.AdmitReply)
-        slots = np.asarray(r.slots, dtype=np.int64)
-        return Admission(r.prefix_len, slots, slots.size, 1)
-
-    def extend(self, request_id: Any, n: int) -> np.ndarray:
-        r = self._call(api.ExtendCall(request_id, n))
-        assert isinstance(r, api.SlotsReply)
-        return np.asarray(r.slots, dtype=np.int64)
-
-    def cache_unfinished(self, request_id: Any, tokens: TokenLike) -> int:
-        r = self._call(api.CacheUnfinishedCall(request_id, _ints(tokens)))
-        assert isinstance(r, api.CachedReply)
-        return r.cached_tokens
-
-    def finish(self, request_id: Any, output_tokens: TokenLike = ()) -> int:
-        r = self._call(api.FinishCall(request_id, _ints(output_tokens)))
-        assert isinstance(r, api.CachedReply)
-        return r.cached_tokens
-
-    def abort(self, request_id: Any) -> None:
-        self._call(api.AbortCall(request_id))
-
-    def stats(self) -> dict[str, Any]:
-        data = self._retried("call", api.encode(api.StatsCall()))
-        reply = api.decode_reply(data)
-        if isinstance(reply, api.ErrorReply):
-            api.raise_reply_error(reply)
-        assert isinstance(reply, api.StatsReply)
-        return dict(reply.stats)
-
-    def sync(self) -> None:
-        self._retried("sync")
-
-    def recover(self) -> None:
-        """Rebuild the group now, and restart automatic recovery attempts."""
-        self._get(self.actor.recover.remote())
-
-    def stop_recovery(self) -> None:
-        """Stop automatic recovery attempts (the group stays down until ``recover``)."""
-        self._get(self.actor.stop_recovery.remote())
+def find_served(name: str, namespace: str) -> Any | None:
+    """The actor served as ``name`` in ``namespace``, or None."""
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return None
 
 
-def _ints(tokens: TokenLike) -> list[int]:
-    if isinstance(tokens, list):
-        return tokens
-    return np.asarray(tokens).tolist()
+def describe(actor: Any, timeout_s: float = 10.0) -> str:
+    """One line on a served coordinator: its group, or that it does not answer."""
+    try:
+        st = ray.get(actor.stats.remote(), timeout=timeout_s)
+    except Exception as exc:
+        return f"not answering within {timeout_s:g} s: {type(exc).__name__}"
+    return (
+        f"TP={st['tp']}, capacity {st['capacity']:,} tokens, {st['running']} running "
+        f"requests, {st['steps_done']:,} steps done"
+    )
 
 
-def connect(name: str = "tpcache", namespace: str = DEFAULT_NAMESPACE) -> Client:
-    """A client for the coordinator served as ``name`` in ``namespace`` (any node)."""
-    return Client(ray.get_actor(name, namespace=namespace))
+def stop_served(actor: Any, name: str, namespace: str, timeout_s: float = 60.0) -> None:
+    """Shut a served coordinator down (ranks, endpoints), end its actor for good, and wait
+    until its name is free. A coordinator that does not answer is killed anyway."""
+    with contextlib.suppress(Exception):
+        ray.get(actor.shutdown.remote(), timeout=timeout_s)
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + timeout_s
+    while find_served(name, namespace) is not None and time.monotonic() < deadline:
+        time.sleep(0.1)

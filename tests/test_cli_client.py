@@ -1,0 +1,128 @@
+"""A frontend's client of a served coordinator (issue #18 items 4, 5, 6, 9), on the
+session's Ray cluster: the calls the README names (``batch``, ``flush``, ``evict``,
+``reset``) and an honest admit record; ``tpcache.connect`` and ``tpcache.Client`` at the
+package top without Ray or torch on import; serving under a taken name, replacing and
+stopping; a group that cannot start raising its own error, leaving no actor."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tpcache.cache.errors import CacheError, UnknownRequest
+from tpcache.coordinator.build import GroupConfig
+from tpcache.coordinator.metrics import MetricsError
+from tpcache.coordinator.ray_client import Admitted, NotServing
+from tpcache.workers.spec import CacheSpec
+
+NS = "tpcache-tests"
+
+
+def config(**kw) -> GroupConfig:
+    return GroupConfig(
+        tp=2,
+        capacity_tokens=1024,
+        cache=CacheSpec(page_size=4, max_request_tokens=256),
+        num_layers=1,
+        kv_heads=2,
+        head_dim=2,
+        dtype="float32",
+        cpu_budget_bytes=1 << 20,
+        timeout_s=20.0,
+        **kw,
+    )
+
+
+def test_connect_and_client_at_the_package_top_without_ray_or_torch_on_import() -> None:
+    code = (
+        "import sys, tpcache; print('ray' in sys.modules, 'torch' in sys.modules); "
+        "from tpcache import connect, Client; "
+        "from tpcache.coordinator import ray_client, service; "
+        "print(connect is ray_client.connect is service.connect, "
+        "Client is ray_client.Client is service.Client)"
+    )
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert got.stdout.split() == ["False", "False", "True", "True"], got.stderr
+    import tpcache
+
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        tpcache.nope  # noqa: B018
+
+
+def test_the_client_offers_what_the_readme_says(ray_cluster) -> None:
+    import tpcache
+    from tpcache.coordinator.service import find_served, serve, stop_served
+
+    actor = serve(config(), "cli-client", NS)
+    try:
+        c = tpcache.connect("cli-client", NS)
+        prompt = list(range(1, 41))
+        a = c.admit("a", prompt)
+        assert isinstance(a, Admitted) and (a.prefix_len, a.num_tokens) == (0, 40)
+        assert a.slots.dtype == np.int64 and not a.slots.flags.writeable
+        assert not hasattr(a, "page_size")  # no page size of 1 with slot ids as "pages"
+        c.finish("a", [7, 8])
+        c.flush()
+        before = c.stats()["steps_sent"]
+        with c.batch() as b:
+            p1 = b.admit("b", [*prompt, 9])
+            p2 = b.finish("nope")
+            p3 = b.extend("b", 2)
+            with pytest.raises(RuntimeError, match="has not been sent yet"):
+                p1.result()
+        c.flush()
+        assert c.stats()["steps_sent"] - before == 1  # three calls, one step
+        assert p1.result().prefix_len == 40 and p3.result().size == 2
+        with pytest.raises(UnknownRequest, match=r"^no running request 'nope'$"):
+            p2.result()  # refused alone: the others applied
+        with pytest.raises(ZeroDivisionError), c.batch() as b:
+            b.admit("never", prompt)
+            1 / 0  # noqa: B018
+        with pytest.raises(UnknownRequest):
+            c.finish("never")  # a block that raised sent nothing
+        c.finish("b")
+        c.sync()
+        assert c.evict(10**6) == 40 and c.stats()["evictable"] == 0
+        with pytest.raises(CacheError, match="must be an int"):
+            c.evict(-1)
+        assert c.admit("c", prompt).prefix_len == 0  # evicted
+        c.finish("c")
+        c.admit("running", prompt)
+        c.reset()
+        assert c.admit("d", prompt).prefix_len == 0  # reset dropped the cache ...
+        with pytest.raises(UnknownRequest):
+            c.finish("running")  # ... and the running requests
+        c.finish("d")
+        digests = ray_cluster.get(actor.rank_digests.remote())
+        assert len(set(digests)) == 1 and c.stats()["divergences"] == 0
+    finally:
+        stop_served(actor, "cli-client", NS)
+    assert find_served("cli-client", NS) is None
+    with pytest.raises(NotServing, match="no coordinator named 'cli-client' in namespace"):
+        tpcache.connect("cli-client", NS)
+
+
+def test_a_taken_name_is_said_and_a_group_that_cannot_start_raises_its_own_error(
+    ray_cluster,
+) -> None:
+    from tpcache.coordinator.service import AlreadyServing, find_served, serve, stop_served
+
+    actor = serve(config(), "cli-taken", NS)
+    try:
+        with pytest.raises(AlreadyServing, match=r"'cli-taken' in namespace .* \(TP=2, capa"):
+            serve(config(), "cli-taken", NS)
+        assert ray_cluster.get(actor.stats.remote())["tp"] == 2  # the first one goes on
+    finally:
+        stop_served(actor, "cli-taken", NS)
+    assert find_served("cli-taken", NS) is None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(MetricsError, match=f"cannot serve metrics on 127.0.0.1:{port}"):
+            serve(config(metrics_port=port), "cli-metrics", NS)
+    assert find_served("cli-metrics", NS) is None  # no actor left behind

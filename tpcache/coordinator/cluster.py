@@ -1,0 +1,176 @@
+"""Joining a Ray cluster, from a ``tpcache`` command or a frontend, under Ray's token
+authentication.
+
+Ray 2.60 turns token authentication on for a cluster that ``ray.init()`` starts, and for
+``ray start --head`` when a token file exists; a process that joins with an explicit
+address (an argument or ``RAY_ADDRESS``) does not turn it on by itself: without
+``RAY_AUTH_MODE=token`` it retries for ~20 s and fails with ``InvalidAuthToken``.
+``join`` asks the address first whether anything answers, whether it wants a token and
+whether ours is the right one; it sets ``RAY_AUTH_MODE=token`` (for this process and
+its children) when a token is here, and otherwise raises ``ClusterJoinError`` with one
+line that says what is missing, within seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+TOKEN_FILE = "~/.ray/auth_token"
+_COPY = (
+    f"copy the head node's {TOKEN_FILE} to {TOKEN_FILE} on this machine (or set "
+    "RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH)"
+)
+
+
+class ClusterJoinError(RuntimeError):
+    """The cluster cannot be joined from here; the message says what is missing."""
+
+
+@dataclass(frozen=True)
+class Joined:
+    """The cluster this process is a driver of."""
+
+    address: str  # its GCS address, HOST:PORT: what another process passes to join it
+    started: bool  # started by this process: it ends when this process does
+
+
+def find_token() -> str | None:
+    """Where Ray would read this process's token from (as Ray looks: ``RAY_AUTH_TOKEN``,
+    then the file ``RAY_AUTH_TOKEN_PATH`` names, then ``~/.ray/auth_token``), or None."""
+    if os.environ.get("RAY_AUTH_TOKEN", "").strip():
+        return "RAY_AUTH_TOKEN"
+    candidates = [os.environ.get("RAY_AUTH_TOKEN_PATH"), str(Path.home() / ".ray" / "auth_token")]
+    for path in candidates:
+        if path and _non_empty(path):
+            return path
+    return None
+
+
+def _non_empty(path: str) -> bool:
+    try:
+        return bool(Path(path).read_text().strip())
+    except OSError:
+        return False
+
+
+def join(address: str | None, namespace: str | None = None) -> Joined:
+    """Make this process a driver of a Ray cluster; returns which one.
+
+    ``address``: ``HOST:PORT`` of the head (checked first, see the module docstring),
+    ``auto`` (the cluster ``ray start`` made on this machine, as Ray finds it), ``local``
+    (start a new cluster, ending with this process), or None (``RAY_ADDRESS`` if set,
+    else ``local``). Already a driver: that cluster. Raises ``ClusterJoinError``.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return Joined(ray.get_runtime_context().gcs_address, False)
+    if address in (None, "auto") and os.environ.get("RAY_ADDRESS"):
+        address = os.environ["RAY_ADDRESS"]
+    address = address or "local"
+    kwargs: dict = {"namespace": namespace, "log_to_driver": False}
+    if address == "local":
+        ray.init(address="local", include_dashboard=False, **kwargs)
+        return Joined(ray.get_runtime_context().gcs_address, True)
+    if address != "auto" and "://" not in address:  # ray:// is Ray Client: its own checks
+        check_address(address)
+    try:
+        ray.init(address=address, **kwargs)
+    except ConnectionError as exc:  # "auto" found nothing
+        raise ClusterJoinError(f"no Ray cluster to join at {address!r}: {exc}") from None
+    return Joined(ray.get_runtime_context().gcs_address, False)
+
+
+def check_address(address: str, timeout_s: float = 5.0) -> None:
+    """Check that a Ray head answers at ``address`` (``HOST:PORT``) and takes this
+    process's token; turn token authentication on here when a token is needed and found.
+    Raises ``ClusterJoinError`` naming what is missing; changes ``RAY_AUTH_MODE`` only to
+    set it to ``token``."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ClusterJoinError(f"a Ray address is HOST:PORT (the head's GCS port), got {address!r}")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        why = exc.strerror or type(exc).__name__
+        raise ClusterJoinError(
+            f"nothing answers at {address} ({why}): is the head up "
+            f"(`ray start --head --port {port}` there) and the address right?"
+        ) from None
+    auth = _auth_module()
+    if auth is None:  # a Ray without token authentication
+        return
+    mode = os.environ.get("RAY_AUTH_MODE")
+    token = find_token()
+    if mode is None and token is not None:
+        # A head without token authentication takes a driver that sends one (checked
+        # on Ray 2.60), so a token here decides: on.
+        auth._enable_token_auth()
+        mode = "token"
+    if mode is not None and mode.lower() == "token" and token is None:
+        # Ray's C++ client would abort the process (a failed check), not raise.
+        raise ClusterJoinError(f"RAY_AUTH_MODE=token here, but there is no token: {_COPY}")
+    refused = _refuses(address)
+    if refused is None:
+        return
+    if not isinstance(refused, _auth_error()):
+        first = str(refused).strip().splitlines()[0] if str(refused).strip() else ""
+        raise ClusterJoinError(
+            f"{address} does not answer as a Ray head: {type(refused).__name__}: {first}"
+        )
+    if mode is not None and mode.lower() == "disabled":
+        raise ClusterJoinError(
+            f"the Ray cluster at {address} uses token authentication, but RAY_AUTH_MODE="
+            f"{mode} here: unset it (tpcache then turns it on) or set RAY_AUTH_MODE=token"
+        )
+    if token is None:
+        raise ClusterJoinError(
+            f"the Ray cluster at {address} uses token authentication and there is no "
+            f"token here: {_COPY}"
+        )
+    raise ClusterJoinError(f"the Ray cluster at {address} refused the token in {token}: {_COPY}")
+
+
+def _refuses(address: str) -> BaseException | None:
+    """What a GCS client of ``address`` raises, or None if it connects."""
+    from ray._raylet import GcsClient
+
+    with _quiet_stderr():  # Ray's C++ client logs its failure on fd 2; the caller says it
+        try:
+            GcsClient(address=address)
+        except Exception as exc:
+            return exc
+    return None
+
+
+def _auth_module():
+    try:
+        from ray._private.authentication import authentication_token_setup
+    except ImportError:
+        return None
+    return authentication_token_setup
+
+
+def _auth_error() -> type[BaseException]:
+    import ray.exceptions
+
+    return getattr(ray.exceptions, "AuthenticationError", PermissionError)
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)

@@ -1,0 +1,263 @@
+"""A frontend's handle on a coordinator served as a named Ray actor (``tpcache serve``,
+``service.serve``), from any node of the cluster.
+
+    import tpcache
+    client = tpcache.connect("tpcache", "tpcache", address="HEAD_IP:6379")
+    got = client.admit("req-1", prompt_ids)       # got.prefix_len, got.slots
+    with client.batch() as b:                     # several calls, one step
+        a = b.admit("req-2", other_ids)
+        b.extend("req-1", 1)
+    a.result().prefix_len
+
+Calls travel as encoded ``api`` messages; errors come back as the same typed exceptions
+the coordinator raised.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import ray
+from ray.exceptions import ActorUnavailableError, RayActorError
+
+from tpcache.cache.keys import TokenLike
+from tpcache.coordinator import api
+from tpcache.coordinator.api import CoordinatorUnavailable
+from tpcache.coordinator.cluster import join
+
+DEFAULT_NAMESPACE = "tpcache"
+
+
+class NotServing(ValueError):
+    """No coordinator is served under that name and namespace on the cluster."""
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """An admitted request as the client sees it: the cached prefix length and the slot
+    ids of the whole prompt (read-only; with ``reserve=n``, those of the first ``n``
+    output tokens follow)."""
+
+    prefix_len: int
+    slots: np.ndarray
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slots.size)
+
+
+class Pending:
+    """A call made inside ``Client.batch()``: its result once the block has ended."""
+
+    def __init__(self, convert: Callable[[api.Reply], Any]) -> None:
+        self._convert = convert
+        self._reply: api.Reply | None = None  # set by Client.batch when the step returns
+
+    def result(self) -> Any:
+        """What the same call outside a batch returns; raises its typed error if it
+        failed, and ``RuntimeError`` while the batch has not been sent."""
+        if self._reply is None:
+            raise RuntimeError("the batch has not been sent yet (its block has not ended)")
+        if isinstance(self._reply, api.ErrorReply):
+            api.raise_reply_error(self._reply)
+        return self._convert(self._reply)
+
+
+class Batch:
+    """The calls of one ``Client.batch()`` block: the client's request calls, each
+    returning a ``Pending``. Nothing is sent before the block ends."""
+
+    def __init__(self) -> None:
+        self.calls: list[api.Call] = []
+        self.pending: list[Pending] = []
+
+    def _add(self, call: api.Call, convert: Callable[[api.Reply], Any]) -> Pending:
+        self.calls.append(call)
+        self.pending.append(Pending(convert))
+        return self.pending[-1]
+
+    def admit(self, request_id: Any, tokens: TokenLike, priority: int = 0, reserve: int = 0):
+        call = api.AdmitCall(request_id, _ints(tokens), priority, reserve)
+        return self._add(call, _admitted)
+
+    def extend(self, request_id: Any, n: int) -> Pending:
+        return self._add(api.ExtendCall(request_id, n), _slots)
+
+    def cache_unfinished(self, request_id: Any, tokens: TokenLike) -> Pending:
+        return self._add(api.CacheUnfinishedCall(request_id, _ints(tokens)), _cached)
+
+    def finish(self, request_id: Any, output_tokens: TokenLike = ()) -> Pending:
+        return self._add(api.FinishCall(request_id, _ints(output_tokens)), _cached)
+
+    def abort(self, request_id: Any) -> Pending:
+        return self._add(api.AbortCall(request_id), lambda r: None)
+
+
+class Client:
+    """A frontend's handle on a served coordinator: the coordinator's calls over encoded
+    messages (``admit`` returns an ``Admitted``); errors come back as the same typed
+    exceptions. Thread-safe as far as the actor is: each call is one actor call.
+
+    While the coordinator's actor restarts (its process died; Ray starts it again), Ray
+    answers with its own errors: they become ``CoordinatorUnavailable`` (retryable). Calls
+    that change nothing (``stats``, ``sync``, ``flush``) are retried here for up to
+    ``retry_s``; the others are not, since a call cut off by the restart may or may not
+    have been applied (after a restart, its requests are lost anyway).
+    """
+
+    def __init__(self, actor: Any, retry_s: float = 30.0) -> None:
+        self.actor = actor
+        self.retry_s = retry_s
+
+    # ---- transport -------------------------------------------------------------------------
+    def _get(self, ref: Any) -> Any:
+        try:
+            return ray.get(ref)
+        except (ActorUnavailableError, RayActorError) as exc:
+            raise CoordinatorUnavailable(
+                f"the coordinator is unreachable (restarting or gone): {type(exc).__name__}"
+            ) from None
+
+    def _retried(self, method: str, *args: Any) -> Any:
+        deadline = time.monotonic() + self.retry_s
+        delay = 0.1
+        while True:
+            try:
+                return self._get(getattr(self.actor, method).remote(*args))
+            except CoordinatorUnavailable:
+                if time.monotonic() + delay > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(2.0, delay * 2)
+
+    def _call(self, call: api.Call) -> api.Reply:
+        reply = api.decode_reply(self._get(self.actor.call.remote(api.encode(call))))
+        if isinstance(reply, api.ErrorReply):
+            api.raise_reply_error(reply)
+        return reply
+
+    def _op(self, method: str, *args: Any) -> Any:
+        """A service method that answers ``(value, encoded ErrorReply or None)``."""
+        value, error = self._get(getattr(self.actor, method).remote(*args))
+        if error is not None:
+            api.raise_reply_error(api.decode_reply(error))
+        return value
+
+    # ---- requests --------------------------------------------------------------------------
+    def admit(
+        self, request_id: Any, tokens: TokenLike, priority: int = 0, reserve: int = 0
+    ) -> Admitted:
+        return _admitted(self._call(api.AdmitCall(request_id, _ints(tokens), priority, reserve)))
+
+    def extend(self, request_id: Any, n: int) -> np.ndarray:
+        return _slots(self._call(api.ExtendCall(request_id, n)))
+
+    def cache_unfinished(self, request_id: Any, tokens: TokenLike) -> int:
+        return _cached(self._call(api.CacheUnfinishedCall(request_id, _ints(tokens))))
+
+    def finish(self, request_id: Any, output_tokens: TokenLike = ()) -> int:
+        return _cached(self._call(api.FinishCall(request_id, _ints(output_tokens))))
+
+    def abort(self, request_id: Any) -> None:
+        self._call(api.AbortCall(request_id))
+
+    @contextmanager
+    def batch(self) -> Iterator[Batch]:
+        """The calls made on the yielded ``Batch`` go to the coordinator as one list when
+        the block ends, and form one step; each ``Pending.result()`` then holds its
+        answer or its error (a call the cache refuses fails alone; the others apply). If
+        the block raises, nothing is sent. Raises ``CoordinatorUnavailable`` if the
+        coordinator cannot be reached (the calls may or may not have been applied)."""
+        b = Batch()
+        yield b
+        if b.calls:
+            replies = self._get(self.actor.calls.remote([api.encode(c) for c in b.calls]))
+            for p, data in zip(b.pending, replies, strict=True):
+                p._reply = api.decode_reply(data)
+
+    # ---- the whole cache -------------------------------------------------------------------
+    def evict(self, num_tokens: int, swa_tokens: int = 0) -> int:
+        """Evict at least ``num_tokens`` of full KV if that much is evictable (and, on a
+        hybrid cache, ``swa_tokens`` of SWA KV); returns the full-KV tokens evicted.
+        Raises ``CacheError`` for a bad count, nothing changed."""
+        return self._op("evict", num_tokens, swa_tokens)
+
+    def reset(self) -> None:
+        """Drop every cached prefix and running request on every rank (running requests'
+        later calls get ``UnknownRequest``)."""
+        self._op("reset")
+
+    def flush(self) -> None:
+        """Send the steps the coordinator holds back for coalescing now (the health check
+        sends them within ~2 s anyway)."""
+        self._retried("flush")
+
+    def sync(self) -> None:
+        """Wait until every rank has applied and matched every step so far."""
+        self._retried("sync")
+
+    def stats(self) -> dict[str, Any]:
+        data = self._retried("call", api.encode(api.StatsCall()))
+        reply = api.decode_reply(data)
+        if isinstance(reply, api.ErrorReply):
+            api.raise_reply_error(reply)
+        assert isinstance(reply, api.StatsReply)
+        return dict(reply.stats)
+
+    def recover(self) -> None:
+        """Rebuild the group now, and restart automatic recovery attempts."""
+        self._get(self.actor.recover.remote())
+
+    def stop_recovery(self) -> None:
+        """Stop automatic recovery attempts (the group stays down until ``recover``)."""
+        self._get(self.actor.stop_recovery.remote())
+
+
+def _admitted(r: api.Reply) -> Admitted:
+    assert isinstance(r, api.AdmitReply)
+    slots = np.asarray(r.slots, dtype=np.int64)
+    slots.flags.writeable = False
+    return Admitted(r.prefix_len, slots)
+
+
+def _slots(r: api.Reply) -> np.ndarray:
+    assert isinstance(r, api.SlotsReply)
+    return np.asarray(r.slots, dtype=np.int64)
+
+
+def _cached(r: api.Reply) -> int:
+    assert isinstance(r, api.CachedReply)
+    return r.cached_tokens
+
+
+def _ints(tokens: TokenLike) -> list[int]:
+    if isinstance(tokens, list):
+        return tokens
+    return np.asarray(tokens).tolist()
+
+
+def connect(
+    name: str = "tpcache", namespace: str = DEFAULT_NAMESPACE, address: str | None = None
+) -> Client:
+    """A client for the coordinator served as ``name`` in ``namespace``, from any node.
+
+    A process that is not a Ray driver yet joins first (``cluster.join``): ``address`` is
+    the head's ``HOST:PORT`` (token authentication set up as needed), or by default
+    ``RAY_ADDRESS``, else the cluster ``ray start`` made on this machine. Raises
+    ``NotServing`` if nothing is served under that name, ``ClusterJoinError`` if the
+    cluster cannot be joined."""
+    joined = join(address or "auto")
+    try:
+        actor = ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        raise NotServing(
+            f"no coordinator named {name!r} in namespace {namespace!r} on the Ray cluster at "
+            f"{joined.address} (start one with `tpcache serve --name {name} --namespace "
+            f"{namespace}`)"
+        ) from None
+    return Client(actor)
