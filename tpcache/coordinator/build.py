@@ -168,18 +168,26 @@ def build_coordinator(
     ``ends`` opened for it. ``coordinator.close()`` stops them all."""
     publisher = ends.publisher
     mirror = config.cache.build(capacity, record_events=publisher is not None)
-    coord = Coordinator(ranks, mirror, config.coordinator)
+    observers: list = []
+    event_stats = None
     if publisher is not None:
-        coord.observers.append(EventsHook(publisher))
-        coord.publisher = publisher
+        observers.append(EventsHook(publisher))
 
         def event_stats() -> tuple[int, int]:
             st = publisher.stats()
             return st.published_events, st.dropped_events
 
-        coord.event_stats = event_stats
     if ends.metrics is not None:
-        ends.metrics.attach(coord)
-        coord.metrics_port = ends.metrics_port
-        coord.observers.append(ends.metrics)
+        observers.append(ends.metrics)
+    coord = Coordinator(
+        ranks,
+        mirror,
+        config.coordinator,
+        observers,
+        publisher=publisher,
+        event_stats=event_stats,
+        metrics_port=ends.metrics_port,
+    )
+    if ends.metrics is not None:
+        ends.metrics.attach(coord)  # its collector reads the coordinator's stats()
     return coord

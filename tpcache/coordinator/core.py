@@ -1,4 +1,4 @@
-"""The coordinator: the frontend API over the step pipeline (``steps.StepDriver``).
+"""The coordinator: the frontend API over the step pipeline it holds (``steps.StepPipeline``).
 
 Every call is applied first to the coordinator's own mirror of the cache (no tensors).
 The mirror validates it (a rejected call raises a typed error and enters no log) and
@@ -25,7 +25,7 @@ from tpcache.coordinator.step_types import (
     RankTransport,
     StepObserver,
 )
-from tpcache.coordinator.steps import StepDriver
+from tpcache.coordinator.steps import StepPipeline
 from tpcache.workers.lockstep import evict_result, logged_admit, logged_extend
 from tpcache.workers.ops import (
     Abort,
@@ -52,14 +52,92 @@ __all__ = [
 Admission = AdmitResult
 
 
-class Coordinator(StepDriver):
-    """Drives one TP group (built as ``StepDriver``). Not thread-safe: one caller (or one
-    actor) at a time."""
+class Coordinator:
+    """Drives one TP group through its step pipeline (``steps``). Not thread-safe: one
+    caller (or one actor, or one lock) at a time.
 
-    # Set by ``start_group`` when events or metrics are on; read by stats() and close().
-    event_stats: Callable[[], tuple[int, int]] | None = None  # (published, dropped)
-    publisher: Any = None  # the EventPublisher
-    metrics_port: int | None = None
+    ``publisher`` (the KV-event publisher), ``event_stats`` (its published/dropped event
+    counts) and ``metrics_port`` come from whoever built the group's endpoints
+    (``build.build_coordinator``); stats() reports them and close() closes the publisher.
+    """
+
+    def __init__(
+        self,
+        ranks: RankTransport,
+        mirror: Any,
+        config: CoordinatorConfig | None = None,
+        observers: list[StepObserver] | None = None,
+        *,
+        publisher: Any = None,
+        event_stats: Callable[[], tuple[int, int]] | None = None,
+        metrics_port: int | None = None,
+    ) -> None:
+        self.steps = StepPipeline(ranks, mirror, config, observers)
+        self.publisher = publisher
+        self.event_stats = event_stats
+        self.metrics_port = metrics_port
+
+    # ---- the pipeline's state, as the coordinator's users read it --------------------------
+    @property
+    def ranks(self) -> RankTransport:
+        return self.steps.ranks
+
+    @property
+    def mirror(self) -> Any:
+        """The coordinator's mirror of the cache (recovery may replace it)."""
+        return self.steps.mirror
+
+    @property
+    def config(self) -> CoordinatorConfig:
+        return self.steps.config
+
+    @config.setter
+    def config(self, value: CoordinatorConfig) -> None:
+        self.steps.config = value
+
+    @property
+    def counters(self):
+        return self.steps.counters
+
+    @property
+    def observers(self) -> list[StepObserver]:
+        return self.steps.observers
+
+    @property
+    def broken(self):
+        return self.steps.broken
+
+    @property
+    def recovery(self):
+        return self.steps.recovery
+
+    @property
+    def restart_note(self) -> str | None:
+        return self.steps.restart_note
+
+    @restart_note.setter
+    def restart_note(self, value: str | None) -> None:
+        self.steps.restart_note = value
+
+    def batch(self):
+        """Group every call made inside the block into one step."""
+        return self.steps.batch()
+
+    def flush(self) -> None:
+        self.steps.flush()
+
+    def sync(self) -> None:
+        """Send what is pending and wait until every rank has applied and matched it."""
+        self.steps.sync()
+
+    def recover(self) -> None:
+        self.steps.recover()
+
+    def stop_recovery(self) -> None:
+        self.steps.stop_recovery()
+
+    def check_health(self) -> bool:
+        return self.steps.check_health()
 
     # ---- the frontend API ------------------------------------------------------------------
     def admit(
@@ -75,15 +153,15 @@ class Coordinator(StepDriver):
         def run() -> Admission:
             rid = check_request_id(request_id)
             got, op, expected = logged_admit(self.mirror, rid, tokens, priority, reserve)
-            self._forget_lost(rid)
-            self._emit(op, expected)
+            self.steps.forget_lost(rid)
+            self.steps.emit(op, expected)
             c = self.counters
             c.queries += 1
             c.query_tokens += len(op.tokens) // 4  # int32 tokens
             c.hit_tokens += got.prefix_len
             return got  # the mirror's own record for this call (its pages read-only)
 
-        return self._run(run)
+        return self.steps.run(run)
 
     def extend(self, request_id: Any, n: int) -> np.ndarray:
         """``n`` more slots for a running request (decode, or the next prefill chunk)."""
@@ -91,10 +169,10 @@ class Coordinator(StepDriver):
         def run() -> np.ndarray:
             rid = self._running_id(request_id)
             slots, op, expected = logged_extend(self.mirror, rid, n)
-            self._emit(op, expected)
+            self.steps.emit(op, expected)
             return slots
 
-        return self._run(run)
+        return self.steps.run(run)
 
     def cache_unfinished(self, request_id: Any, tokens: TokenLike) -> int:
         """Cache a running request's whole pages so far (chunked prefill); cached length."""
@@ -103,10 +181,10 @@ class Coordinator(StepDriver):
             rid = self._running_id(request_id)
             key = as_tokens(tokens)
             n = self.mirror.cache_unfinished(rid, key)
-            self._emit(CacheUnfinished(rid, pack_tokens(key)), OpResult(prefix_len=n))
+            self.steps.emit(CacheUnfinished(rid, pack_tokens(key)), OpResult(prefix_len=n))
             return n
 
-        return self._run(run)
+        return self.steps.run(run)
 
     def finish(self, request_id: Any, output_tokens: TokenLike = ()) -> int:
         """Finish a request: cache its prompt and ``output_tokens`` (whole pages with KV).
@@ -121,10 +199,10 @@ class Coordinator(StepDriver):
             row = self.mirror.request_row(rid)
             out = out[: max(0, row.num_tokens - row.tokens.size)]
             n = self.mirror.finish(rid, out)
-            self._emit(Finish(rid, pack_tokens(out)), OpResult(prefix_len=n))
+            self.steps.emit(Finish(rid, pack_tokens(out)), OpResult(prefix_len=n))
             return n
 
-        return self._run(run)
+        return self.steps.run(run)
 
     def abort(self, request_id: Any) -> None:
         """Drop a running request without caching it."""
@@ -132,9 +210,9 @@ class Coordinator(StepDriver):
         def run() -> None:
             rid = self._running_id(request_id)
             self.mirror.abort(rid)
-            self._emit(Abort(rid), OpResult())
+            self.steps.emit(Abort(rid), OpResult())
 
-        self._run(run)
+        self.steps.run(run)
 
     def evict(self, num_tokens: int, swa_tokens: int = 0) -> int:
         """Evict at least ``num_tokens`` of full KV if that much is evictable, then (hybrid
@@ -151,25 +229,25 @@ class Coordinator(StepDriver):
             ps = self.mirror.page_size
             asks = (-(-num_tokens // ps), -(-swa_tokens // ps))[:pools]
             freed = self.mirror.evict_pages(asks)
-            self._emit(Evict(num_tokens, swa_tokens), evict_result(freed))
+            self.steps.emit(Evict(num_tokens, swa_tokens), evict_result(freed))
             return freed[0] * ps
 
-        return self._run(run)
+        return self.steps.run(run)
 
     def reset(self) -> None:
         """Drop every cached prefix and running request on every rank (a cache flush)."""
 
         def run() -> None:
             self.mirror.reset()
-            self._emit(Reset(), OpResult())
+            self.steps.emit(Reset(), OpResult())
 
-        self._run(run)
+        self.steps.run(run)
 
     def _running_id(self, request_id: Any) -> Any:
         """The plain id of a call on a running request; raises ``RequestLost`` for one lost
         to a failure, ``CacheError`` for a malformed id (nothing changed either way)."""
         rid = check_request_id(request_id)
-        self._check_lost(rid)
+        self.steps.check_lost(rid)
         return rid
 
     def stats(self) -> dict[str, Any]:
@@ -178,11 +256,11 @@ class Coordinator(StepDriver):
         lat = list(c.latencies_s)
         return {
             "tp": self.ranks.world_size,
-            "steps_sent": self._next_step - len(self._waiting),
+            "steps_sent": self.steps.steps_sent,
             "steps_done": c.steps_done,
             "messages_sent": c.messages,
-            "inflight": sum(len(f.steps) for f in self._inflight),
-            "waiting": len(self._waiting),
+            "inflight": self.steps.steps_inflight,
+            "waiting": self.steps.steps_waiting,
             "ops": c.ops,
             "queries": c.queries,
             "query_tokens": c.query_tokens,

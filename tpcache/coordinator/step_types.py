@@ -91,7 +91,7 @@ class Closed:
 
     step: int
     data: bytes
-    digest: int  # the mirror's after this step; set at the send (see StepDriver._send)
+    digest: int  # the mirror's after this step; set at the send (see StepPipeline._send)
     expected: list[OpResult]
     closed_at: float
 
@@ -106,7 +106,7 @@ class InFlight:
 
 @dataclass
 class Recovery:
-    """The state of retried recovery. Owned by the coordinator (``StepDriver``)."""
+    """The state of retried recovery. Owned by the coordinator (``StepPipeline``)."""
 
     failures: int = 0  # failed attempts since start
     consecutive: int = 0  # failed attempts since the last success

@@ -47,13 +47,13 @@ from tpcache.workers.ops import Op, OpResult, Step, decode_result, encode
 _T = TypeVar("_T")
 
 
-class StepDriver:
-    """The step machinery under ``Coordinator``: the pending step, the steps in flight,
+class StepPipeline:
+    """The step machinery a ``Coordinator`` holds: the pending step, the steps in flight,
     checking every rank's result against the mirror, and failing and recovering the group.
 
-    A base class rather than a member because the frontend API and this machinery share
-    one state (the mirror, which recovery may replace; the pending ops; the broken flag)
-    and one caller; split only so that each file reads as one part. Not thread-safe.
+    It owns the mirror (recovery may replace it), the pending ops and the broken flag; the
+    coordinator's API applies each call to ``mirror`` inside ``run`` and logs its ops
+    with ``emit``. Not thread-safe.
 
     Order kept: steps are numbered from 0 (again after a recovery) and sent in number
     order; results are taken in the same order (``_inflight`` is a FIFO of messages, and
@@ -85,6 +85,18 @@ class StepDriver:
         # Set by a restarted service: every unknown request id may have been lost.
         self.restart_note: str | None = None
 
+    @property
+    def steps_sent(self) -> int:
+        return self._next_step - len(self._waiting)
+
+    @property
+    def steps_inflight(self) -> int:
+        return sum(len(f.steps) for f in self._inflight)
+
+    @property
+    def steps_waiting(self) -> int:
+        return len(self._waiting)
+
     @contextmanager
     def batch(self) -> Iterator[None]:
         """Group every call made inside the block into one step."""
@@ -111,14 +123,17 @@ class StepDriver:
             self._collect_one()
 
     # ---- steps -------------------------------------------------------------------------------
-    def _run(self, fn: Callable[[], _T]) -> _T:
+    def run(self, fn: Callable[[], _T]) -> _T:
+        """Run a call (``fn`` applies it to the mirror and emits its ops); its step is
+        closed unless a ``batch()`` is open."""
         self._check_usable()
         result = fn()
         if self._batch_depth == 0 or len(self._pending) >= self.config.max_batch_ops:
             self._send()
         return result
 
-    def _emit(self, op: Op, expected: OpResult) -> None:
+    def emit(self, op: Op, expected: OpResult) -> None:
+        """Log ``op`` in the pending step; every rank must answer ``expected``."""
         self._pending.append((op, expected))
         self.counters.ops += 1
 
@@ -313,7 +328,8 @@ class StepDriver:
             self._break(RankFailure(self._next_step, f"rank {exc.rank} {kind}: {exc.cause}"))
         return True
 
-    def _check_lost(self, rid: Any) -> None:
+    def check_lost(self, rid: Any) -> None:
+        """Raise ``RequestLost`` for a request the group lost (to a failure or a restart)."""
         if not _hashable(rid) or rid in self.mirror.reqs:
             return
         why = self._lost.pop(rid, None)
@@ -342,7 +358,7 @@ class StepDriver:
             why = f"recovery attempt {r.consecutive} failed ({r.last_error}); next in {wait:.1f}s"
         raise CoordinatorUnavailable(f"the TP group stopped at {self.broken}; {why}")
 
-    def _forget_lost(self, rid: Any) -> None:
+    def forget_lost(self, rid: Any) -> None:
         """A request admitted again is no longer lost."""
         if _hashable(rid):
             self._lost.pop(rid, None)
