@@ -233,8 +233,17 @@ class EventSubscriber:
 
 def build_events_parser(p: argparse.ArgumentParser) -> None:
     """Add the ``tpcache events`` options to ``p``."""
-    p.add_argument("--endpoint", default="tcp://127.0.0.1:5557", help="PUB endpoint")
-    p.add_argument("--replay-endpoint", default=None, help="ROUTER endpoint for replay")
+    p.add_argument(
+        "--endpoint",
+        default="tcp://127.0.0.1:5557",
+        help="the coordinator's KV-event PUB endpoint (its `serve --events-endpoint`) "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--replay-endpoint",
+        default=None,
+        help="its ROUTER endpoint for replay and snapshots (`serve --events-replay-endpoint`)",
+    )
     p.add_argument("--topic", default="", help="topic prefix to subscribe to")
     p.add_argument("--from-seq", type=int, default=None, metavar="N", help="replay from N")
     p.add_argument("--snapshot", action="store_true", help="start from a snapshot")
@@ -273,6 +282,18 @@ def _print_batch(seq: int, batch: KVEventBatch, as_json: bool, out: TextIO) -> N
     out.flush()
 
 
+def _say_where(args: argparse.Namespace) -> None:
+    """What ``run_events`` reads from, on stderr (stdout is the events')."""
+    more = f", replay from {args.replay_endpoint}" if args.replay_endpoint else ""
+    topic = f" (topic prefix {args.topic!r})" if args.topic else ""
+    stop = f"; stops after {args.timeout:g} s without a batch" if args.timeout else ""
+    print(
+        f"tpcache events: reading KV events from {args.endpoint}{topic}{more}{stop}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def run_events(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Print the stream. 0: done (``--count`` reached, or idle ``--timeout`` without
     ``--count``); 1: ``--timeout`` before ``--count`` batches; 2: bad options or error."""
@@ -292,6 +313,7 @@ def run_events(args: argparse.Namespace, out: TextIO | None = None) -> int:
             replay_timeout=args.replay_timeout,
             curve_server_key=args.curve_server_key,
         ) as sub:
+            _say_where(args)
             first: list[Received] = []
             if args.snapshot:
                 first.append(sub.request_snapshot(args.replay_timeout))

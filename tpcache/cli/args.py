@@ -1,0 +1,207 @@
+"""Argument types and the options several commands share. Imports neither Ray nor torch:
+the choices below are checked against ``coordinator.build``'s by a test."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+
+STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # = build.STRATEGIES
+TRANSPORTS = ("channel", "ray")  # = build.TRANSPORTS
+
+
+def capacity_arg(text: str) -> int | None:
+    """argparse type: a token count >= 1, or ``inf`` (None)."""
+    if text.lower() in ("inf", "infinite", "none"):
+        return None
+    try:
+        value = int(float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"capacity must be a token count or 'inf', got {text!r}"
+        ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"capacity must be >= 1 token, got {value}")
+    return value
+
+
+def positive_arg(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def seconds_arg(text: str) -> float:
+    """argparse type: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0, got {text}")
+    return value
+
+
+def gpus_arg(text: str) -> float:
+    """argparse type: GPUs per rank, a number in (0, 64]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of GPUs, got {text!r}") from None
+    if not (math.isfinite(value) and 0 < value <= 64):
+        raise argparse.ArgumentTypeError(f"GPUs per rank must be in (0, 64], got {text}")
+    return value
+
+
+def rank_resources_arg(text: str) -> dict[str, float] | list[dict[str, float]]:
+    """argparse type: custom Ray resources for the ranks' bundles. ``NAME=AMOUNT`` pairs
+    joined by commas are one group; one group is asked by every rank, several groups
+    joined by ``;`` are one per rank, in rank order (``node_a=1;node_b=1``)."""
+    groups = []
+    for part in text.split(";"):
+        group: dict[str, float] = {}
+        for item in part.split(","):
+            name, eq, amount = item.strip().partition("=")
+            name = name.strip()
+            try:
+                value = float(amount)
+            except ValueError:
+                value = math.nan
+            if not eq or not name or not (math.isfinite(value) and value > 0):
+                raise argparse.ArgumentTypeError(
+                    f"expected NAME=AMOUNT pairs (amount > 0), joined by ',' within a rank and "
+                    f"by ';' between ranks, e.g. 'node_a=1;node_b=1'; got {item.strip()!r}"
+                )
+            if name in ("CPU", "GPU", "memory"):
+                raise argparse.ArgumentTypeError(
+                    f"{name} is not a custom resource (use --gpus-per-rank for GPUs)"
+                )
+            group[name] = value
+        groups.append(group)
+    return groups[0] if len(groups) == 1 else groups
+
+
+def add_trace_options(p: argparse.ArgumentParser) -> None:
+    """The trace options shared by ``replay`` and ``demo``."""
+    p.add_argument(
+        "--capacity",
+        type=capacity_arg,
+        default=None,
+        help="cache size in tokens, or 'inf' (default)",
+    )
+    p.add_argument(
+        "--page-size", type=positive_arg, default=16, help="tokens per page (default 16)"
+    )
+    p.add_argument("--policy", default="lru", help="eviction policy (default lru)")
+    p.add_argument(
+        "--limit", type=positive_arg, default=None, help="replay only the first N requests"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def add_group_options(p: argparse.ArgumentParser) -> None:
+    """The TP group's options, shared by ``demo`` and ``serve``."""
+    p.add_argument("--tp", type=positive_arg, default=2, help="tensor-parallel ranks (default 2)")
+    p.add_argument(
+        "--address",
+        default=None,
+        metavar="HOST:PORT",
+        help="Ray cluster to join: the head's address (its `ray start --head --port`), or "
+        "auto (the one `ray start` made on this machine); default: $RAY_ADDRESS if set, "
+        "else start a local cluster that ends with this command. With Ray's token "
+        "authentication the token is read from ~/.ray/auth_token (or RAY_AUTH_TOKEN, "
+        "RAY_AUTH_TOKEN_PATH)",
+    )
+    p.add_argument("--layers", type=positive_arg, default=1, help="KV-pool layers (default 1)")
+    p.add_argument("--head-dim", type=positive_arg, default=4, help="KV-pool head dim (default 4)")
+    p.add_argument(
+        "--timeout",
+        type=seconds_arg,
+        default=60.0,
+        help="collective timeout in seconds: how fast a hung rank is found (default 60)",
+    )
+    p.add_argument(
+        "--join-timeout",
+        type=seconds_arg,
+        default=120.0,
+        help="seconds ranks wait for each other to join the group, at start-up and after "
+        "a rank is replaced (default 120)",
+    )
+    g = p.add_argument_group("placement of the ranks (Ray placement group, one bundle a rank)")
+    g.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        default="PACK",
+        help="PACK (default: as few nodes as fit), SPREAD (across nodes where it can), "
+        "STRICT_PACK (one node), STRICT_SPREAD (every rank on a node of its own)",
+    )
+    g.add_argument(
+        "--gpus-per-rank",
+        type=gpus_arg,
+        default=1.0,
+        metavar="F",
+        help="GPUs in each rank's bundle when the cluster has GPUs (default 1; a fraction "
+        "shares a GPU)",
+    )
+    g.add_argument(
+        "--rank-resources",
+        type=rank_resources_arg,
+        default=None,
+        metavar="SPEC",
+        help="custom Ray resources to pin ranks to nodes (given to the nodes with `ray "
+        "start --resources`): 'node_a=1' for every rank, or one group per rank joined "
+        "by ';', 'node_a=1;node_b=1'; several in a group joined by ','",
+    )
+    g.add_argument(
+        "--transport",
+        choices=TRANSPORTS,
+        default="channel",
+        help="how steps reach the ranks: channel (default: ZMQ, IPC on the coordinator's "
+        "node, CURVE TCP across nodes) or ray (one Ray actor call per rank per message)",
+    )
+
+
+def group_config(args: argparse.Namespace, capacity: int | None):  # -> GroupConfig
+    """The ``GroupConfig`` the group options ask for. Raises ``ValueError`` naming what
+    does not fit (e.g. 3 resource groups for 2 ranks)."""
+    from tpcache.coordinator.build import GroupConfig
+    from tpcache.workers.spec import CacheSpec
+
+    cache = CacheSpec(page_size=args.page_size, policy=args.policy)
+    # A thin pool (one KV head per rank, 4 dims, fp16) keeps a CPU demo's memory small;
+    # the index and the lockstep are what the demo exercises.
+    bytes_per_slot = 2 * args.layers * 1 * args.head_dim * 2
+    budget = (capacity or 1 << 20) * bytes_per_slot + (1 << 20)
+    res = args.rank_resources
+    if isinstance(res, list) and len(res) != args.tp:
+        raise ValueError(
+            f"--rank-resources gives {len(res)} groups for --tp {args.tp}: give one group "
+            f"for every rank, or one per rank"
+        )
+    return GroupConfig(
+        tp=args.tp,
+        capacity_tokens=capacity,
+        cache=cache,
+        num_layers=args.layers,
+        kv_heads=args.tp,
+        head_dim=args.head_dim,
+        dtype="float16",
+        cpu_budget_bytes=budget,
+        timeout_s=args.timeout,
+        join_timeout_s=args.join_timeout,
+        strategy=args.strategy,
+        gpus_per_rank=args.gpus_per_rank,
+        rank_resources=res,
+        transport=args.transport,
+    )
+
+
+def machine() -> str:
+    return f"{platform.node()} ({os.cpu_count()} cpus, {platform.machine()}, Python {platform.python_version()})"

@@ -1,0 +1,103 @@
+"""``tpcache replay``: a trace through the cache state machine alone (no Ray, no torch)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tpcache.cli.args import add_trace_options, capacity_arg, machine, positive_arg
+
+
+def add_replay_parser(sub) -> None:
+    p = sub.add_parser("replay", help="replay a Mooncake-format trace through the cache alone")
+    p.add_argument(
+        "trace",
+        nargs="?",
+        default=None,
+        help="Mooncake-format JSONL trace, plain or gzip (default: the Mooncake "
+        "conversation trace in the repository, data/mooncake_conversation.jsonl.gz)",
+    )
+    add_trace_options(p)
+    add_swa_options(p)
+    p.set_defaults(func=cmd_replay)
+
+
+def add_swa_options(p: argparse.ArgumentParser) -> None:
+    """The hybrid (full + sliding-window) cache options of ``replay``."""
+    p.add_argument(
+        "--swa-window",
+        type=positive_arg,
+        default=None,
+        help="sliding window in tokens: replay through the hybrid SWA cache",
+    )
+    p.add_argument(
+        "--swa-capacity",
+        type=capacity_arg,
+        default=None,
+        help="SWA pool size in tokens (default: as large as the full pool)",
+    )
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from tpcache.cache.errors import CacheError
+    from tpcache.cache.policies import CACHE_POLICIES
+    from tpcache.replay import Progress, ReplayOptions, replay
+    from tpcache.trace import DEFAULT_TRACE, TraceError, load_trace
+
+    if args.policy not in CACHE_POLICIES:
+        print(
+            f"tpcache replay: unknown policy {args.policy!r}; known: {', '.join(CACHE_POLICIES)}",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        requests = load_trace(args.trace or DEFAULT_TRACE, args.limit)
+    except (OSError, TraceError) as exc:
+        print(f"tpcache replay: {exc}", file=sys.stderr)
+        return 2
+    if not requests:
+        print("tpcache replay: the trace has no requests", file=sys.stderr)
+        return 2
+    if args.swa_capacity is not None and args.swa_window is None:
+        print("tpcache replay: --swa-capacity needs --swa-window", file=sys.stderr)
+        return 2
+    opts = ReplayOptions(
+        capacity=args.capacity,
+        page_size=args.page_size,
+        policy=args.policy,
+        swa_window=args.swa_window,
+        swa_capacity=args.swa_capacity,
+    )
+    try:
+        # Progress goes to stderr either way: stdout stays the summary alone.
+        summary = replay(requests, opts, Progress(sys.stderr))
+    except CacheError as exc:
+        print(f"tpcache replay: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    summary["machine"] = machine()
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        cap = "inf" if summary["capacity_tokens"] is None else f"{summary['capacity_tokens']:,}"
+        print(
+            f"replayed {summary['requests']:,} requests, page {opts.page_size}, capacity {cap}, policy {opts.policy}"
+        )
+        print(
+            f"  hit rate        {summary['hit_rate']:.4f}  ({summary['matched_tokens']:,} of {summary['prompt_tokens']:,} prompt tokens)"
+        )
+        print(
+            f"  evicted tokens  {summary['evicted_tokens']:,} in {summary['evict_calls']:,} calls"
+        )
+        print(
+            f"  cache ops       {summary['cache_ops_s']:.3f} s   medians: admit {summary['match_us_median']} us, finish {summary['insert_us_median']} us, evict {summary['evict_us_median']} us"
+        )
+        if opts.swa_window:
+            print(
+                f"  SWA window      {summary['swa_window']:,} tokens, pool {summary['swa_capacity_tokens']:,}; at the end: full {summary['full_cached_tokens_end']:,} cached, SWA {summary['swa_cached_tokens_end']:,} cached, {summary['swa_free_tokens_end']:,} free"
+            )
+            print(
+                f"  tombstones      {summary['tombstones_end']:,} nodes ({summary['tombstone_tokens_end']:,} tokens) at the end, {summary['tombstoned_nodes_total']:,} made; SWA evicted {summary['swa_evicted_tokens']:,} tokens"
+            )
+        print(f"  peak RSS        {summary['peak_rss_mb']} MB   on {summary['machine']}")
+    return 0

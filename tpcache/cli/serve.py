@@ -1,0 +1,303 @@
+"""``tpcache serve``, ``tpcache stop`` and ``tpcache keys``: a TP group's coordinator as
+a named Ray actor, stopping it, and the CURVE keys of its events sockets."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+from tpcache.cli.args import add_group_options, capacity_arg, group_config, positive_arg
+
+
+def add_serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve a TP group's coordinator as a named Ray actor")
+    add_group_options(p)
+    p.add_argument(
+        "--capacity",
+        type=capacity_arg,
+        default=1 << 20,
+        help="KV slots per rank (default 1,048,576)",
+    )
+    p.add_argument(
+        "--page-size", type=positive_arg, default=16, help="tokens per page (default 16)"
+    )
+    p.add_argument(
+        "--policy",
+        default="lru",
+        help="eviction policy: lru (default), lfu, fifo, mru, filo, priority, resight",
+    )
+    _add_name_options(p)
+    p.add_argument(
+        "--detached",
+        action="store_true",
+        help="keep serving after this command exits (needs --address: a cluster that "
+        "outlives it); end it with `tpcache stop`",
+    )
+    p.add_argument(
+        "--replace",
+        action="store_true",
+        help="stop a coordinator already served under this name first (its running "
+        "requests are lost); without it, a taken name is an error",
+    )
+    e = p.add_argument_group("KV events and metrics (off by default)")
+    e.add_argument(
+        "--events-endpoint",
+        default=None,
+        help="publish KV events on this ZMQ endpoint (e.g. tcp://127.0.0.1:5557; a network "
+        "address needs --events-curve-secret-file or --events-insecure)",
+    )
+    e.add_argument(
+        "--events-replay-endpoint",
+        default=None,
+        help="ROUTER endpoint for replay and snapshots (e.g. tcp://127.0.0.1:5558)",
+    )
+    e.add_argument(
+        "--events-topic", default="", help="topic of every event message (default empty)"
+    )
+    e.add_argument(
+        "--events-buffer",
+        type=positive_arg,
+        default=10_000,
+        help="batches kept for replay (default 10,000)",
+    )
+    e.add_argument(
+        "--events-encoding",
+        choices=("map", "array"),
+        default="map",
+        help="events as maps (default) or as arrays, the form vLLM's subscriber decodes",
+    )
+    e.add_argument(
+        "--events-curve-secret-file",
+        default=None,
+        metavar="PATH",
+        help="CURVE secret key of the events sockets (from `tpcache keys`); needed on a "
+        "network address, since events carry token ids",
+    )
+    e.add_argument(
+        "--events-curve-client-keys-file",
+        default=None,
+        metavar="PATH",
+        help="CURVE public keys (one a line) of the subscribers let in; default: any that "
+        "knows the server's public key",
+    )
+    e.add_argument(
+        "--events-insecure",
+        action="store_true",
+        help="allow events on a network address without CURVE (anyone who reaches the "
+        "port reads token ids)",
+    )
+    e.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on this port (/metrics)",
+    )
+    e.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address the metrics endpoint binds (default loopback; 0.0.0.0 for all)",
+    )
+    p.set_defaults(func=cmd_serve, parser=p)
+
+
+def add_stop_parser(sub) -> None:
+    p = sub.add_parser("stop", help="stop a served coordinator (e.g. a detached one)")
+    _add_name_options(p)
+    p.add_argument(
+        "--address",
+        default=None,
+        metavar="HOST:PORT",
+        help="the Ray cluster it serves on (default: $RAY_ADDRESS if set, else the cluster "
+        "`ray start` made on this machine)",
+    )
+    p.set_defaults(func=cmd_stop, parser=p)
+
+
+def add_keys_parser(sub) -> None:
+    p = sub.add_parser(
+        "keys", help="make a CURVE key pair: the secret into a new file, the public on stdout"
+    )
+    p.add_argument("secret_file", help="file to create (mode 0600) for the secret key")
+    p.set_defaults(func=cmd_keys)
+
+
+def _add_name_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--name",
+        default="tpcache",
+        help="the coordinator's Ray actor name, which frontends connect to (default tpcache)",
+    )
+    p.add_argument(
+        "--namespace",
+        default="tpcache",
+        help="the Ray namespace of that name (default tpcache)",
+    )
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tpcache.coordinator.cluster import ClusterJoinError, join
+    from tpcache.coordinator.event_config import EventConfigError
+    from tpcache.coordinator.metrics import MetricsError
+    from tpcache.coordinator.publisher import EventPublisherError
+    from tpcache.coordinator.service import (
+        AlreadyServing,
+        describe,
+        find_served,
+        serve,
+        stop_served,
+    )
+
+    try:
+        config = _serve_config(args)
+    except ValueError as exc:  # EventConfigError is one
+        args.parser.error(str(exc))
+    except OSError as exc:  # a key file
+        print(f"tpcache serve: {exc}", file=sys.stderr)
+        return 2
+    if args.detached and not (args.address or os.environ.get("RAY_ADDRESS")):
+        args.parser.error(
+            "--detached needs --address: a cluster this command starts ends with it (start "
+            "one with `ray start --head`)"
+        )
+    try:
+        joined = join(args.address, args.namespace)
+    except ClusterJoinError as exc:
+        print(f"tpcache serve: {exc}", file=sys.stderr)
+        return 2
+    # After join: ray.init puts its own SIGTERM handler in, which exits mid-call.
+    signal.signal(signal.SIGTERM, _interrupt)
+    where = f"--name {args.name} --namespace {args.namespace} --address {joined.address}"
+    try:
+        actor = serve(config, args.name, args.namespace, args.detached, replace=args.replace)
+    except AlreadyServing as exc:
+        print(
+            f"tpcache serve: {exc}.\n  Stop it with `tpcache stop {where}`, or add --replace "
+            "to stop it and serve this one.",
+            file=sys.stderr,
+        )
+        return 1
+    except (MetricsError, EventConfigError, EventPublisherError) as exc:
+        print(f"tpcache serve: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    print(
+        f"tpcache serving {args.name!r} in namespace {args.namespace!r}: {describe(actor)}",
+        flush=True,
+    )
+    if joined.started:
+        print(f"  Ray cluster {joined.address}, started by this command: it ends when it does")
+    else:
+        print(f"  Ray cluster {joined.address}")
+    print(
+        f"  frontends: tpcache.connect({args.name!r}, {args.namespace!r}, "
+        f"address={joined.address!r}) from any node of the cluster"
+    )
+    if args.events_endpoint:
+        print(
+            f"  KV events on {args.events_endpoint} (replay: {args.events_replay_endpoint}); "
+            f"read them with `tpcache events --endpoint {args.events_endpoint}`"
+        )
+    if args.metrics_port is not None:
+        import ray
+
+        port = ray.get(actor.stats.remote())["metrics_port"]
+        print(f"  Prometheus metrics on http://{args.metrics_host}:{port}/metrics")
+    if args.detached:
+        print(f"  detached: it keeps serving after this command exits; `tpcache stop {where}`")
+        return 0
+    print(f"  Ctrl-C or SIGTERM here (or `tpcache stop {where}`) stops it", flush=True)
+    try:
+        while find_served(args.name, args.namespace) is not None:
+            time.sleep(2.0)
+        print(f"tpcache serve: {args.name!r} was stopped elsewhere", file=sys.stderr)
+        return 0
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one stop at a time
+        print(f"tpcache serve: stopping {args.name!r}", file=sys.stderr, flush=True)
+        stop_served(actor, args.name, args.namespace)
+    return 0
+
+
+def _serve_config(args: argparse.Namespace):  # -> GroupConfig
+    import dataclasses
+
+    from tpcache.coordinator.event_config import EventConfig
+
+    config = group_config(args, args.capacity)
+    if args.events_endpoint:
+        events = EventConfig(
+            endpoint=args.events_endpoint,
+            replay_endpoint=args.events_replay_endpoint,
+            topic=args.events_topic,
+            buffer_steps=args.events_buffer,
+            encoding=args.events_encoding,
+            curve_secret_key=_read_key(args.events_curve_secret_file),
+            curve_client_keys=_read_keys(args.events_curve_client_keys_file),
+            insecure=args.events_insecure,
+        )
+        config = dataclasses.replace(config, events=events)
+    if args.metrics_port is not None:
+        config = dataclasses.replace(
+            config, metrics_port=args.metrics_port, metrics_host=args.metrics_host
+        )
+    return config
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from tpcache.coordinator.cluster import ClusterJoinError, join
+
+    try:
+        joined = join(args.address or "auto")
+    except ClusterJoinError as exc:
+        print(f"tpcache stop: {exc}", file=sys.stderr)
+        return 2
+    from tpcache.coordinator.service import describe, find_served, stop_served  # torch: after
+
+    actor = find_served(args.name, args.namespace)
+    if actor is None:
+        print(
+            f"tpcache stop: no coordinator named {args.name!r} in namespace "
+            f"{args.namespace!r} on the Ray cluster at {joined.address}",
+            file=sys.stderr,
+        )
+        return 1
+    what = describe(actor)
+    stop_served(actor, args.name, args.namespace)
+    print(f"stopped {args.name!r} in namespace {args.namespace!r} ({what})")
+    return 0
+
+
+def _read_key(path: str | None) -> str | None:
+    """A CURVE key kept in a file (its first line)."""
+    if path is None:
+        return None
+    with open(path) as f:
+        return f.readline().strip()
+
+
+def _read_keys(path: str | None) -> tuple[str, ...]:
+    """CURVE public keys, one per line (blank lines and # comments skipped)."""
+    if path is None:
+        return ()
+    with open(path) as f:
+        lines = (line.split("#", 1)[0].strip() for line in f)
+        return tuple(line for line in lines if line)
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from tpcache.workers.netsec import new_keypair
+
+    public, secret = new_keypair()
+    fd = os.open(args.secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret + "\n")
+    print(public)
+    return 0
