@@ -90,7 +90,7 @@ def _plant_fifo_duplicate(c: RadixCache) -> None:
 
 def _plant_heap_drop(c: RadixCache) -> None:
     leaf = _leaf(c)
-    c.tree._heap = [e for e in c.tree._heap if e[1] is not leaf]
+    c.tree.leaves.heap = [e for e in c.tree.leaves.heap if e[1] is not leaf]
 
 
 def _plant_stale_queue_key(c: RadixCache) -> None:
@@ -168,7 +168,7 @@ PLANTS: dict[str, tuple[Callable[[RadixCache], None], str]] = {
     "hash state": (_plant_state, "hash chain"),
     "child under the wrong key": (_plant_child_key, "first-page key"),
     "node not indexed": (_plant_unindexed, "index has"),
-    "handle lock on a gone node": (lambda c: c._handle_locks.__setitem__(10**6, 1), "gone"),
+    "handle lock on a gone node": (lambda c: c.handles.locks.__setitem__((10**6, 0), 1), "gone"),
 }
 
 

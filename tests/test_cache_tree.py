@@ -11,6 +11,7 @@ from cache_helpers import snapshot, tree_nodes
 
 from tpcache.cache.allocator import LENT
 from tpcache.cache.errors import LockError, UnknownHandle
+from tpcache.cache.order import EvictionOrder
 from tpcache.cache.radix import CacheConfig, CacheSizes, EvictResult, Handle, RadixCache
 
 
@@ -251,17 +252,27 @@ def test_pages_lock_and_evict_count_tokens_in_pages() -> None:
     c.check_integrity()
 
 
-def test_evict_keeps_going_when_the_queue_is_rebuilt_mid_call() -> None:
+def test_evict_keeps_going_when_the_queue_is_rebuilt_mid_call(monkeypatch) -> None:
     # Regression: evict() popped from a local alias of the heap; when a parent's push
     # made the queue rebuild itself, the parent (and every other live entry) sat in the
-    # new heap, so the call stopped early although enough was evictable.
+    # new heap, so the call stopped early although enough was evictable. Here the queue
+    # rebuilds its heap after every push, so a rebuild comes between every two pops.
     c = _cache(8, 1, "mru")
     for n in (1, 2, 3):
         _put(c, list(range(1, n + 1)))  # a chain [1] -> [2] -> [3]
-    tree = c.tree
-    while len(tree._heap) < 2 * len(tree.nodes) + 1024:
+    for _ in range(1100):
         c.match_prefix([1, 2, 3])  # each match queues a new entry for the leaf
+    push = EvictionOrder.push
+    rebuilds = []
+
+    def push_and_rebuild(order: EvictionOrder, node: object) -> None:
+        push(order, node)
+        order._compact()
+        rebuilds.append(node)
+
+    monkeypatch.setattr(EvictionOrder, "push", push_and_rebuild)
     assert c.evict(3) == EvictResult(num_tokens=3, num_nodes=3)
+    assert len(rebuilds) == 2  # [2] and [1] joined the queue mid-call
     assert tree_nodes(c) == []
     c.check_integrity()
 

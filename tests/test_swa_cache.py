@@ -7,11 +7,10 @@ from __future__ import annotations
 import pytest
 from swa_helpers import hybrid, pools, run, snapshot, view
 
-from tpcache.cache.errors import LockError, OutOfCapacity
+from tpcache.cache.errors import LockError, OutOfCapacity, StaleBoundary
 from tpcache.cache.events import BlockRemoved, BlockStored
 from tpcache.cache.hashing import block_hashes
 from tpcache.cache.swa_config import SwaEvictResult
-from tpcache.cache.swa_node import StaleBoundary
 
 R = lambda a, b: list(range(a, b + 1))  # noqa: E731  (inclusive token ranges read best here)
 

@@ -81,8 +81,8 @@ def _state():
         (lambda c: c.swa_slots([64]), InvalidSlots),
         (lambda c: c.alloc_slots(-1), CacheError),
         (lambda c: c.alloc_slots(40), OutOfCapacity),  # 33 SWA pages short
-        (lambda c: c.lock(Handle(1, c._owner)), UnknownHandle),
-        (lambda c: c.lock(SwaHandle(999, c._owner, 1)), UnknownHandle),
+        (lambda c: c.lock(Handle(1, c.handles.owner)), UnknownHandle),
+        (lambda c: c.lock(SwaHandle(999, c.handles.owner, 1)), UnknownHandle),
         (lambda c: c.finish("nope"), CacheError),
         (lambda c: c.cache_unfinished("r", [1, 2]), InvalidTokens),
     ],
@@ -140,7 +140,7 @@ def _tombstone_leaf(c) -> None:
     leaf = c.tree.walk()[-1]
     c.alloc.free_swa(leaf.pages, CACHED)
     leaf.tombstone = True
-    leaf.swa_queued = None
+    c.tree.swa_order.forget(leaf)
     c.tree.swa_pages -= leaf.pages.size
     c.tree.tombstones += 1
     c.tree.tombstone_pages += leaf.pages.size
@@ -159,7 +159,7 @@ def _tombstone_keeps_swa(c) -> None:
 
 
 def _missing_from_swa_order(c) -> None:
-    c.tree.walk()[0].swa_queued = None
+    c.tree.swa_order.forget(c.tree.walk()[0])
 
 
 def _lock_without_holder(c) -> None:

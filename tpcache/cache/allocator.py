@@ -24,6 +24,7 @@ NUM_TAGS = len(TAG_NAMES)
 
 
 _MASK = (1 << 64) - 1
+_INT64 = np.dtype(np.int64)
 _MIX = 0xD6E8FEB86659FD93  # odd
 
 
@@ -95,6 +96,19 @@ class PageAllocator:
     def tags_of(self, pages: np.ndarray) -> np.ndarray:
         return self._tags[pages]
 
+    def pool_pages(self) -> tuple[int, ...]:
+        """Pages per pool (one pool here)."""
+        return (self.num_pages,)
+
+    def pool_free(self) -> tuple[int, ...]:
+        """Free pages per pool (one pool here)."""
+        return (self._counts[FREE],)
+
+    def shortfall(self, n: int) -> tuple[int, ...]:
+        """Pages per pool that ``n`` more would need beyond the free ones (0 if they fit)."""
+        free = self._counts[FREE]
+        return (n - free if n > free else 0,)
+
     def fingerprint(self) -> tuple[int, ...]:
         """Counts of the pages of each owner, the FIFO's head and the log of free groups."""
         return (*self._counts, self._head, self._free_log)
@@ -136,7 +150,7 @@ class PageAllocator:
         """
         if pages.size == 0:
             return
-        if pages.dtype != np.int64:
+        if pages.dtype is not _INT64 and pages.dtype != _INT64:  # "is": the common case, fast
             pages = pages.astype(np.int64)
         if pages.size == 1 and not checked:
             self._free_one(int(pages[0]), owner)
@@ -158,7 +172,7 @@ class PageAllocator:
         self._tags[page] = FREE
         counts[owner] -= 1
         counts[FREE] += 1
-        self._free_log = log_one_group(self._free_log, page, 1)
+        self._free_log = (self._free_log * _MIX + page + (1 << 40)) & _MASK  # log_one_group
 
     def retag(self, pages: np.ndarray, old: int, new: int, *, checked: bool = True) -> None:
         """Move ``pages`` from owner ``old`` to owner ``new`` (e.g. request -> tree)."""

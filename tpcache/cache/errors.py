@@ -35,6 +35,14 @@ class LockError(CacheError):
     """Unlocking what is not locked."""
 
 
+class StaleBoundary(LockError):
+    """An SWA lock boundary that no longer names a node on the handle's path."""
+
+
+class NoSwaPool(CacheError, ValueError):
+    """An SWA-pool call (``swa_slots``, SWA tokens to evict) on a cache without one."""
+
+
 class UnknownRequest(CacheError, KeyError):
     """A request id the cache does not hold."""
 

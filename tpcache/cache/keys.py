@@ -15,6 +15,7 @@ import numpy as np
 from tpcache.cache.errors import InvalidSlots, InvalidTokens
 
 MAX_TOKEN_ID = 2**31 - 1
+_INT32 = np.dtype(np.int32)
 
 TokenLike = Any  # list[int] | np.ndarray | torch.Tensor
 
@@ -76,7 +77,7 @@ def as_tokens(
         if not allow_empty:
             raise InvalidTokens("tokens must not be empty")
         return np.zeros(0, dtype=np.int32)
-    if arr.dtype != np.int32:
+    if arr.dtype is not _INT32 and arr.dtype != _INT32:  # "is": the common case, fast
         lo, hi = int(arr.min()), int(arr.max())
         if lo < 0 or hi > MAX_TOKEN_ID:
             raise InvalidTokens(f"token ids must be in [0, {MAX_TOKEN_ID}], got [{lo}, {hi}]")

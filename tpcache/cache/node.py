@@ -1,19 +1,24 @@
-"""A radix-tree node and the walks shared by the base and hybrid trees.
+"""The radix-tree nodes and the walks every tree shares.
 
-``Node`` is one run of cached pages. ``descend`` is the lookup both trees use (same node
-layout); ``page_terms`` and the ``*_hash`` helpers compute the block-hash chain states and
+``Node`` is one run of cached pages; ``SwaNode`` adds the sliding window's fields.
+``descend`` is the lookup, ``window_cut`` cuts it back where a window forbids a match
+end; ``page_terms`` and the ``*_hash`` helpers compute the block-hash chain states and
 digest terms, lazily (a replay that never asks for a digest never hashes).
 """
 
 from __future__ import annotations
 
 import itertools
+import operator
+from typing import Any
 
 import numpy as np
 
 from tpcache.cache.hashing import ROOT_STATE
 
 _EMPTY_PAGES = np.zeros(0, dtype=np.int64)
+pages_of = operator.attrgetter("pages")  # a node's pages, without a Python frame per node
+term_of = operator.attrgetter("term")
 _EMPTY_STATES = np.zeros(0, dtype=np.uint64)
 _K = 0xA24BAED4963EE407  # odd
 _MASK = (1 << 64) - 1
@@ -28,9 +33,9 @@ def page_terms(states: np.ndarray, pages: np.ndarray) -> int:
 
 
 def descend(node, ps: int, key: np.ndarray, n: int, pos: int):
-    """The walk behind ``RadixTree.descend`` and ``SwaTree.descend`` (same node layout:
-    ``children`` keyed by first-page bytes, ``kb`` the node's token bytes): one dict
-    probe and one byte comparison per node, a vectorised compare where it diverges."""
+    """The walk behind ``RadixTree.descend`` (``children`` keyed by first-page bytes,
+    ``kb`` the node's token bytes): one dict probe and one byte comparison per node, a
+    vectorised compare where it diverges."""
     path = []
     if pos >= n:
         return path, pos, None, 0
@@ -56,6 +61,32 @@ def descend(node, ps: int, key: np.ndarray, n: int, pos: int):
         common = int((key[pos : pos + m] == ck[:m]).argmin()) // ps * ps
         return path, pos, child, common
     return path, b // 4, None, 0
+
+
+def window_cut(
+    path: list[Any], pos: int, partial: Any, common: int, window: int
+) -> tuple[list[Any], int, Any, int]:
+    """A ``descend`` result cut back to where a match may end in a tree with tombstones
+    (``SwaNode``): the path has no tombstone, or the tokens since the last tombstone
+    number at least ``window``. The count restarts at every tombstone."""
+    since = 0  # tokens since the last tombstone, reset at every one
+    seen = False  # a tombstone on the path so far
+    best_k = best_pos = 0
+    at = 0
+    for k, node in enumerate(path, 1):
+        at += node.ntok
+        if node.tombstone:
+            since, seen = 0, True
+            continue
+        since += node.ntok
+        if not seen or since >= window:
+            best_k, best_pos = k, at
+    valid_partial = not seen or since + common >= window
+    if partial is not None and not partial.tombstone and valid_partial:
+        return path, pos, partial, common
+    if best_k == len(path):
+        return path, pos, None, 0
+    return path[:best_k], best_pos, None, 0
 
 
 def defer_hash(tree, node, now: bool) -> None:
@@ -162,7 +193,8 @@ def hash_node(tree, node) -> None:
 
 
 class Node:
-    """One run of cached pages. Owned and mutated only by its ``RadixTree``."""
+    """One run of cached pages. Owned and mutated only by its ``RadixTree``; the sliding
+    window's node (``SwaNode``) adds its fields to these."""
 
     __slots__ = (
         "alive",
@@ -176,7 +208,6 @@ class Node:
         "pages",
         "parent",
         "priority",
-        "queued",
         "states",
         "term",
     )
@@ -185,7 +216,7 @@ class Node:
         self,
         node_id: int,
         parent: Node | None,
-        key: bytes | np.ndarray,
+        key: bytes,
         pages: np.ndarray,
         states: np.ndarray | None,  # None until hashed (RadixTree.ensure_hashed)
         tick: int,
@@ -193,7 +224,7 @@ class Node:
         self.id = node_id
         self.parent = parent
         self.children: dict[bytes, Node] = {}
-        self.kb = key if isinstance(key, bytes) else key.tobytes()  # int32 tokens, as bytes
+        self.kb = key  # the int32 tokens, as bytes
         self.pages = pages
         self.states = states
         self.term = 0  # this node's share of the tree's digest_sum (page_terms)
@@ -202,7 +233,6 @@ class Node:
         self.created = tick
         self.hits = 0
         self.priority = 0
-        self.queued: tuple[int, ...] | None = None  # key of this node's live heap entry
         self.alive = True
 
     @property
@@ -213,3 +243,20 @@ class Node:
     @key.setter
     def key(self, tokens: np.ndarray) -> None:
         self.kb = np.ascontiguousarray(tokens, dtype=np.int32).tobytes()
+
+
+class SwaNode(Node):
+    """A node of the windowed tree: ``Node``'s fields and the window's. Owned and mutated
+    only by ``swa_tree.SwaTree``."""
+
+    __slots__ = ("mark", "ntok", "swa_access", "swa_hits", "swa_lock", "tombstone")
+
+    def __init__(self, *args: Any) -> None:  # as Node's
+        super().__init__(*args)
+        tick = self.created
+        self.ntok = len(self.kb) >> 2  # how many tokens
+        self.swa_lock = 0  # locks whose last window covers this node (SWA KV in use)
+        self.tombstone = False  # SWA KV dropped; full KV kept
+        self.mark = 0  # boundary mark of SWA locks that stop here; 0: none given out
+        self.swa_access = tick  # last use of its SWA KV (it was in a match's last window)
+        self.swa_hits = 0

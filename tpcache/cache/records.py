@@ -1,6 +1,6 @@
-"""The base cache's small typed records: its configuration, the handle it gives out, and
-what its calls return. They cross module boundaries (workers, coordinator); the cache
-itself is in ``radix.py``.
+"""The caches' small typed records: the one-pool cache's configuration, the handle it
+gives out, and what the calls of every cache return. They cross module boundaries
+(workers, coordinator); the sliding window's records extend them (``swa_config.py``).
 """
 
 from __future__ import annotations
@@ -15,16 +15,22 @@ from tpcache.cache.keys import pages_to_slots, read_only
 from tpcache.cache.policies import CACHE_POLICIES, check_policy_params
 
 
+@dataclass(frozen=True, kw_only=True)
+class CacheOptions:
+    """What every cache kind's configuration has beyond its pools (keyword-only)."""
+
+    record_events: bool = False  # queue KV events (``take_events``)
+    max_request_tokens: int | None = None  # None: as many as the pools hold
+    medium: str = "GPU"  # the events' medium
+
+
 @dataclass(frozen=True)
-class CacheConfig:
+class CacheConfig(CacheOptions):
     """Shape of one cache. ``capacity_tokens`` is rounded down to whole pages."""
 
     capacity_tokens: int
     page_size: int = 1
     policy: str = "lru"
-    record_events: bool = False
-    max_request_tokens: int | None = None  # None: the whole capacity
-    medium: str = "GPU"
     policy_params: object = None  # the policy's parameter record (e.g. ResightParams), or None
 
     def __post_init__(self) -> None:
@@ -47,8 +53,13 @@ class CacheConfig:
 
     @property
     def request_limit(self) -> int:
-        cap = self.num_pages * self.page_size
-        return cap if self.max_request_tokens is None else min(cap, self.max_request_tokens)
+        return request_limit(self.num_pages, self.page_size, self.max_request_tokens)
+
+
+def request_limit(pages: int, page_size: int, max_request_tokens: int | None) -> int:
+    """Tokens one request may hold: a pool of ``pages`` whole pages, or less."""
+    cap = pages * page_size
+    return cap if max_request_tokens is None else min(cap, max_request_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +137,24 @@ class RequestRow:
     pages: np.ndarray
     num_tokens: int
     cached_tokens: int
+    page_size: int
+
+    @property
+    def slots(self) -> np.ndarray:
+        """Full-pool slot ids of the ``num_tokens`` tokens (a new array)."""
+        return pages_to_slots(self.pages, self.page_size, self.num_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """Counters since the cache was made (a reset included); statistics only, never a
+    decision. ``evicted_pages``: per pool (``pool_names`` order), freed by eviction (SWA:
+    tombstoning too); ``tombstoned_nodes``: nodes that lost their SWA KV (0 without an
+    SWA pool). The seconds of recent evict calls: ``evict_seconds()``."""
+
+    evict_calls: int
+    evicted_pages: tuple[int, ...]
+    tombstoned_nodes: int
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from tpcache.cache.errors import (
     DuplicateRequest,
     IntegrityError,
     InvalidTokens,
+    OutOfCapacity,
     UnknownRequest,
 )
 from tpcache.cache.keys import joined_key, pages_to_slots, read_only
@@ -33,7 +34,7 @@ _I64 = 1 << 63
 
 @dataclass(slots=True)
 class Req:
-    """A running request. Owned by ``RadixCache``; fields change only through its methods."""
+    """A running request. Owned by its cache; fields change only through its methods."""
 
     rid: RequestId
     tokens: np.ndarray  # int32: the tokens the cache was told about so far
@@ -42,6 +43,7 @@ class Req:
     cached_pages: int  # leading pages that are the tree's
     node: Node  # the locked end of the cached prefix
     priority: int
+    mark: int  # the boundary mark of its lock's window (tree.find_top); 0: no window
 
 
 def finished_tail(req: Req, out: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -97,6 +99,30 @@ def row_slots(req: Req, start: int, end: int, page_size: int) -> np.ndarray:
     return pages_to_slots(req.pages[first:], page_size, end - first * page_size)[skip:]
 
 
+def refuse_room(
+    need: int,
+    page_size: int,
+    frees: tuple[int, ...],
+    evictable: tuple[int, ...] | None,
+    names: tuple[str, ...],
+) -> None:
+    """Raise ``OutOfCapacity`` unless ``need`` pages fit every pool: its free pages, plus
+    what eviction could free there (``evictable``; ``None``: eviction not allowed)."""
+    labels = names if len(frees) > 1 else ("",) * len(frees)
+    if evictable is None:
+        if need > min(frees):
+            free = " and ".join(
+                f"{f} {label}".rstrip() for f, label in zip(frees, labels, strict=True)
+            )
+            raise OutOfCapacity(f"need {need} pages, {free} free (eviction not allowed here)")
+    elif any(need > f + e for f, e in zip(frees, evictable, strict=True)):
+        pools = ", ".join(
+            f"{label} {f} free + {e} evictable".lstrip()
+            for f, e, label in zip(frees, evictable, labels, strict=True)
+        )
+        raise OutOfCapacity(f"need {need} pages of {page_size}: {pools}")
+
+
 def check_extends(rid: RequestId, known: np.ndarray, key: np.ndarray, limit: int) -> None:
     """Raise ``InvalidTokens`` unless ``key`` extends ``known`` and fits ``limit`` slots."""
     if key.size < known.size or not np.array_equal(key[: known.size], known):
@@ -109,6 +135,8 @@ def check_count(value: Any, what: str) -> int:
     """``value`` if it is an int in 0 .. 2**63 - 1 (a count of tokens; counts travel in the
     op log as int64), else ``CacheError`` naming ``what``. A bool is refused: ``True`` is
     an int, but never a count."""
+    if type(value) is int and 0 <= value < _I64:  # the common case, in one test
+        return value
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < _I64:
         raise CacheError(f"{what} must be an int in [0, 2**63), got {value!r}")
     return int(value)
@@ -116,6 +144,8 @@ def check_count(value: Any, what: str) -> int:
 
 def as_priority(priority: object) -> int:
     """A priority: an int in the int64 range (it travels in the op log), never a bool."""
+    if type(priority) is int and -_I64 <= priority < _I64:  # the common case, in one test
+        return priority
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise CacheError(f"priority must be an int, got {priority!r}")
     if not -_I64 <= priority < _I64:
@@ -150,6 +180,8 @@ def check_request_id(rid: Any) -> RequestId:
 
 
 class ReqTable:
+    """The running requests by id, in admission order. Owned by one cache."""
+
     def __init__(self) -> None:
         self._rows: dict[RequestId, Req] = {}
 
@@ -157,7 +189,11 @@ class ReqTable:
         return len(self._rows)
 
     def __contains__(self, rid: object) -> bool:
-        return rid in self._rows
+        """Whether ``rid`` (as ``check_request_id`` takes it) is running; never raises."""
+        try:
+            return check_request_id(rid) in self._rows
+        except CacheError:
+            return False
 
     def ids(self) -> list[RequestId]:
         return list(self._rows)
@@ -193,6 +229,7 @@ class ReqTable:
             read_only(req.pages),
             req.num_tokens,
             req.cached_pages * page_size,
+            page_size,
         )
 
     def add(
@@ -204,8 +241,9 @@ class ReqTable:
         cached_pages: int,
         node: Node,
         priority: int,
+        mark: int,
     ) -> None:
-        self._rows[rid] = Req(rid, tokens, pages, num_tokens, cached_pages, node, priority)
+        self._rows[rid] = Req(rid, tokens, pages, num_tokens, cached_pages, node, priority, mark)
 
     def remove(self, rid: RequestId) -> None:
         del self._rows[rid]

@@ -24,6 +24,7 @@ import numpy as np
 from tpcache.cache.allocator import (
     FREE,
     HELD,
+    LENT,
     PageAllocator,
     log_one_group,
     ring_put,
@@ -106,6 +107,10 @@ class PairedAllocator:
     callers get arrays of real ids or a typed error). Every method validates its whole
     input before it changes anything, unless called with ``checked=False`` by a caller
     that validated it already.
+
+    It answers what a tree and a cache ask of a ``PageAllocator`` (owner tags, counts,
+    checks: the full pool's, which every page has), so one tree and one request
+    lifecycle serve both; per-pool figures come as tuples (full, SWA).
     """
 
     def __init__(self, num_pages: int, num_swa_pages: int, page_size: int) -> None:
@@ -124,6 +129,32 @@ class PairedAllocator:
     def num_free(self) -> int:
         """Pages a paired allocation can take now: the smaller free count of the pools."""
         return min(self.full.num_free, self.swa.num_free)
+
+    @property
+    def num_pages(self) -> int:
+        """Full pages (every page id is one)."""
+        return self.full.num_pages
+
+    def pool_pages(self) -> tuple[int, int]:
+        return self.full.num_pages, self.swa.num_pages
+
+    def pool_free(self) -> tuple[int, int]:
+        return self.full.num_free, self.swa.num_free
+
+    def shortfall(self, n: int) -> tuple[int, int]:
+        full, swa = self.full.num_free, self.swa.num_free
+        return (n - full if n > full else 0), (n - swa if n > swa else 0)
+
+    def count(self, tag: int) -> int:
+        """Full pages tagged ``tag`` (an SWA page's owner is its full page's)."""
+        return self.full.count(tag)
+
+    def tags_of(self, pages: np.ndarray) -> np.ndarray:
+        return self.full.tags_of(pages)
+
+    def check_owned(self, pages: np.ndarray, owner: int) -> None:
+        """Raise ``AllocatorError`` unless full ``pages`` are distinct, in range and ``owner``'s."""
+        self.full.check_owned(pages, owner)
 
     def swa_of(self, pages: np.ndarray, *, checked: bool = True) -> np.ndarray:
         """The SWA pages of full ``pages``; raises ``AllocatorError`` if one has none
@@ -238,7 +269,8 @@ class PairedAllocator:
     def check_integrity(self) -> None:
         """The full pool, and: the SWA pages in use are exactly those mapped from full
         pages, each from one that is not free; free and in-use SWA pages add up to the
-        pool. Raises ``IntegrityError``."""
+        pool; every page a request holds or a caller was lent has its SWA page. Raises
+        ``IntegrityError``."""
         self.full.check_integrity()
         mapped = np.flatnonzero(self._swa_of >= 0)
         swa = self._swa_of[mapped]
@@ -260,3 +292,9 @@ class PairedAllocator:
                 f"{free.size} SWA pages are free and {swa.size} mapped from full pages, of"
                 f" {self.swa.num_pages} (a leaked or lost SWA page)"
             )
+        for tag, name in ((HELD, "held"), (LENT, "lent")):
+            if self.swa_count(tag) != self.full.count(tag):
+                raise IntegrityError(
+                    f"{self.full.count(tag)} full pages are {name} but {self.swa_count(tag)} of"
+                    " them have SWA pages"
+                )

@@ -1,7 +1,7 @@
 """Configuration and result records of the hybrid (full + sliding-window) cache.
 
-The records extend the base cache's (``radix.py``), so code written for ``RadixCache``
-reads a ``HybridCache``'s results unchanged; the SWA fields come last.
+The records extend the one-pool cache's (``records.py``), so code written for
+``RadixCache`` reads a ``HybridCache``'s results unchanged; the SWA fields come last.
 """
 
 from __future__ import annotations
@@ -13,7 +13,15 @@ import numpy as np
 from tpcache.cache.errors import CacheError
 from tpcache.cache.keys import pages_to_slots
 from tpcache.cache.policies import POLICIES
-from tpcache.cache.records import AdmitResult, CacheSizes, EvictResult, Handle, MatchResult
+from tpcache.cache.records import (
+    AdmitResult,
+    CacheOptions,
+    CacheSizes,
+    EvictResult,
+    Handle,
+    MatchResult,
+    request_limit,
+)
 
 
 class InvalidConfig(CacheError, ValueError):
@@ -25,7 +33,7 @@ def _is_int(value: object) -> bool:
 
 
 @dataclass(frozen=True)
-class HybridConfig:
+class HybridConfig(CacheOptions):
     """Shape of one hybrid cache. Pool sizes are tokens, rounded down to whole pages.
 
     ``sliding_window``: tokens an SWA layer attends to before the current one; a whole
@@ -39,9 +47,6 @@ class HybridConfig:
     sliding_window: int
     page_size: int = 1
     policy: str = "lru"
-    record_events: bool = False
-    max_request_tokens: int | None = None  # None: the smaller pool
-    medium: str = "GPU"
 
     def __post_init__(self) -> None:
         ps = self.page_size
@@ -70,17 +75,16 @@ class HybridConfig:
             raise InvalidConfig(f"max_request_tokens must be an int >= 1, got {m!r}")
 
     @property
+    def request_limit(self) -> int:
+        return request_limit(self.num_swa_pages, self.page_size, self.max_request_tokens)
+
+    @property
     def num_pages(self) -> int:
         return self.capacity_tokens // self.page_size
 
     @property
     def num_swa_pages(self) -> int:
         return self.swa_capacity_tokens // self.page_size
-
-    @property
-    def request_limit(self) -> int:
-        cap = self.num_swa_pages * self.page_size
-        return cap if self.max_request_tokens is None else min(cap, self.max_request_tokens)
 
 
 @dataclass(frozen=True, slots=True)

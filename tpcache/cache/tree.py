@@ -1,4 +1,4 @@
-"""The paged radix tree: cached prefixes, their pages, locks and the eviction queue.
+"""The paged radix tree: cached prefixes, their pages, locks and the eviction order.
 
 Each node holds a run of whole pages: its tokens (the bytes of int32 ids), its page ids
 (int64, one per page) and the chain state of each page's block hash (uint64). Children
@@ -6,61 +6,67 @@ are keyed by the bytes of their first page, so a lookup costs one dict probe per
 and a comparison is one ``memcmp`` per node (``bytes.startswith`` on a memoryview of
 the query), never a Python step per token and no numpy call per node.
 
-Eviction candidates (unlocked leaves) sit in a heap ordered by the policy key. Entries
-are not removed when a node changes; a popped entry is used only if it is still the
-node's current entry and the node is still an unlocked leaf. The heap is rebuilt only
-when stale entries outnumber live nodes, so each change costs O(log n) amortised.
+Eviction candidates (unlocked leaves) sit in an ``EvictionOrder`` (a lazy heap ordered
+by the policy key): evicting k nodes costs O(k log n).
 
-The node and the lookup walk are in ``node.py`` (shared with the hybrid tree), the full
-walk of ``check_integrity`` in ``tree_check.py``. This module is internal:
-``RadixCache`` is the public face and hands out opaque handles, never nodes.
+This is the one tree. The sliding window (``swa_tree.SwaTree``) extends it through the
+hooks marked below (a lock's window, match ends, revival, a second eviction order); here
+they do nothing, as for a cache without SWA KV. The node and the lookup walk are in
+``node.py``, the full walk of ``check_integrity`` in ``tree_check.py``. This module is
+internal: the caches are the public face and hand out opaque handles, never nodes.
 """
 
 from __future__ import annotations
 
-import heapq
-import time
+from typing import Any
 
 import numpy as np
 
-from tpcache.cache.allocator import CACHED, HELD, PageAllocator
-from tpcache.cache.errors import InvalidSlots, LockError
-from tpcache.cache.events import BlockRemoved, BlockStored, KVEvent
-from tpcache.cache.hashing import PageHasher, block_hashes
-from tpcache.cache.keys import join_pages, key_bytes
+from tpcache.cache.errors import LockError
+from tpcache.cache.events import KVEvent
+from tpcache.cache.evict import Freed, evict
+from tpcache.cache.hashing import PageHasher
 from tpcache.cache.node import (
     _EMPTY_PAGES,
     _EMPTY_STATES,
     _MASK,
     Node,
-    defer_hash,
     descend,
     hash_pending,
     page_terms,
 )
+from tpcache.cache.order import EvictionOrder
 from tpcache.cache.policies import KeyFn, PolicyHooks
+from tpcache.cache.records import CacheStats
 from tpcache.cache.tree_check import check_tree
 
-__all__ = ["Node", "RadixTree"]
+__all__ = ["Freed", "Node", "RadixTree"]
+
+Match = tuple[list[Any], int, Any, int]  # descend's (path, tokens to its end, partial, common)
 
 
 class RadixTree:
-    """Radix tree over whole pages, with locks, a policy-ordered eviction heap and events.
+    """Radix tree over whole pages, with locks, a policy-ordered eviction queue and events.
 
-    The tree owns its nodes; the allocator owns page tags. Pages enter the tree from
-    HELD (a request's) and leave it to FREE (eviction). ``tick`` is the logical clock.
+    The tree owns its nodes and counters; the allocator owns page tags. Pages enter the
+    tree from HELD (a request's) or LENT (a caller's) and leave it to FREE (eviction).
+    ``tick`` is the logical clock.
     """
+
+    node_type: type[Node] = Node
+    window: int | None = None  # tokens a lock keeps SWA KV for; None: no SWA pool
+    tombstoned_nodes = 0  # nodes that lost their SWA KV (none without a window)
 
     def __init__(
         self,
-        alloc: PageAllocator,
+        alloc: Any,
         key_fn: KeyFn,
         *,
         record_events: bool = False,
         medium: str = "GPU",
         hooks: PolicyHooks | None = None,
     ) -> None:
-        self.alloc = alloc
+        self.alloc = alloc  # a PageAllocator (or PairedAllocator: the full pool's tags)
         self.ps = alloc.page_size
         self.key_fn = key_fn
         # A stateful policy's state, told of every match, new leaf, eviction and clear.
@@ -72,8 +78,9 @@ class RadixTree:
         self.medium = medium
         self.events: list[KVEvent] = []
         # Statistics only (wall time never decides anything): per-evict-call seconds, kept
-        # for the last 10,000 calls, and pages evicted since creation.
+        # for the last 10,000 calls at least; calls and pages evicted since creation.
         self.evict_seconds: list[float] = []
+        self.evict_calls = 0
         self.evicted_pages = 0
         # Node ids only grow, across reset() too, so a handle from before a reset can
         # never name a node created after it.
@@ -81,23 +88,21 @@ class RadixTree:
         self._clear()
 
     def _clear(self) -> None:
-        self.root = Node(0, None, b"", _EMPTY_PAGES, _EMPTY_STATES, 0)
+        self.root = self.node_type(0, None, b"", _EMPTY_PAGES, _EMPTY_STATES, 0)
         self.root.lock = 1  # the root is never evicted
         self.nodes: dict[int, Node] = {0: self.root}
         self.tick = 0
-        self.cached_pages = 0
-        self.protected_pages = 0
+        self.cached_pages = 0  # pages in the tree
+        self.protected_pages = 0  # pages of nodes with lock > 0
         self.digest_sum = 0
         # Nodes whose block hashes are not computed yet (see ``ensure_hashed``).
         self._unhashed: list[Node] = []
-        self._heap: list[tuple[tuple[int, ...], Node]] = []
+        self.leaves = EvictionOrder(self.key_fn)  # the unlocked leaves
         if self.hooks is not None:
             self.hooks.reset()
 
     # ---- lookup -------------------------------------------------------------------------
-    def descend(
-        self, key: np.ndarray, n: int, node: Node | None = None, pos: int = 0
-    ) -> tuple[list[Node], int, Node | None, int]:
+    def descend(self, key: np.ndarray, n: int, node: Node | None = None, pos: int = 0) -> Match:
         """Walk ``key[:n]`` (page-aligned) without changing anything.
 
         Starts at the root, or at ``node`` that is known to end at ``key[:pos]``.
@@ -106,6 +111,11 @@ class RadixTree:
         token count (``None, 0`` if none). ``key`` is a C-contiguous int32 array.
         """
         return descend(self.root if node is None else node, self.ps, key, n, pos)
+
+    def match_walk(self, key: np.ndarray, n: int) -> Match:
+        """``descend`` from the root, cut back to where a match may end (hook: every
+        point here; a window needs SWA KV before the end). Changes nothing."""
+        return descend(self.root, self.ps, key, n, 0)
 
     def split(self, child: Node, at: int) -> Node:
         """Cut ``child`` after ``at`` tokens (whole pages); returns the new upper node.
@@ -118,8 +128,10 @@ class RadixTree:
         parent = child.parent
         assert parent is not None and 0 < at < len(child.kb) // 4 and at % ps == 0
         hashed = child.states is not None
-        upper = Node(
-            self._new_id(),
+        node_id = self._next_id
+        self._next_id = node_id + 1
+        upper = self.node_type(
+            node_id,
             parent,
             child.kb[: 4 * at],
             child.pages[:cut].copy(),
@@ -145,23 +157,18 @@ class RadixTree:
         self.nodes[upper.id] = upper
         return upper
 
-    def take_match(
-        self,
-        path: list[Node],
-        pos: int,
-        partial: Node | None,
-        common: int,
-        *,
-        queue: bool = True,
+    def split_match(
+        self, path: list[Node], pos: int, partial: Node | None, common: int
     ) -> tuple[list[Node], int]:
-        """Make a ``descend`` result the match: split the partial node, touch the path.
-
-        ``queue=False``: the caller locks the match's end at once (``admit``), so its
-        new eviction key would only be a stale heap entry; unlock queues it again.
-        """
+        """Make a ``descend`` result a match: split the partial node, append its upper half."""
         if partial is not None:
             path.append(self.split(partial, common))
             pos += common
+        return path, pos
+
+    def touch(self, path: list[Node], queue: bool = True) -> None:
+        """A match used ``path``: advance the clock, count a hit on each node, requeue its
+        end (``queue=False``: a lock was just taken on it, so it is no candidate)."""
         self.tick += 1
         tick = self.tick
         if self.hooks is not None:
@@ -171,111 +178,6 @@ class RadixTree:
             node.hits += 1
         if path and queue:
             self._queue(path[-1])
-        return path, pos
-
-    # ---- insert -------------------------------------------------------------------------
-    def insert(
-        self,
-        key: np.ndarray,
-        pages: np.ndarray,
-        priority: int = 0,
-        *,
-        start: Node | None = None,
-        start_pos: int = 0,
-        trusted: bool = False,
-        owner: int = HELD,
-        want_pages: bool = True,
-    ) -> tuple[int, np.ndarray | None, Node]:
-        """Cache ``key`` (whole pages) backed by ``pages`` (tagged ``owner``: HELD for a
-        request's row, LENT for a caller's slots).
-
-        Pages of the already-cached part that differ from the tree's are duplicates and
-        are freed; the rest become the tree's. Returns (tokens already cached, the
-        tree's pages for the whole key or ``None`` unless ``want_pages``, the node
-        ending at ``key``).
-
-        ``start``/``start_pos``: a node known to end at ``key[:start_pos]`` whose pages
-        are ``pages[:start_pos // ps]`` (a request's locked prefix), so the walk begins
-        there. Unless ``trusted`` (the caller's own request rows), every page is
-        validated first and ``InvalidSlots`` is raised before anything changes.
-        """
-        ps = self.ps
-        n = key.size
-        path, pos, partial, common = self.descend(key, n, start, start_pos)
-        have = pos + common
-        k0 = start_pos // ps
-        k = have // ps
-        if k > k0:  # the tree's pages where the walk went, and the given ones that differ
-            pieces = [p.pages for p in path]
-            if partial is not None:
-                pieces.append(partial.pages[: common // ps])
-            known = join_pages(pieces) if len(pieces) > 1 else pieces[0]
-            given = pages[k0:k]
-            dups = given[given != known]
-        else:
-            known = dups = _EMPTY_PAGES
-        fresh = pages[k:]
-        if not trusted:
-            mine = np.concatenate((dups, fresh)) if dups.size else fresh
-            try:
-                self.alloc.check_owned(mine, owner)
-            except Exception as exc:
-                raise InvalidSlots(f"cannot insert: {exc}") from None
-
-        if partial is not None:
-            path.append(self.split(partial, common))
-        end = path[-1] if path else (start or self.root)
-        self.tick += 1
-        tick = self.tick
-        node = end
-        while node is not self.root:
-            # Touch the whole path: a request's locked prefix is being used too.
-            node.last_access = tick
-            if priority > node.priority:
-                node.priority = priority
-            node = node.parent  # type: ignore[assignment]
-        if dups.size:
-            self.alloc.free(dups, owner, checked=False)
-        if have < n:
-            end = self._add_child(end, key[have:], fresh.copy(), priority, owner)
-        else:
-            self._queue(end)
-        if not want_pages:
-            return have, None, end
-        parts = [pages[:k0], known] if k0 else [known]
-        if have < n:
-            parts.append(fresh)  # the new leaf's pages (a policy may have split it)
-        return have, join_pages(parts), end
-
-    def _add_child(
-        self, parent: Node, key: np.ndarray, pages: np.ndarray, priority: int, owner: int
-    ) -> Node:
-        """A new leaf under ``parent``: ``key`` (int32, copied into the node), ``pages``
-        (the node's own array from now on), tagged ``owner`` until now."""
-        node = Node(self._new_id(), parent, key_bytes(key), pages, None, self.tick)
-        node.priority = priority
-        parent.children[node.kb[: 4 * self.ps]] = node
-        self.nodes[node.id] = node
-        self.alloc.retag(pages, owner, CACHED, checked=False)
-        self.cached_pages += pages.size
-        # Events and stateful policies need the block hashes now; else they wait.
-        defer_hash(self, node, now=self.record_events or self.hooks is not None)
-        states = node.states
-        if self.record_events:
-            parent_hash = int(block_hashes(parent.states[-1:])[0]) if parent.states.size else None
-            self.events.append(
-                BlockStored(
-                    block_hashes=block_hashes(states).tolist(),
-                    parent_block_hash=parent_hash,
-                    token_ids=key.tolist(),
-                    block_size=self.ps,
-                    medium=self.medium,
-                )
-            )
-        if self.hooks is not None:
-            node = self.hooks.on_insert(node)  # may split off an upper node
-        self._queue(node)
-        return node
 
     def ensure_hashed(self) -> None:
         """Compute the block hashes (and digest terms) of every node that lacks them.
@@ -287,111 +189,151 @@ class RadixTree:
         hash_pending(self)
 
     # ---- locks --------------------------------------------------------------------------
-    def lock(self, node: Node) -> None:
-        """Protect ``node`` and its ancestors from eviction (counts nest)."""
+    def lock(self, node: Node, top: Node | None = None) -> None:
+        """Protect ``node`` and its ancestors from eviction (counts nest); with a window
+        (``top``, its ``boundary``), their SWA KV up to ``top`` too."""
         root = self.root
+        window = top is not None
         while node is not root:
             if node.lock == 0:
                 self.protected_pages += node.pages.size
             node.lock += 1
+            if window:  # two-level locks: the SWA lock of the lock's last window
+                node.swa_lock += 1  # type: ignore[attr-defined]
+                if node.swa_lock == 1:  # type: ignore[attr-defined]
+                    self._swa_locked(node, True)
+                window = node is not top
             node = node.parent  # type: ignore[assignment]
 
-    def unlock(self, node: Node) -> None:
-        """Undo one ``lock``; raises ``LockError`` (changing nothing) if not locked."""
+    def unlock(self, node: Node, top: Node | None = None) -> None:
+        """Undo one ``lock(node, top)``; raises ``LockError`` (changing nothing) if
+        ``node`` is not locked."""
         if node is self.root:
             return
         if node.lock <= 0:
             raise LockError(f"node {node.id} is not locked")
         root = self.root
+        window = top is not None
         while node is not root:
             node.lock -= 1
             if node.lock == 0:
                 self.protected_pages -= node.pages.size
                 if not node.children:
-                    self._queue(node)
+                    self.leaves.push(node)  # now an unlocked leaf (alive: it was locked)
+            if window:
+                node.swa_lock -= 1  # type: ignore[attr-defined]
+                if node.swa_lock == 0:  # type: ignore[attr-defined]
+                    self._swa_locked(node, False)
+                window = node is not top
             node = node.parent  # type: ignore[assignment]
+
+    # ---- hooks of the sliding window (SwaTree); without one they do nothing, and the hot
+    # paths (locks, inserts, evictions) skip them unless ``window`` (or a ``top``) is set.
+    def boundary(self, node: Node) -> Node | None:
+        """Where a lock ending at ``node`` stops keeping SWA KV."""
+        return None
+
+    def mark_of(self, top: Node | None) -> int:
+        """The boundary mark a handle or request keeps for ``top`` (0: none)."""
+        return 0
+
+    def find_top(self, node: Node, mark: int) -> Node | None:
+        """The boundary named by ``mark`` on ``node``'s path."""
+        return None
+
+    def check_lockable(self, node: Node, top: Node | None) -> None:
+        """Raise ``LockError`` if ``lock(node, top)`` would lock KV that is gone."""
+
+    def _swa_locked(self, node: Node, locked: bool) -> None:
+        """``node``'s SWA KV became locked (or free again)."""
+
+    def valid_end(self, node: Node) -> bool:
+        """May a match end at ``node``'s end?"""
+        return True
+
+    def _revivable(self, path: list[Node], partial: Node | None, differ: np.ndarray) -> Any:
+        """What an insert over ``path`` revives (``None``: nothing)."""
+        return None
+
+    def _check_new_leaf(
+        self,
+        top: Node,
+        path: list[Node],
+        partial: Node | None,
+        common: int,
+        revive: Any,
+        tail: int,
+    ) -> None:
+        """Raise ``InvalidSlots`` if an insert's new leaf of ``tail`` tokens after ``top``,
+        ``path`` and ``common`` tokens of ``partial`` could never be matched."""
+
+    def _revive(self, revive: Any, path: list[Node], given: np.ndarray) -> None:
+        """Revive what ``_revivable`` found, with the given pages of the walked part."""
+
+    def _reprioritised(self, node: Node) -> None:
+        """``node``'s priority was raised by an insert."""
+
+    def _inserted(self, end: Node, tick: int, new_pages: int) -> None:
+        """An insert ended at ``end`` at ``tick``, adding ``new_pages`` (a new leaf's)."""
+
+    def _evict_window(self, num_pages: int, out: Freed) -> None:
+        """The second eviction order (SWA KV) frees ``num_pages`` more."""
+
+    def _deleted(self, node: Node, out: Freed) -> None:
+        """``node`` was deleted by an eviction."""
+
+    def _free(self, pages: np.ndarray, out: Freed) -> None:
+        """Return what an eviction took to the allocator (the deleted nodes' ``pages``,
+        and what the window's order freed)."""
 
     # ---- eviction -----------------------------------------------------------------------
     def _queue(self, node: Node) -> None:
-        if node.lock or node.children or not node.alive:
-            return
-        k = self.key_fn(node)
-        if node.queued == k:
-            return
-        node.queued = k
-        heapq.heappush(self._heap, (k, node))
-        if len(self._heap) > 2 * len(self.nodes) + 1024:
-            self._rebuild_heap()
+        if not (node.lock or node.children) and node.alive:  # an unlocked leaf
+            self.leaves.push(node)
 
     def rekey(self) -> None:
         """Recompute every candidate's key: a stateful policy's key function changed."""
-        self._rebuild_heap()
+        self.leaves.rekey()
 
-    def _rebuild_heap(self) -> None:
-        heap = []
-        for node in self.nodes.values():
-            node.queued = None
-            if node.lock == 0 and not node.children:
-                node.queued = self.key_fn(node)
-                heap.append((node.queued, node))
-        heapq.heapify(heap)
-        self._heap = heap
+    def evict(self, num_pages: int, swa_pages: int = 0) -> Freed:
+        """Evict unlocked leaves in policy order until ``num_pages`` are freed or none is
+        left; then, with a window, SWA KV until ``swa_pages`` SWA pages are freed
+        (counting what the first phase freed). Frees one group per pool (``evict.py``)."""
+        return evict(self, num_pages, swa_pages)
 
-    def evict(self, num_pages: int) -> tuple[int, int]:
-        """Evict unlocked leaves in policy order until ``num_pages`` are freed or none is left.
+    # ---- per-pool views -----------------------------------------------------------------
+    def pool_pages(self) -> tuple[tuple[int, int], ...]:
+        """(cached, protected) pages per pool."""
+        return ((self.cached_pages, self.protected_pages),)
 
-        A parent that becomes an unlocked leaf joins the queue at once. Frees all the
-        pages in one free group. Returns (pages freed, nodes evicted).
-        """
-        started = time.perf_counter()
-        freed_pages: list[np.ndarray] = []
-        terms = 0
-        count = 0
-        pb = 4 * self.ps
-        gone: list[Node] | None = [] if self.hooks is not None else None
-        # Read self._heap each round: queueing a parent may rebuild it into a new list.
-        while count < num_pages and self._heap:
-            k, node = heapq.heappop(self._heap)
-            if node.queued != k:
-                continue
-            node.queued = None
-            if node.lock or node.children or not node.alive:
-                continue
-            parent = node.parent
-            assert parent is not None
-            del parent.children[node.kb[:pb]]
-            del self.nodes[node.id]
-            node.alive = False
-            count += node.pages.size
-            freed_pages.append(node.pages)
-            terms += node.term
-            if gone is not None:
-                gone.append(node)
-            if self.record_events:
-                self.events.append(
-                    BlockRemoved(
-                        block_hashes=block_hashes(node.states).tolist(), medium=self.medium
-                    )
-                )
-            if not parent.children and parent is not self.root:
-                self._queue(parent)
-        if freed_pages:
-            pages = join_pages(freed_pages) if len(freed_pages) > 1 else freed_pages[0]
-            self.cached_pages -= pages.size
-            self.digest_sum = (self.digest_sum - terms) & _MASK
-            self.alloc.free(pages, CACHED, checked=False)
-        if gone:
-            self.hooks.on_evict(gone)  # type: ignore[union-attr]
-        self.evicted_pages += count
-        self.evict_seconds.append(time.perf_counter() - started)
-        if len(self.evict_seconds) > 20_000:
-            del self.evict_seconds[:10_000]
-        return count, len(freed_pages)
+    def evictable_after_lock(
+        self, path: list[Node], partial: Node | None, common: int
+    ) -> tuple[int, ...]:
+        """Pages per pool eviction could free once the match ``path`` (and ``common``
+        tokens of ``partial``) is locked: its pages are not evictable then."""
+        pinned = sum(p.pages.size for p in path if p.lock == 0)
+        if partial is not None and partial.lock == 0:
+            pinned += common // self.ps
+        return (self.cached_pages - self.protected_pages - pinned,)
 
-    def _new_id(self) -> int:
-        i = self._next_id
-        self._next_id += 1
-        return i
+    def digest_fields(self) -> tuple[int, ...]:
+        """Counters the cache digest covers beyond the full pool's."""
+        return ()
+
+    def evicted(self) -> tuple[int, ...]:
+        """Pages evicted per pool since creation."""
+        return (self.evicted_pages,)
+
+    def stats(self) -> CacheStats:
+        return CacheStats(self.evict_calls, self.evicted(), self.tombstoned_nodes)
+
+    def locks_of(self, node: Node) -> tuple[int, ...]:
+        """A node's lock counts per pool."""
+        return (node.lock,)
+
+    def check_window(self) -> Any:
+        """The window's part of ``check_integrity`` (``swa_check.WindowCheck``); none here."""
+        return None
 
     # ---- whole-tree views -----------------------------------------------------------------
     def walk(self) -> list[Node]:

@@ -1,0 +1,359 @@
+"""``PrefixCache``: the cache state machine, written once for every cache kind.
+
+It joins a page allocator, the radix tree and the request-to-slot table, and runs the
+tree-level calls (match, insert, lock, evict) and the request lifecycle (admit, extend,
+cache_unfinished, finish, abort) over them. A cache kind adds data and a few hooks, not
+a second copy: its pools (``pool_names``; per-pool figures come back as tuples in that
+order), its tree (``RadixTree``; ``SwaTree`` adds the sliding window), and what its
+handles and results carry. ``RadixCache`` (one pool) and ``HybridCache`` (full + SWA)
+are the two kinds; both implement ``protocol.Cache``.
+
+The same op sequence gives the same tree, the same slot ids and the same digest in every
+process. Every public method validates its input before it changes anything and raises
+a ``CacheError`` subclass otherwise.
+"""
+
+from __future__ import annotations
+
+from operator import add
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from tpcache.cache.allocator import HELD, LENT
+from tpcache.cache.errors import NoSwaPool, OutOfCapacity
+from tpcache.cache.events import AllBlocksCleared, KVEvent
+from tpcache.cache.evict import Freed
+from tpcache.cache.handles import HandleLocks
+from tpcache.cache.hashing import fmix64_int, fold_fields
+from tpcache.cache.insert import insert_key
+from tpcache.cache.keys import (
+    TokenLike,
+    as_slots,
+    as_tokens,
+    check_sign,
+    join_pages,
+    pages_to_slots,
+    slots_to_pages,
+)
+from tpcache.cache.node import pages_of
+from tpcache.cache.protocol import Evictor
+from tpcache.cache.records import AdmitResult, CacheSizes, EvictResult, MatchResult
+from tpcache.cache.reqtable import (
+    ReqTable,
+    RequestId,
+    admitted_length,
+    as_priority,
+    check_count,
+    check_extends,
+    extended_length,
+    finished_tail,
+    refuse_room,
+    row_slots,
+)
+from tpcache.cache.tree_check import check_cache
+
+if TYPE_CHECKING:
+    from tpcache.cache.records import CacheStats, Handle, RequestRow
+
+
+class PrefixCache:
+    """A paged radix prefix cache: allocator, tree, running-request table and handles.
+
+    ``alloc``, ``tree``, ``reqs`` and ``handles`` are owned here and changed only through
+    these methods (the digest and ``check_integrity`` read them); so is ``_ask``. A kind
+    gives ``pool_names``, its allocator and tree, and shapes its results (the hooks at
+    the end; those here are the one-pool cache's).
+    """
+
+    pool_names: tuple[str, ...] = ("full",)
+
+    def __init__(self, config: Any, alloc: Any, tree: Any) -> None:
+        self.config = config
+        self.page_size = config.page_size
+        # transition: upper layers still read these three, until they use the protocol:
+        # coordinator/steps.py (reqs.ids(), ``in reqs``, tree.events), core.py (len(reqs),
+        # tree.evicted_pages), engine.py (alloc.has_swa), metrics.py (tree.evict_seconds),
+        # replay.py (tree.evict_seconds, tree.evicted_pages and _swa_pages, tombstoned_nodes).
+        self.alloc = alloc
+        self.tree = tree
+        self.reqs = ReqTable()
+        self.handles = HandleLocks(tree)
+        self._limit = config.request_limit  # read on every admit and extend
+        # Pages per pool the last admit or extend asked the eviction for (its shortfall
+        # after the lock): the decision a TP rank repeats (see ``eviction_ask``).
+        self._no_ask = (0,) * len(self.pool_names)
+        self._ask: tuple[int, ...] = self._no_ask
+
+    @property
+    def num_pools(self) -> int:
+        return len(self.pool_names)
+
+    @property
+    def window(self) -> int | None:
+        """The sliding window in tokens; ``None`` for a cache without an SWA pool."""
+        return self.tree.window
+
+    # ---- tree-level operations (the contracts of every public method: ``protocol.Cache``) --
+    def match_prefix(self, tokens: TokenLike) -> MatchResult:
+        key = as_tokens(tokens, defer_sign=True)
+        tree = self.tree
+        found = tree.match_walk(key, key.size // self.page_size * self.page_size)
+        check_sign(key, found[1] + found[3])
+        path, pos = tree.split_match(*found)
+        tree.touch(path)
+        return self._match_result(path, pos)
+
+    def insert(self, tokens: TokenLike, slots: TokenLike, priority: int = 0) -> int:
+        key = as_tokens(tokens)
+        slot_ids = as_slots(slots, key.size, self.alloc.num_pages * self.page_size)
+        n = key.size // self.page_size * self.page_size
+        pages = slots_to_pages(slot_ids[:n], self.page_size)
+        have, _, _ = insert_key(self.tree, key[:n], pages, as_priority(priority), owner=LENT)
+        return have
+
+    def alloc_slots(self, num_tokens: int) -> np.ndarray:
+        check_count(num_tokens, "alloc_slots' num_tokens")
+        pages = self.alloc.alloc(-(-num_tokens // self.page_size), LENT)
+        return pages_to_slots(pages, self.page_size, num_tokens)
+
+    def free_slots(self, slots: TokenLike) -> None:
+        slot_ids = as_slots(slots, None, self.alloc.num_pages * self.page_size)
+        self.alloc.free(slots_to_pages(slot_ids, self.page_size), LENT)
+
+    def lock(self, handle: Handle) -> None:
+        self.handles.lock(handle)
+
+    def unlock(self, handle: Handle) -> None:
+        self.handles.unlock(handle)
+
+    def evict(self, num_tokens: int, swa_tokens: int = 0) -> EvictResult:
+        check_count(num_tokens, "evict's num_tokens")
+        check_count(swa_tokens, "evict's swa_tokens")
+        if swa_tokens and self.window is None:
+            raise NoSwaPool("swa_tokens needs an SWA pool (the hybrid cache)")
+        ps = self.page_size
+        return self._evict_result(self.tree.evict(-(-num_tokens // ps), -(-swa_tokens // ps)))
+
+    # ---- eviction as the lockstep asks for it (one entry per pool) ------------------------
+    @property
+    def eviction_ask(self) -> tuple[int, ...]:
+        return self._ask
+
+    def evictable_pages(self) -> tuple[int, ...]:
+        return tuple(c - p for c, p in self.tree.pool_pages())
+
+    def evict_pages(self, asks: tuple[int, ...]) -> tuple[int, ...]:
+        out = self.tree.evict(asks[0], asks[1] if len(asks) > 1 else 0)
+        return (out.full, out.swa)[: self.num_pools]
+
+    def eviction_marks(self) -> tuple[int, ...]:
+        return self.tree.evicted()
+
+    # ---- request lifecycle (the contracts: ``protocol.Cache``) ----------------------------
+    def admit(
+        self,
+        rid: RequestId,
+        tokens: TokenLike,
+        priority: int = 0,
+        *,
+        evict: bool | Evictor = True,
+        reserve: int = 0,
+    ) -> AdmitResult:
+        rid = self.reqs.check_new(rid)
+        key = as_tokens(tokens, copy=True, defer_sign=True)  # the row keeps it (if mutable)
+        prio = as_priority(priority)
+        total = admitted_length(key.size, reserve, self._limit)
+        self._ask = self._no_ask
+        ps = self.page_size
+        tree = self.tree
+        path, pos, partial, common = tree.match_walk(key, (key.size - 1) // ps * ps)
+        check_sign(key, pos + common)
+        need = -(-total // ps) - (pos + common) // ps
+        if need > self.alloc.num_free:
+            self._check_room(need, path, partial, common, evict)
+        if partial is not None:  # the match ends inside it: split off its upper part
+            path.append(tree.split(partial, common))
+            pos += common
+        node = path[-1] if path else tree.root
+        top = None if tree.window is None else tree.boundary(node)  # where SWA locks stop
+        tree.lock(node, top)
+        tree.touch(path, queue=False)
+        try:
+            pages = self._take_pages(need, evict)
+        except OutOfCapacity:
+            tree.unlock(node, top)
+            raise
+        row = join_pages([*map(pages_of, path), pages])
+        mark = 0 if top is None else tree.mark_of(top)
+        self.reqs.add(rid, key, row, total, pos // ps, node, prio, mark)
+        return self._admit_result(pos, row, total)
+
+    def extend(self, rid: RequestId, n: int, *, evict: bool | Evictor = True) -> np.ndarray:
+        req = self.reqs.get(rid)
+        end = extended_length(req, n, self._limit)
+        self._ask = self._no_ask
+        ps = self.page_size
+        need = -(-end // ps) - req.pages.size
+        if need > self.alloc.num_free:
+            self._check_room(need, [], None, 0, evict)
+        if need or callable(evict):
+            req.pages = join_pages((req.pages, self._take_pages(need, evict)))
+        start, req.num_tokens = req.num_tokens, end
+        return row_slots(req, start, end, ps)
+
+    def cache_unfinished(self, rid: RequestId, tokens: TokenLike) -> int:
+        req = self.reqs.get(rid)
+        key = as_tokens(tokens, copy=True)  # the row keeps it
+        check_extends(rid, req.tokens, key, req.num_tokens)
+        ps = self.page_size
+        n = key.size // ps * ps
+        tree = self.tree
+        # The row's prefix is the locked path to req.node, so the walk starts there.
+        _, tree_pages, node = insert_key(
+            tree,
+            key[:n],
+            req.pages[: n // ps],
+            req.priority,
+            start=req.node,
+            start_pos=req.cached_pages * ps,
+            trusted=True,
+        )
+        req.pages[: tree_pages.size] = tree_pages
+        top = None if tree.window is None else tree.boundary(node)
+        tree.lock(node, top)
+        tree.unlock(req.node, tree.find_top(req.node, req.mark) if req.mark else None)
+        req.node = node
+        req.cached_pages = tree_pages.size
+        req.tokens = key
+        req.mark = 0 if top is None else tree.mark_of(top)
+        return n
+
+    def finish(self, rid: RequestId, output_tokens: TokenLike = ()) -> int:
+        req = self.reqs.get(rid)
+        out = as_tokens(output_tokens, allow_empty=True)
+        ps = self.page_size
+        tail, pages, n = finished_tail(req, out, ps)
+        tree = self.tree
+        insert_key(tree, tail, pages, req.priority, start=req.node, trusted=True, want_pages=False)
+        self.alloc.free(req.pages[n // ps :], HELD, checked=False)
+        tree.unlock(req.node, tree.find_top(req.node, req.mark) if req.mark else None)
+        self.reqs.remove(req.rid)
+        return n
+
+    def abort(self, rid: RequestId) -> None:
+        req = self.reqs.get(rid)
+        self.alloc.free(req.pages[req.cached_pages :], HELD, checked=False)
+        tree = self.tree
+        tree.unlock(req.node, tree.find_top(req.node, req.mark) if req.mark else None)
+        self.reqs.remove(req.rid)
+
+    def _check_room(
+        self, need: int, path: list[Any], partial: Any, common: int, evict: bool | Evictor
+    ) -> None:
+        """Refuse (``OutOfCapacity``) ``need`` pages that some pool cannot give even after
+        eviction, once the match ``path`` is locked (its pages stop being evictable)."""
+        if callable(evict):
+            return
+        frees = self.alloc.pool_free()
+        room = None
+        if evict:
+            room = self.tree.evictable_after_lock(path, partial, common)
+            if need <= min(map(add, frees, room)):
+                return
+        refuse_room(need, self.page_size, frees, room, self.pool_names)
+
+    def _take_pages(self, need: int, evict: bool | Evictor) -> np.ndarray:
+        """``need`` pages (in every pool) after the eviction: a view, valid until the next
+        free, that callers copy into the row at once."""
+        if callable(evict):
+            evict(*self.alloc.shortfall(need))  # may be a collective
+        elif evict and need > self.alloc.num_free:
+            self._ask = self.alloc.shortfall(need)
+            self.tree.evict(*self._ask)
+        return self.alloc.alloc(need, HELD, copy=False)
+
+    # ---- what a cache kind shapes (one pool, no window here) ------------------------------
+    def _match_result(self, path: list[Any], n: int) -> MatchResult:
+        if len(path) > 1:
+            pages = join_pages(map(pages_of, path))
+        else:  # a copy either way: the caller must not get the tree's own array
+            pages = path[0].pages.copy() if path else np.zeros(0, np.int64)
+        handle = self.handles.make(path[-1] if path else self.tree.root)
+        return MatchResult(n, pages, handle, self.page_size)
+
+    def _admit_result(self, pos: int, row: np.ndarray, total: int) -> AdmitResult:
+        return AdmitResult(pos, row, total, self.page_size)
+
+    def _evict_result(self, out: Freed) -> EvictResult:
+        return EvictResult(out.full * self.page_size, len(out.dead))
+
+    def request_swa_slots(self, rid: RequestId, start: int) -> tuple[int, np.ndarray] | None:
+        self.reqs.get(rid)
+        return None
+
+    def tombstoned_pages(self, pages: TokenLike) -> int:
+        as_slots(pages, None, self.alloc.num_pages)
+        return 0
+
+    def sizes(self) -> CacheSizes:
+        return self.pool_sizes()[0]
+
+    # ---- whole-cache ------------------------------------------------------------------------
+    def reset(self) -> None:
+        events = self.tree.events
+        self.alloc.reset()
+        self.tree._clear()
+        self.reqs = ReqTable()
+        self.handles = HandleLocks(self.tree)
+        self._ask = self._no_ask
+        if self.config.record_events:
+            events.append(AllBlocksCleared())
+        self.tree.events = events
+
+    def pool_sizes(self) -> tuple[CacheSizes, ...]:
+        ps = self.page_size
+        # Every held or lent page has a page in each pool (check_integrity verifies it).
+        held = (self.alloc.count(HELD) + self.alloc.count(LENT)) * ps
+        return tuple(
+            CacheSizes(cap * ps, free * ps, (cached - kept) * ps, kept * ps, held)
+            for cap, free, (cached, kept) in zip(
+                self.alloc.pool_pages(), self.alloc.pool_free(), self.tree.pool_pages(), strict=True
+            )
+        )
+
+    def digest(self) -> int:
+        t = self.tree
+        t.ensure_hashed()
+        fields = (*self.alloc.fingerprint(), t.tick, len(t.nodes), t.protected_pages)
+        return fold_fields(
+            fmix64_int(t.digest_sum ^ 0x5A17), (*fields, len(self.reqs), *t.digest_fields())
+        )
+
+    def check_integrity(self) -> None:
+        check_cache(self)
+
+    def request_row(self, rid: RequestId) -> RequestRow:
+        return self.reqs.row(rid, self.page_size)
+
+    def running_ids(self) -> list[RequestId]:
+        return self.reqs.ids()
+
+    def is_running(self, rid: object) -> bool:
+        return rid in self.reqs
+
+    def stats(self) -> CacheStats:
+        return self.tree.stats()
+
+    def evict_seconds(self, last: int | None = None) -> list[float]:
+        seconds = self.tree.evict_seconds
+        if last is None:
+            return list(seconds)
+        return seconds[max(0, len(seconds) - check_count(last, "last")) :]
+
+    def take_events(self) -> list[KVEvent]:
+        events, self.tree.events = self.tree.events, []
+        return events
+
+    def put_back_events(self, events: list[KVEvent]) -> None:
+        self.tree.events[:0] = events
