@@ -196,6 +196,48 @@ def test_integrity_fails_on_planted_corruption(name: str) -> None:
         c.check_integrity()
 
 
+def _busy_hybrid():
+    """A tombstone ([1..6]) under two handle-locked branches, and a running request: every
+    counter of the tree is nonzero."""
+    c = hybrid(64, 64, window=4)
+    run(c, "a", R(1, 10))
+    run(c, "b", [*R(1, 6), *R(20, 23)])
+    c.lock(c.match_prefix(R(1, 10)).handle)
+    c.lock(c.match_prefix([*R(1, 6), *R(20, 23)]).handle)
+    assert c.evict(0, 1).tombstoned == 1
+    c.admit("r", R(30, 36))
+    t = c.tree
+    assert all((t.protected_pages, t.swa_protected, t.tombstones, t.tombstone_pages))
+    c.check_integrity()
+    return c
+
+
+def _bump(field: str, by: int):
+    return lambda c: setattr(c.tree, field, getattr(c.tree, field) + by)
+
+
+# Each counter of the tree, moved alone. Conservation per pool sees the cached and SWA
+# pages; only the tree's recount sees the others (protected, SWA protected, tombstones,
+# their pages), so each of those plants fails when that recount is left out.
+COUNTER_PLANTS = {
+    "cached pages": (_bump("cached_pages", 1), "full pool: .* != capacity"),
+    "SWA pages": (_bump("swa_pages", -1), "SWA pool: .* != capacity"),
+    "protected pages": (_bump("protected_pages", 1), r"counters say \(14, 15, 8, 8, 1, 6\)"),
+    "SWA protected pages": (_bump("swa_protected", -1), r"counters say \(14, 14, 8, 7, 1, 6\)"),
+    "tombstones": (_bump("tombstones", 1), r"counters say \(14, 14, 8, 8, 2, 6\)"),
+    "tombstone pages": (_bump("tombstone_pages", 1), r"counters say \(14, 14, 8, 8, 1, 7\)"),
+}
+
+
+@pytest.mark.parametrize("name", list(COUNTER_PLANTS))
+def test_integrity_recounts_every_tree_counter(name: str) -> None:
+    c = _busy_hybrid()
+    plant, message = COUNTER_PLANTS[name]
+    plant(c)
+    with pytest.raises(IntegrityError, match=message):
+        c.check_integrity()
+
+
 # ---- paired allocator ---------------------------------------------------------------------
 
 
