@@ -46,6 +46,8 @@ def insert_key(
     own request rows), every page is validated first and ``InvalidSlots`` is raised
     before anything changes (also for a new leaf that could never be matched).
     """
+    # One function on purpose (~70 lines): every check must come before every change,
+    # and both work on the same walk; split, the halves would pass eight values along.
     ps = tree.ps
     n = key.size
     path, pos, partial, common = descend(start or tree.root, ps, key, n, start_pos)
