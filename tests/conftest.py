@@ -23,3 +23,18 @@ def ray_cluster():
     finally:
         ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Destroy, with linger 0, any ZMQ context a test left open. Garbage collection at
+    exit would otherwise terminate it with each socket's own linger, and a socket with
+    unsent messages to a peer that is gone can block that forever (a full run here once
+    hung so after its last test)."""
+    import gc
+
+    import zmq
+    from zmq.utils.garbage import gc as zmq_gc
+
+    for obj in gc.get_objects():
+        if isinstance(obj, zmq.Context) and not obj.closed and obj is not zmq_gc._context:
+            obj.destroy(linger=0)

@@ -112,8 +112,8 @@ def test_unread_snapshot_requests_do_not_hold_up_the_live_stream() -> None:
     snapshots are built on their own thread from a queue of 4; the rest get BUSY at
     once, and a live batch still arrives promptly."""
     cfg = EventConfig(endpoint=LOOPBACK, replay_endpoint=LOOPBACK, snapshot_queue=4)
-    ctx = zmq.Context()
-    with EventPublisher(cfg) as pub:
+    # Leaving the context destroys it: the dealers are closed even if an assert fails.
+    with EventPublisher(cfg) as pub, zmq.Context() as ctx:
         for base in range(0, 60_000, 3_000):
             pub.publish([stored(i) for i in range(base, base + 3_000)])
         with EventSubscriber(pub.endpoint) as sub:
@@ -135,7 +135,10 @@ def test_unread_snapshot_requests_do_not_hold_up_the_live_stream() -> None:
                     break
             took = time.monotonic() - t0
             print(f"live batch behind 32 snapshot requests arrived in {took * 1e3:.1f} ms")
-            assert took < 1.0
+            # Before the fix the live batch waited behind every one of the 32 snapshots
+            # (22.6 s for 200k blocks in the issue). The bound leaves room for a loaded
+            # 2-core machine, where 1.7 s has been seen; 270 ms is usual here.
+            assert took < 4.0
             deadline = time.monotonic() + 30
             while pub.stats().snapshot_requests < 32 and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -148,9 +151,8 @@ def test_unread_snapshot_requests_do_not_hold_up_the_live_stream() -> None:
             print(replies)
             assert replies["built"] >= 4 and replies["busy"] >= 1
             assert replies["built"] + replies["busy"] == 32
-        for d in dealers:
-            d.close(0)
-    ctx.term()
+            for d in dealers:
+                d.close(0)
 
 
 def test_a_taken_metrics_port_is_a_clear_error() -> None:

@@ -160,7 +160,9 @@ class StepHub:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                sock.send_multipart(msg, zmq.NOBLOCK, copy=False)
+                # Copied, not zero-copy: steps are small, and zero-copy sends start
+                # pyzmq's garbage-collector thread, seen in a hang at interpreter exit.
+                sock.send_multipart(msg, zmq.NOBLOCK)
                 return
             except zmq.Again:  # its queue is full: it stopped reading
                 if time.monotonic() > deadline:
