@@ -15,7 +15,6 @@ from tpcache.cache.keys import pages_to_slots
 from tpcache.coordinator.engine import Chunk, Compute, Decode, ModelEngine, Prefill
 from tpcache.coordinator.step_types import RankCallError
 from tpcache.workers.context import ForwardError, build_forward
-from tpcache.workers.lockstep import is_hybrid
 from tpcache.workers.ops import Forward, ForwardBatch, encode
 
 HYBRID_ARGS = {"num_layers": 3, "swa_layers": [0, 2], "window": 8}
@@ -42,7 +41,7 @@ def expect(eng: ModelEngine, rid: str, tokens: list[int], write: list[int]) -> S
     assert slots[start:] == write  # the reply's slots are the row's newest
     swa_start, swa = 0, None
     mirror = eng.coord.mirror
-    if is_hybrid(mirror):
+    if mirror.window is not None:
         swa_start = max(0, start - mirror.window)
         swa = mirror.swa_slots(np.asarray(slots[swa_start:])).tolist()
     return Seen(rid, tokens, start, write, slots, swa_start, swa, False)

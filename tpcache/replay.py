@@ -79,7 +79,8 @@ def replay(
         if progress is not None and ((i + 1) % 100 == 0 or i + 1 == len(requests)):
             progress(i + 1, len(requests))
     cache.check_integrity()
-    evicts = cache.tree.evict_seconds
+    evicts = cache.evict_seconds()
+    stats = cache.stats()
     return {
         "requests": len(requests),
         "page_size": opts.page_size,
@@ -88,8 +89,8 @@ def replay(
         "prompt_tokens": prompt_total,
         "matched_tokens": matched,
         "hit_rate": matched / prompt_total if prompt_total else 0.0,
-        "evicted_tokens": cache.tree.evicted_pages * opts.page_size,
-        "evict_calls": len(evicts),
+        "evicted_tokens": stats.evicted_pages[0] * opts.page_size,
+        "evict_calls": stats.evict_calls,
         "cache_ops_s": sum(match_s) + sum(insert_s),
         "cache_ops_cpu_s": cpu_s,  # process CPU time of the same calls
         "match_us_median": _median_us(match_s),
@@ -113,6 +114,7 @@ def make_cache(opts: ReplayOptions, capacity: int) -> RadixCache | HybridCache:
 def hybrid_summary(cache: HybridCache) -> dict[str, Any]:
     """The hybrid cache's extra figures: SWA pool use and tombstones at the end."""
     s = cache.sizes()
+    stats = cache.stats()
     ps = cache.page_size
     return {
         "swa_window": cache.window,
@@ -120,10 +122,10 @@ def hybrid_summary(cache: HybridCache) -> dict[str, Any]:
         "full_cached_tokens_end": s.cached,
         "swa_cached_tokens_end": s.swa.cached,
         "swa_free_tokens_end": s.swa.free,
-        "swa_evicted_tokens": cache.tree.evicted_swa_pages * ps,
+        "swa_evicted_tokens": stats.evicted_pages[1] * ps,
         "tombstones_end": s.tombstones,
         "tombstone_tokens_end": s.tombstone_tokens,
-        "tombstoned_nodes_total": cache.tree.tombstoned_nodes,
+        "tombstoned_nodes_total": stats.tombstoned_nodes,
     }
 
 

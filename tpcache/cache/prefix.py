@@ -71,10 +71,6 @@ class PrefixCache:
     def __init__(self, config: Any, alloc: Any, tree: Any) -> None:
         self.config = config
         self.page_size = config.page_size
-        # transition: upper layers still read these three, until they use the protocol:
-        # coordinator/steps.py (reqs.ids(), ``in reqs``, tree.events), core.py (len(reqs),
-        # tree.evicted_pages), engine.py (alloc.has_swa), metrics.py (tree.evict_seconds),
-        # replay.py (tree.evict_seconds, tree.evicted_pages and _swa_pages, tombstoned_nodes).
         self.alloc = alloc
         self.tree = tree
         self.reqs = ReqTable()

@@ -38,7 +38,6 @@ from tpcache.coordinator.engine_work import (
     Work,
 )
 from tpcache.workers.context import ForwardError, build_forward, build_forward_batch
-from tpcache.workers.lockstep import is_hybrid
 from tpcache.workers.ops import (
     ForwardBatchResult,
     RequestId,
@@ -147,9 +146,9 @@ class ModelEngine:
         c.hit_tokens += got.prefix_len
         c.prefix_lens.append(got.prefix_len)
         mirror = self.coord.mirror
-        if is_hybrid(mirror) and got.prefix_len:
+        if got.prefix_len:
             matched = got.slots[: got.prefix_len : mirror.page_size] // mirror.page_size
-            c.tombstoned_hit_pages += int((~mirror.alloc.has_swa(matched)).sum())
+            c.tombstoned_hit_pages += mirror.tombstoned_pages(matched)
         return got.prefix_len
 
     # ---- one request (a batch of one) --------------------------------------------------------

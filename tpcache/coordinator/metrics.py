@@ -129,12 +129,15 @@ class CoordinatorMetrics:
     def step_sent(self, step: int, events: list) -> None:
         if self._coord is None:
             return
-        seconds = self._coord.mirror.tree.evict_seconds
-        # The list keeps the last calls only; observe what is new since the last step.
-        new = seconds[self._evictions_seen :] if self._evictions_seen <= len(seconds) else seconds
-        for s in new:
-            self.evict_time.observe(s)
-        self._evictions_seen = len(seconds)
+        mirror = self._coord.mirror
+        calls = mirror.stats().evict_calls
+        # A recovery may replace the mirror with a fresh cache, whose count starts at 0.
+        new = calls - self._evictions_seen if calls >= self._evictions_seen else calls
+        if new:
+            # The cache keeps the seconds of its last calls only: some may be gone.
+            for s in mirror.evict_seconds(new):
+                self.evict_time.observe(s)
+        self._evictions_seen = calls
 
     def step_done(self, step: int, latency_s: float) -> None:
         self.step_latency.observe(latency_s)

@@ -245,7 +245,7 @@ class StepPipeline:
         """Stop: every running request is lost (with ``err`` as the cause), then recover
         if configured, and raise ``err`` (retryable) to the caller that hit it."""
         self.broken = err
-        for rid in self.mirror.reqs.ids():
+        for rid in self.mirror.running_ids():
             self._lost[rid] = str(err)
         while len(self._lost) > 100_000:  # bounded memory of lost ids, oldest first
             del self._lost[next(iter(self._lost))]
@@ -289,7 +289,7 @@ class StepPipeline:
         """
         started = time.monotonic()
         self.recovery.stopped = False
-        for rid in self.mirror.reqs.ids():
+        for rid in self.mirror.running_ids():
             self._lost.setdefault(rid, "the coordinator recovered its TP group")
         self._inflight.clear()
         self._waiting = []
@@ -302,7 +302,7 @@ class StepPipeline:
             self.mirror = type(old)(dataclasses.replace(old.config, capacity_tokens=capacity))
             if old.config.record_events:
                 old.reset()
-                self.mirror.tree.events = old.take_events()
+                self.mirror.put_back_events(old.take_events())
         events = self.mirror.take_events()
         for obs in self.observers:
             obs.step_sent(-1, events)
@@ -330,7 +330,7 @@ class StepPipeline:
 
     def check_lost(self, rid: Any) -> None:
         """Raise ``RequestLost`` for a request the group lost (to a failure or a restart)."""
-        if not _hashable(rid) or rid in self.mirror.reqs:
+        if not _hashable(rid) or self.mirror.is_running(rid):
             return
         why = self._lost.pop(rid, None)
         if why is not None:

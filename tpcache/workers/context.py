@@ -17,7 +17,6 @@ import torch
 
 from tpcache.cache.errors import CacheError
 from tpcache.cache.keys import TokenLike, as_tokens, pages_to_slots
-from tpcache.workers.lockstep import is_hybrid
 from tpcache.workers.ops import (
     Forward,
     ForwardBatch,
@@ -59,10 +58,10 @@ def build_forward(cache, rid, tokens: TokenLike, all_logits: bool = True) -> For
             f"{toks.size} new tokens for request {rid!r}, but it holds only {slots.size} slots"
         )
     packed = pack_tokens(toks)
-    if not is_hybrid(cache):
+    window = cache.request_swa_slots(rid, start)
+    if window is None:
         return Forward(rid, packed, start, pack_slots(slots), all_logits=all_logits)
-    swa_start = max(0, start - cache.window)
-    swa = cache.swa_slots(slots[swa_start:])
+    swa_start, swa = window
     return Forward(rid, packed, start, pack_slots(slots), swa_start, pack_slots(swa), all_logits)
 
 

@@ -207,11 +207,6 @@ def apply_op(cache, op: Op, evict_fn: EvictFn) -> OpResult:
     raise TypeError(f"unknown op {op!r}")
 
 
-def is_hybrid(cache) -> bool:
-    """Whether ``cache`` keeps an SWA pool too (a ``HybridCache``)."""
-    return hasattr(cache, "swa_slots")
-
-
 def apply_step(
     cache,
     group: Agreement,

@@ -17,7 +17,6 @@ import torch
 
 from tpcache.workers.context import ForwardError, check_forward_batch, to_batch
 from tpcache.workers.kvpool import KVPool, PoolSpec
-from tpcache.workers.lockstep import is_hybrid
 from tpcache.workers.ops import (
     ForwardBatch,
     ForwardBatchResult,
@@ -134,8 +133,8 @@ class ModelHost:
         check_forward_batch(cache, cmd)
         batch = to_batch(cmd, self.device, after_step)
         self.runner.check_batch(batch)
-        hybrid = is_hybrid(cache)
-        return batch, KVShard(pool, self._swa_pool_now(cache, pool), self.layout.placement(hybrid))
+        placement = self.layout.placement(cache.num_pools > 1)
+        return batch, KVShard(pool, self._swa_pool_now(cache, pool), placement)
 
     def _result(self, batch: RunnerBatch, out: RunnerOutput) -> ForwardBatchResult:
         """The wire record of ``out``; ForwardError if the runner broke its contract (the
@@ -168,12 +167,12 @@ class ModelHost:
         """The SWA pool of the current cache (built on first use for each new cache)."""
         assert self.layout is not None
         layers = self.layout.pool_layers(True)[1]
-        if not is_hybrid(cache) or layers == 0:
+        if cache.num_pools < 2 or layers == 0:
             return None
         if self._swa_pool is None or self._swa_pool_cache is not cache:
             self._swa_pool = None  # free the old one first
             spec = dataclasses.replace(pool.spec, num_layers=layers)
-            slots = cache.config.num_swa_pages * cache.page_size
+            slots = cache.pool_sizes()[1].capacity  # tokens, one slot each
             self._swa_pool = KVPool(spec, slots, self.device)
             self._swa_pool_cache = cache
         return self._swa_pool
