@@ -5,17 +5,20 @@ else of tpcache, so it can be tested, benchmarked and reused alone.
 
 A frontend reaches a served coordinator with ``tpcache.connect(name, namespace,
 address=...)``, which returns a ``tpcache.Client`` (``coordinator.ray_client``). Both are
-imported on first use, so ``import tpcache`` imports neither Ray nor torch.
+imported on first use, so ``import tpcache`` imports neither Ray nor torch. Every
+exception tpcache raises is a ``tpcache.TpcacheError``.
 """
 
 from typing import Any
 
+from tpcache.errors import TpcacheError
+
 __version__ = "0.1.0"
-__all__ = ["Client", "connect"]
+__all__ = ["Client", "TpcacheError", "connect"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
+    if name in ("Client", "connect"):
         from tpcache.coordinator import ray_client
 
         return getattr(ray_client, name)

@@ -35,6 +35,8 @@ from typing import IO
 
 import numpy as np
 
+from tpcache.errors import TpcacheError
+
 DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "data" / "mooncake_conversation.jsonl.gz"
 _GZIP_MAGIC = b"\x1f\x8b"
 
@@ -46,7 +48,7 @@ INT32_MAX = 2**31 - 1
 _FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 
 
-class TraceError(ValueError):
+class TraceError(TpcacheError, ValueError):
     """A trace line, or a request built by hand, breaks the trace format or the token rule."""
 
 

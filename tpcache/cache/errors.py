@@ -3,8 +3,10 @@
 Every error is raised before any state changes, so a caller that catches one can go on.
 """
 
+from tpcache.errors import TpcacheError
 
-class CacheError(Exception):
+
+class CacheError(TpcacheError):
     """Base of every error the cache state machine raises on bad input or misuse."""
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from tpcache.cache import errors as cache_errors
+from tpcache.errors import TpcacheError
 
 RequestId = int | str
 
@@ -95,23 +96,23 @@ class BadRequest(cache_errors.CacheError, ValueError):
     """A message that is not a valid call (malformed bytes, wrong types, unknown fields)."""
 
 
-class CoordinatorUnavailable(RuntimeError):
+class CoordinatorUnavailable(TpcacheError, RuntimeError):
     """The coordinator cannot take work now (ranks failed, recovering); retry later."""
 
     retryable = True
 
 
-class Busy(RuntimeError):
+class Busy(TpcacheError, RuntimeError):
     """The network frontend has more calls waiting than it takes; retry shortly."""
 
     retryable = True
 
 
-class Unauthenticated(RuntimeError):
+class Unauthenticated(TpcacheError, RuntimeError):
     """The network frontend needs a valid token (or CURVE keys) for this request."""
 
 
-class RequestLost(RuntimeError):
+class RequestLost(TpcacheError, RuntimeError):
     """The request was running when the group failed or the coordinator restarted; its
     KV is gone. Retry it as a new request."""
 
@@ -205,7 +206,7 @@ def error_types() -> dict[str, type[BaseException]]:
     return found
 
 
-class RemoteError(RuntimeError):
+class RemoteError(TpcacheError, RuntimeError):
     """An error from the coordinator whose type this client does not know."""
 
 

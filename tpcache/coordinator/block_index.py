@@ -11,13 +11,14 @@ import enum
 from dataclasses import dataclass
 
 from tpcache.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from tpcache.errors import TpcacheError
 
 # The same hash may be stored on the GPU and in the host tier at once; each copy is
 # announced and removed on its own, so a block is known by (medium, hash).
 BlockKey = tuple[str | None, int]
 
 
-class IndexIntegrityError(AssertionError):
+class IndexIntegrityError(TpcacheError, AssertionError):
     """``BlockIndex.check_integrity()`` found a broken invariant; the message names it."""
 
 

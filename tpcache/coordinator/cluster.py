@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from tpcache.errors import TpcacheError
+
 TOKEN_FILE = "~/.ray/auth_token"
 _COPY = (
     f"copy the head node's {TOKEN_FILE} to {TOKEN_FILE} on this machine (or set "
@@ -28,7 +30,7 @@ _COPY = (
 )
 
 
-class ClusterJoinError(RuntimeError):
+class ClusterJoinError(TpcacheError, RuntimeError):
     """The cluster cannot be joined from here; the message says what is missing."""
 
 

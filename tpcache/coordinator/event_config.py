@@ -5,12 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tpcache.cache.events import ENCODINGS
+from tpcache.errors import TpcacheError
 from tpcache.workers.netsec import NetSecError, check_key, endpoint_is_local
 
 _TRANSPORTS = ("tcp", "ipc", "inproc", "pgm", "epgm", "ws", "wss", "tipc", "vmci")
 
 
-class EventConfigError(ValueError):
+class EventConfigError(TpcacheError, ValueError):
     """A field of ``EventConfig`` is invalid; ``field`` names it."""
 
     def __init__(self, field: str, message: str) -> None:

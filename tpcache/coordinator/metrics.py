@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from tpcache.errors import TpcacheError
+
 if TYPE_CHECKING:
     from tpcache.coordinator.core import Coordinator
     from tpcache.coordinator.publisher import EventPublisher
@@ -71,7 +73,7 @@ class _StatsCollector:
             yield GaugeMetricFamily(name, doc, value=value, labels=None)
 
 
-class MetricsError(RuntimeError):
+class MetricsError(TpcacheError, RuntimeError):
     """The metrics endpoint could not be served (the message names the address)."""
 
 

@@ -35,6 +35,7 @@ from tpcache.coordinator.api import (
     decode_calls,
     encode_replies,
 )
+from tpcache.errors import TpcacheError
 from tpcache.workers.netsec import (
     NetSecError,
     allow_clients,
@@ -45,7 +46,7 @@ from tpcache.workers.netsec import (
 )
 
 
-class FrontendConfigError(ValueError):
+class FrontendConfigError(TpcacheError, ValueError):
     """A field of ``FrontendConfig`` is invalid; the message names it."""
 
 

@@ -34,6 +34,7 @@ from tpcache.cache.events import (
 )
 from tpcache.coordinator.event_config import EventConfig, EventConfigError
 from tpcache.coordinator.replay_server import EventLog, ReplayServer, encode_seq
+from tpcache.errors import TpcacheError
 from tpcache.workers.netsec import allow_clients, make_server, release_clients
 
 __all__ = [
@@ -50,7 +51,7 @@ logger = logging.getLogger(__name__)
 _JOIN_TIMEOUT_S = 5.0
 
 
-class EventPublisherError(RuntimeError):
+class EventPublisherError(TpcacheError, RuntimeError):
     """The publisher cannot start (bind/connect failed), is closed, or its sender died."""
 
 

@@ -29,11 +29,12 @@ from tpcache.cache.keys import TokenLike
 from tpcache.coordinator import api
 from tpcache.coordinator.api import CoordinatorUnavailable
 from tpcache.coordinator.cluster import join
+from tpcache.errors import TpcacheError
 
 DEFAULT_NAMESPACE = "tpcache"
 
 
-class NotServing(ValueError):
+class NotServing(TpcacheError, ValueError):
     """No coordinator is served under that name and namespace on the cluster."""
 
 

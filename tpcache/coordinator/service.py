@@ -23,6 +23,7 @@ from tpcache.coordinator.core import Coordinator
 from tpcache.coordinator.frontend import handle, handle_many
 from tpcache.coordinator.ranks import RayRanks
 from tpcache.coordinator.ray_client import DEFAULT_NAMESPACE, Client, connect
+from tpcache.errors import TpcacheError
 from tpcache.workers.errors import LockstepError
 from tpcache.workers.rank import RankWorker
 
@@ -43,7 +44,7 @@ __all__ = [
 _REJECTED = (CacheError, CoordinatorUnavailable, RequestLost, LockstepError)
 
 
-class AlreadyServing(RuntimeError):
+class AlreadyServing(TpcacheError, RuntimeError):
     """A coordinator is served under that name and namespace already."""
 
     def __init__(self, name: str, namespace: str, what: str) -> None:

@@ -8,10 +8,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from tpcache.errors import TpcacheError
 from tpcache.workers.ops import OpResult
 
 
-class RankCallError(Exception):
+class RankCallError(TpcacheError):
     """A rank's call failed: ``rank`` names it, ``cause`` is what it raised (or why it died)."""
 
     def __init__(self, rank: int, cause: BaseException, dead: bool = False) -> None:

@@ -19,6 +19,7 @@ import zmq
 from tpcache.cache.events import KVEventBatch, decode_batch
 from tpcache.coordinator.block_index import BlockIndex, IndexProblem, ProblemKind, StoredBlock
 from tpcache.coordinator.replay_server import BUSY_SEQ, END_SEQ, SNAPSHOT_REQUEST, decode_seq
+from tpcache.errors import TpcacheError
 from tpcache.workers.netsec import NetSecError, check_key, make_client
 
 __all__ = [
@@ -35,7 +36,7 @@ __all__ = [
 Received = tuple[int, KVEventBatch]
 
 
-class EventSubscriberError(RuntimeError):
+class EventSubscriberError(TpcacheError, RuntimeError):
     """A malformed message, a replay request that timed out, or no replay endpoint."""
 
 

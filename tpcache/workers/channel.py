@@ -36,6 +36,7 @@ from collections.abc import Callable
 
 import zmq
 
+from tpcache.errors import TpcacheError
 from tpcache.workers.channel_loop import (
     CALL,
     ERROR,
@@ -281,7 +282,7 @@ class StepHub:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-class RankErrors(Exception):
+class RankErrors(TpcacheError):
     """What ranks raised for one message: ``errors`` is [(rank, exception)] by rank."""
 
     def __init__(self, errors: list[tuple[int, BaseException]]) -> None:

@@ -12,13 +12,14 @@ from typing import Any
 
 import zmq
 
+from tpcache.errors import TpcacheError
 from tpcache.workers.netsec import make_client
 
 STEPS, CALL, STOP = b"S", b"C", b"X"
 HELLO, RESULTS, REPLY, ERROR = b"H", b"R", b"P", b"E"
 
 
-class ChannelError(RuntimeError):
+class ChannelError(TpcacheError, RuntimeError):
     """A rank did not answer, stopped reading, or is gone; ``rank`` names it."""
 
     def __init__(self, rank: int, message: str, dead: bool = False) -> None:

@@ -17,6 +17,7 @@ import torch
 
 from tpcache.cache.errors import CacheError
 from tpcache.cache.keys import TokenLike, as_tokens, pages_to_slots
+from tpcache.errors import TpcacheError
 from tpcache.workers.ops import (
     Forward,
     ForwardBatch,
@@ -29,7 +30,7 @@ from tpcache.workers.ops import (
 from tpcache.workers.runner_batch import RequestInput, RunnerBatch
 
 
-class ForwardError(RuntimeError):
+class ForwardError(TpcacheError, RuntimeError):
     """A forward was refused (on every rank together) or could not run."""
 
 

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+from tpcache.errors import TpcacheError
 
-class LockstepError(RuntimeError):
+
+class LockstepError(TpcacheError, RuntimeError):
     """The group can no longer go on in lockstep; the coordinator must recover.
 
     Retryable for a frontend: the requests it held are lost, new ones can be admitted

@@ -14,12 +14,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from tpcache.errors import TpcacheError
+
 _BACKENDS = ("gloo", "nccl", "auto")
 _I64_MIN = -(2**63)
 _I64_MAX = 2**63 - 1
 
 
-class GroupError(RuntimeError):
+class GroupError(TpcacheError, RuntimeError):
     """The group could not form, or a collective failed; the message names rank and address."""
 
 

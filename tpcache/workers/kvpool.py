@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tpcache.errors import TpcacheError
+
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -23,11 +25,11 @@ _DTYPES: dict[str, torch.dtype] = {
 SlotIds = torch.Tensor | np.ndarray | Sequence[int]
 
 
-class PoolConfigError(ValueError):
+class PoolConfigError(TpcacheError, ValueError):
     """A pool shape or budget that cannot work (e.g. heads that do not divide by tp)."""
 
 
-class PoolError(ValueError):
+class PoolError(TpcacheError, ValueError):
     """A bad write or read (layer, slot ids, shape, dtype, device); nothing was changed."""
 
 

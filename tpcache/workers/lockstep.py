@@ -42,6 +42,7 @@ import numpy as np
 
 from tpcache.cache.keys import TokenLike, int_sum
 from tpcache.cache.reqtable import check_request_id
+from tpcache.errors import TpcacheError
 from tpcache.workers.errors import DivergenceError, LockstepError, RankFailure
 from tpcache.workers.group_spec import i64_to_u64, u64_to_i64
 from tpcache.workers.ops import (
@@ -82,7 +83,7 @@ class Agreement(Protocol):
     def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes: ...
 
 
-class _PeerFailed(Exception):
+class _PeerFailed(TpcacheError):
     """Raised inside a step when an agreement carries a peer's failure sentinel."""
 
 
@@ -279,7 +280,7 @@ def broadcast_step(group: Agreement, data: bytes | None, src: int = 0) -> Step:
 
 
 # ---- torchrun: rank 0 leads, the others follow ------------------------------------------------
-class PeerCallError(RuntimeError):
+class PeerCallError(TpcacheError, RuntimeError):
     """A ``RunCall`` failed on rank ``rank`` (its error text travels; not its type)."""
 
     def __init__(self, rank: int, message: str) -> None:

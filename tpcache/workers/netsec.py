@@ -18,8 +18,10 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
+from tpcache.errors import TpcacheError
 
-class NetSecError(ValueError):
+
+class NetSecError(TpcacheError, ValueError):
     """A key that is not a CURVE key, or an address that needs authentication."""
 
 

@@ -31,11 +31,12 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from tpcache.errors import TpcacheError
 from tpcache.workers.kvpool import _DTYPES, KVPool, PoolSpec
 from tpcache.workers.runner_batch import RunnerBatch
 
 
-class RunnerConfigError(ValueError):
+class RunnerConfigError(TpcacheError, ValueError):
     """A runner or layout that cannot work here: a bad shape, heads that do not divide by
     tp, a layout that does not fit the pool or the cache. Raised before anything starts."""
 

@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from tpcache.errors import TpcacheError
+
 # safetensors dtype -> (numpy dtype holding its bytes, torch dtype); BF16 travels as u16.
 _DTYPES: dict[str, tuple[str, torch.dtype]] = {
     "F64": ("<f8", torch.float64),
@@ -39,7 +41,7 @@ _BY_TORCH = {t: name for name, (_np, t) in _DTYPES.items()}
 _MAX_HEADER = 100 << 20  # the reference implementation's limit
 
 
-class SafetensorsError(ValueError):
+class SafetensorsError(TpcacheError, ValueError):
     """A file that is not valid safetensors, or a tensor it does not hold."""
 
 
