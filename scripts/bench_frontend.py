@@ -25,9 +25,9 @@ import time
 
 import ray
 
-from tpcache.coordinator.frontend import serve_network
-from tpcache.coordinator.netfront import FrontendConfig
-from tpcache.coordinator.service import GroupConfig, start_group
+from tpcache.frontend.frontend import serve_network
+from tpcache.frontend.netfront import FrontendConfig
+from tpcache.frontend.service import GroupConfig, start_group
 from tpcache.workers.spec import CacheSpec
 
 
@@ -56,8 +56,7 @@ def run_clients(endpoint: str, n: int, seconds: float) -> float:
     ctx = mp.get_context("spawn")
     q, ready, go = ctx.Queue(), ctx.Queue(), ctx.Event()
     procs = [
-        ctx.Process(target=client_loop, args=(endpoint, w, seconds, ready, go, q))
-        for w in range(n)
+        ctx.Process(target=client_loop, args=(endpoint, w, seconds, ready, go, q)) for w in range(n)
     ]
     for p in procs:
         p.start()

@@ -44,7 +44,7 @@ import numpy as np
 import ray
 
 from tpcache.coordinator.core import Coordinator, CoordinatorConfig
-from tpcache.coordinator.service import GroupConfig, start_group
+from tpcache.frontend.service import GroupConfig, start_group
 from tpcache.workers.ops import Admit, Finish, Step, encode, pack_tokens
 from tpcache.workers.rank import CacheSpec
 

@@ -15,8 +15,8 @@ import tempfile
 
 import ray
 
-from tpcache.coordinator.service import GroupConfig, start_group
-from tpcache.coordinator.soak import run_soak
+from tpcache.frontend.service import GroupConfig, start_group
+from tpcache.harness.soak import run_soak
 from tpcache.workers.rank import CacheSpec
 
 

@@ -22,8 +22,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tpcache.coordinator.engine import ModelEngine
-from tpcache.coordinator.modelcheck import Workload, run_workload
+from tpcache.harness.engine import ModelEngine
+from tpcache.harness.modelcheck import Workload, run_workload
 from tpcache.torchrun import TorchrunRanks, coordinator
 from tpcache.workers.group import TPGroup
 from tpcache.workers.group_spec import GroupError

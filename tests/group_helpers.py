@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tpcache.coordinator.service import GroupConfig
+from tpcache.frontend.service import GroupConfig
 from tpcache.workers.rank import CacheSpec
 
 PAGE = 4

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from tpcache.coordinator.core import Coordinator, CoordinatorConfig
-from tpcache.coordinator.engine import ModelEngine
 from tpcache.coordinator.step_types import RankCallError
+from tpcache.harness.engine import ModelEngine
 from tpcache.workers.kvpool import PoolSpec
 from tpcache.workers.model import ModelSpec
 from tpcache.workers.rank import CacheSpec, RankWorker, WorkerSpec

@@ -17,14 +17,14 @@ import ray
 from ray.cluster_utils import Cluster
 
 from tpcache.coordinator.build import GroupConfig
-from tpcache.coordinator.demo import run_demo, synthetic_chat
-from tpcache.coordinator.service import connect, serve, start_group
+from tpcache.frontend.service import connect, serve, start_group
+from tpcache.harness.demo import run_demo, synthetic_chat
 from tpcache.workers.lockstep import DivergenceError
 from tpcache.workers.spec import CacheSpec
 
 FRONTEND = """
 import json, sys, ray
-from tpcache.coordinator.service import connect
+from tpcache.frontend.service import connect
 ray.init(address=sys.argv[1], namespace="mn", log_to_driver=False)
 client = connect("mn-coord", "mn")
 prompt = list(range(1, 80))

@@ -8,8 +8,8 @@ from typing import Any
 
 from tpcache.coordinator.build import GroupConfig
 from tpcache.coordinator.core import CoordinatorConfig
-from tpcache.coordinator.engine import ModelEngine
 from tpcache.coordinator.local_ranks import start_local_group
+from tpcache.harness.engine import ModelEngine
 from tpcache.workers.llama import LlamaReference, LlamaSpec
 from tpcache.workers.model import ModelSpec
 from tpcache.workers.rank import CacheSpec

@@ -15,8 +15,8 @@ import pytest
 
 from tpcache.cache.errors import CacheError, UnknownRequest
 from tpcache.coordinator.build import GroupConfig
-from tpcache.coordinator.metrics import MetricsError
-from tpcache.coordinator.ray_client import Admitted, NotServing
+from tpcache.events.metrics import MetricsError
+from tpcache.frontend.ray_client import Admitted, NotServing
 from tpcache.workers.spec import CacheSpec
 
 NS = "tpcache-tests"
@@ -41,7 +41,7 @@ def test_connect_and_client_at_the_package_top_without_ray_or_torch_on_import() 
     code = (
         "import sys, tpcache; print('ray' in sys.modules, 'torch' in sys.modules); "
         "from tpcache import connect, Client; "
-        "from tpcache.coordinator import ray_client, service; "
+        "from tpcache.frontend import ray_client, service; "
         "print(connect is ray_client.connect is service.connect, "
         "Client is ray_client.Client is service.Client)"
     )
@@ -55,7 +55,7 @@ def test_connect_and_client_at_the_package_top_without_ray_or_torch_on_import() 
 
 def test_the_client_offers_what_the_readme_says(ray_cluster) -> None:
     import tpcache
-    from tpcache.coordinator.service import find_served, serve, stop_served
+    from tpcache.frontend.service import find_served, serve, stop_served
 
     actor = serve(config(), "cli-client", NS)
     try:
@@ -109,7 +109,7 @@ def test_the_client_offers_what_the_readme_says(ray_cluster) -> None:
 def test_a_taken_name_is_said_and_a_group_that_cannot_start_raises_its_own_error(
     ray_cluster,
 ) -> None:
-    from tpcache.coordinator.service import AlreadyServing, find_served, serve, stop_served
+    from tpcache.frontend.service import AlreadyServing, find_served, serve, stop_served
 
     actor = serve(config(), "cli-taken", NS)
     try:

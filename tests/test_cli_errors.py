@@ -8,7 +8,7 @@ import pytest
 
 from tpcache.cache import CacheConfig, RadixCache
 from tpcache.cache.errors import CacheError, UnknownHandle, UnknownRequest
-from tpcache.coordinator import api
+from tpcache.frontend import api
 
 
 def test_unknown_request_and_handle_print_their_message_once_quoted() -> None:

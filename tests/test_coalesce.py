@@ -10,7 +10,7 @@ import pytest
 from group_helpers import group_config
 
 from tpcache.coordinator.core import CoordinatorConfig
-from tpcache.coordinator.service import start_group
+from tpcache.frontend.service import start_group
 from tpcache.workers.lockstep import DivergenceError
 
 SLEEP_S = 2.0  # a slow rank: long against a few admits, short against the suite

@@ -10,9 +10,9 @@ import time
 import pytest
 
 from tpcache.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
-from tpcache.coordinator.block_index import IndexIntegrityError, StoredBlock
-from tpcache.coordinator.publisher import EventConfig, EventPublisher
-from tpcache.coordinator.subscriber import (
+from tpcache.events.block_index import IndexIntegrityError, StoredBlock
+from tpcache.events.publisher import EventConfig, EventPublisher
+from tpcache.events.subscriber import (
     BlockIndex,
     EventSubscriber,
     EventSubscriberError,

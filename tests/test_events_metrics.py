@@ -11,8 +11,8 @@ import pytest
 import zmq
 
 from tpcache.cache.blocks import cached_blocks
-from tpcache.coordinator.event_config import EventConfig, EventConfigError
-from tpcache.coordinator.service import GroupConfig, start_group
+from tpcache.events.event_config import EventConfig, EventConfigError
+from tpcache.frontend.service import GroupConfig, start_group
 from tpcache.workers.rank import CacheSpec
 
 
@@ -216,7 +216,7 @@ def test_metrics_agree_with_stats(group):
 
 
 def test_bad_events_endpoint_fails_at_start(ray_cluster):
-    from tpcache.coordinator.publisher import EventPublisherError
+    from tpcache.events.publisher import EventPublisherError
 
     with pytest.raises(EventConfigError):
         EventConfig(endpoint="nonsense")

@@ -15,13 +15,13 @@ from hypothesis import strategies as st
 from tpcache.cache import errors
 from tpcache.cache.radix import RadixCache
 from tpcache.cli import build_parser
-from tpcache.coordinator import api
-from tpcache.coordinator.api import CoordinatorUnavailable, RequestLost
 from tpcache.coordinator.core import CoordinatorConfig
-from tpcache.coordinator.event_config import EventConfig
-from tpcache.coordinator.frontend import handle
-from tpcache.coordinator.service import GroupConfig, start_group
-from tpcache.coordinator.soak import run_soak
+from tpcache.events.event_config import EventConfig
+from tpcache.frontend import api
+from tpcache.frontend.api import CoordinatorUnavailable, RequestLost
+from tpcache.frontend.frontend import handle
+from tpcache.frontend.service import GroupConfig, start_group
+from tpcache.harness.soak import run_soak
 from tpcache.workers.group import GroupInputError
 from tpcache.workers.kvpool import PoolSpec
 from tpcache.workers.lockstep import DivergenceError, LockstepError, RankFailure
@@ -191,7 +191,7 @@ def test_divergence_recovers_or_stays_down(ray_cluster):
 def test_coordinator_restart_is_survived(ray_cluster):
     import ray
 
-    from tpcache.coordinator.service import connect, serve
+    from tpcache.frontend.service import connect, serve
 
     actor = serve(config(), name="restart-me", namespace="tpcache-tests")
     try:
@@ -425,7 +425,7 @@ def test_a_served_coordinator_comes_back_after_two_ranks_die(ray_cluster):
     calling recover()."""
     import ray
 
-    from tpcache.coordinator.service import connect, serve
+    from tpcache.frontend.service import connect, serve
 
     actor = serve(config(), name="double-kill", namespace="tpcache-tests")
     try:

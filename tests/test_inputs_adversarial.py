@@ -280,8 +280,8 @@ def test_only_output_tokens_with_kv_travel_to_the_ranks(coord) -> None:
 
 def test_a_batch_with_one_malformed_call_applies_none_of_it(coord) -> None:
     """#20 item 8: the batch's first call was applied, then an untyped error came back."""
-    from tpcache.coordinator import api
-    from tpcache.coordinator.frontend import handle, handle_many
+    from tpcache.frontend import api
+    from tpcache.frontend.frontend import handle, handle_many
 
     before = _group_state(coord)
     good = api.encode(api.AdmitCall("L1", list(range(1, 50))))

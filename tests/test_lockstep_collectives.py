@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from group_helpers import PAGE, group_config
 
-from tpcache.coordinator.service import start_group
+from tpcache.frontend.service import start_group
 from tpcache.workers.rank import CacheSpec
 
 SPEC = CacheSpec(page_size=PAGE, policy="lru", max_request_tokens=64)

@@ -15,9 +15,9 @@ from group_helpers import group_config
 
 from tpcache.cache import errors
 from tpcache.cache.radix import RadixCache
-from tpcache.coordinator import api
-from tpcache.coordinator.frontend import handle
-from tpcache.coordinator.service import start_group
+from tpcache.frontend import api
+from tpcache.frontend.frontend import handle
+from tpcache.frontend.service import start_group
 from tpcache.workers.lockstep import DivergenceError
 from tpcache.workers.rank import expected_token_kv
 
@@ -252,14 +252,14 @@ def test_planted_divergence_is_caught_at_its_step(ray_cluster):
 
 
 def test_frontend_in_another_process_connects_by_name(ray_cluster):
-    from tpcache.coordinator.service import serve
+    from tpcache.frontend.service import serve
 
     actor = serve(group_config(2), name="tp-test", namespace="tpcache-tests")
     try:
         address = ray_cluster.get_runtime_context().gcs_address
         script = textwrap.dedent(
             f"""
-            import json, ray, tpcache.coordinator.service as s
+            import json, ray, tpcache.frontend.service as s
             ray.init(address={address!r}, log_to_driver=False)
             c = s.connect("tp-test", "tpcache-tests")
             a = c.admit("p1", list(range(1, 25)))

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from tpcache.coordinator.core import CoordinatorConfig
-from tpcache.coordinator.engine import ModelEngine
-from tpcache.coordinator.modelcheck import Workload, run_script, run_workload
-from tpcache.coordinator.service import GroupConfig, start_group
+from tpcache.frontend.service import GroupConfig, start_group
+from tpcache.harness.engine import ModelEngine
+from tpcache.harness.modelcheck import Workload, run_script, run_workload
 from tpcache.workers.context import ForwardError, build_forward
 from tpcache.workers.llama import LlamaReference, LlamaSpec
 from tpcache.workers.model import ModelSpec, reference_logits

@@ -15,7 +15,7 @@ import pytest
 import torch
 from model_helpers import local_engine
 
-from tpcache.coordinator.modelcheck import Workload, run_script, run_workload
+from tpcache.harness.modelcheck import Workload, run_script, run_workload
 from tpcache.workers.context import ForwardError, build_forward, check_forward
 from tpcache.workers.group import GroupInputError, TPGroup
 from tpcache.workers.model import (

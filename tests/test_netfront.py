@@ -18,11 +18,11 @@ import zmq
 
 from tpcache.cache.errors import UnknownRequest
 from tpcache.client import Client
-from tpcache.coordinator import api
 from tpcache.coordinator.build import GroupConfig
-from tpcache.coordinator.frontend import serve_network
 from tpcache.coordinator.local_ranks import start_local_group
-from tpcache.coordinator.netfront import FrontendConfig, FrontendConfigError
+from tpcache.frontend import api
+from tpcache.frontend.frontend import serve_network
+from tpcache.frontend.netfront import FrontendConfig, FrontendConfigError
 from tpcache.workers.spec import CacheSpec
 
 
@@ -173,7 +173,7 @@ def test_a_network_address_needs_curve_or_a_token() -> None:
     try:
         d0 = coord.mirror.digest()
         with Client(f"tcp://127.0.0.1:{port}") as anon:
-            from tpcache.coordinator.api import Unauthenticated
+            from tpcache.frontend.api import Unauthenticated
 
             with pytest.raises(Unauthenticated):
                 anon.admit("x", [1, 2, 3])

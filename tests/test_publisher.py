@@ -20,7 +20,7 @@ import zmq
 from vllm_wire import VLLM_WIRE, VRemoved, VStored
 
 from tpcache.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
-from tpcache.coordinator.publisher import (
+from tpcache.events.publisher import (
     EventConfig,
     EventConfigError,
     EventPublisher,

@@ -24,8 +24,8 @@ from runner_helpers import (
     runner_engine,
 )
 
-from tpcache.coordinator.engine import Decode, Prefill
-from tpcache.coordinator.modelcheck import Workload, run_script, run_workload
+from tpcache.harness.engine import Decode, Prefill
+from tpcache.harness.modelcheck import Workload, run_script, run_workload
 from tpcache.workers.model import ModelSpec
 
 TOL = 1e-5

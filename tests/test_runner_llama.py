@@ -11,7 +11,7 @@ import pytest
 import torch
 from runner_helpers import LLAMA, base_cache, runner_engine
 
-from tpcache.coordinator.modelcheck import Workload, run_workload
+from tpcache.harness.modelcheck import Workload, run_workload
 from tpcache.workers.attention import attend
 from tpcache.workers.llama import LlamaReference
 from tpcache.workers.llama_weights import LlamaSpec, load_shard, random_weights

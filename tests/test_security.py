@@ -17,10 +17,10 @@ import pytest
 import zmq
 
 from tpcache.cache.events import BlockStored
-from tpcache.coordinator.event_config import EventConfig, EventConfigError
-from tpcache.coordinator.metrics import CoordinatorMetrics, MetricsError
-from tpcache.coordinator.publisher import EventPublisher
-from tpcache.coordinator.subscriber import EventSubscriber, EventSubscriberError
+from tpcache.events.event_config import EventConfig, EventConfigError
+from tpcache.events.metrics import CoordinatorMetrics, MetricsError
+from tpcache.events.publisher import EventPublisher
+from tpcache.events.subscriber import EventSubscriber, EventSubscriberError
 from tpcache.workers.netsec import new_keypair, public_of
 
 LOOPBACK = "tcp://127.0.0.1:*"

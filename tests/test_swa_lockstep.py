@@ -24,7 +24,7 @@ from tpcache.cache.swa_cache import HybridCache
 from tpcache.cache.swa_config import HybridConfig
 from tpcache.coordinator.build import GroupConfig
 from tpcache.coordinator.local_ranks import start_local_group
-from tpcache.coordinator.soak import run_soak
+from tpcache.harness.soak import run_soak
 from tpcache.workers.lockstep import apply_op, local_evict, logged_admit, logged_extend
 from tpcache.workers.ops import Abort, CacheUnfinished, Evict, Finish, pack_tokens
 from tpcache.workers.spec import CacheSpec
@@ -215,7 +215,7 @@ def test_hybrid_soak_tp2_in_process_ranks() -> None:
 
 @pytest.mark.slow
 def test_hybrid_soak_tp2_ray_ranks(ray_cluster) -> None:
-    from tpcache.coordinator.service import start_group
+    from tpcache.frontend.service import start_group
 
     coord = start_group(_soak_config())
     try:

@@ -1,4 +1,4 @@
-"""A client of the network frontend (``tpcache.coordinator.netfront``) for routers and
+"""A client of the network frontend (``tpcache.frontend.netfront``) for routers and
 engines that are not Ray drivers. Imports neither torch nor Ray.
 
     from tpcache.client import Client
@@ -11,7 +11,7 @@ engines that are not Ray drivers. Imports neither torch nor Ray.
     a.result().prefix_len, d.result().slots
     c.finish("req-1", output_ids)
 
-Errors come back typed, as the coordinator raised them (``tpcache.coordinator.api``,
+Errors come back typed, as the coordinator raised them (``tpcache.frontend.api``,
 ``tpcache.cache.errors``); ``retryable`` says whether to try again.
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 
 import zmq
 
-from tpcache.coordinator import api
+from tpcache.frontend import api
 from tpcache.workers.netsec import make_client
 
 

@@ -9,7 +9,7 @@ broadcasts every step and every rank call as a ``Command`` (``lockstep.lead_comm
 the other ranks run ``lockstep.follow`` until rank 0 sends ``Stop``. Steps are applied
 by ``apply_step`` with the same MIN agreements and digest checks as under Ray.
 
-``check`` runs the model checks (``coordinator.modelcheck``) on the group and prints one
+``check`` runs the model checks (``harness.modelcheck``) on the group and prints one
 JSON line (``{"tpcache_check": ...}``) from rank 0; the exit code is 0 iff all passed.
 """
 
@@ -28,9 +28,9 @@ import torch
 
 from tpcache.cli import seconds_arg
 from tpcache.coordinator.core import Coordinator, CoordinatorConfig
-from tpcache.coordinator.engine import ModelEngine
-from tpcache.coordinator.modelcheck import Workload, run_script, run_workload
 from tpcache.coordinator.step_types import RankCallError
+from tpcache.harness.engine import ModelEngine
+from tpcache.harness.modelcheck import Workload, run_script, run_workload
 from tpcache.workers.kvpool import PoolSpec
 from tpcache.workers.lockstep import (
     DivergenceError,

@@ -6,7 +6,7 @@
     serve    a TP group's coordinator as a named Ray actor       (serve.py)
     stop     stop a served coordinator                           (serve.py)
     keys     a CURVE key pair for the events sockets             (serve.py)
-    events   subscribe to a coordinator's KV events              (coordinator/subscriber.py)
+    events   subscribe to a coordinator's KV events              (events/subscriber.py)
 
 Argument types and the options several commands share are in ``args.py``.
 """
@@ -25,7 +25,7 @@ __all__ = ["add_trace_options", "build_parser", "machine", "main", "seconds_arg"
 
 
 def _cmd_events(args: argparse.Namespace) -> int:
-    from tpcache.coordinator.subscriber import run_events
+    from tpcache.events.subscriber import run_events
 
     return run_events(args)
 
@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_stop_parser(sub)
     add_keys_parser(sub)
 
-    from tpcache.coordinator.subscriber import build_events_parser
+    from tpcache.events.subscriber import build_events_parser
 
     p = sub.add_parser(
         "events",

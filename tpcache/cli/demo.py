@@ -74,8 +74,8 @@ class DemoProgress:
 def cmd_demo(args: argparse.Namespace) -> int:
     from tpcache.cache.policies import POLICIES
     from tpcache.coordinator.cluster import ClusterJoinError, join
-    from tpcache.coordinator.demo import needed_capacity, run_demo, synthetic_chat, trace_requests
-    from tpcache.coordinator.service import start_group
+    from tpcache.frontend.service import start_group
+    from tpcache.harness.demo import needed_capacity, run_demo, synthetic_chat, trace_requests
     from tpcache.trace import TraceError
 
     if args.policy not in POLICIES:

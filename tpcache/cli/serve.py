@@ -143,10 +143,10 @@ def _interrupt(signum, frame) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from tpcache.coordinator.cluster import ClusterJoinError, join
-    from tpcache.coordinator.event_config import EventConfigError
-    from tpcache.coordinator.metrics import MetricsError
-    from tpcache.coordinator.publisher import EventPublisherError
-    from tpcache.coordinator.service import (
+    from tpcache.events.event_config import EventConfigError
+    from tpcache.events.metrics import MetricsError
+    from tpcache.events.publisher import EventPublisherError
+    from tpcache.frontend.service import (
         AlreadyServing,
         describe,
         find_served,
@@ -229,7 +229,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _serve_config(args: argparse.Namespace):  # -> GroupConfig
     import dataclasses
 
-    from tpcache.coordinator.event_config import EventConfig
+    from tpcache.events.event_config import EventConfig
 
     config = group_config(args, args.capacity)
     if args.events_endpoint:
@@ -259,7 +259,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
     except ClusterJoinError as exc:
         print(f"tpcache stop: {exc}", file=sys.stderr)
         return 2
-    from tpcache.coordinator.service import describe, find_served, stop_served  # torch: after
+    from tpcache.frontend.service import describe, find_served, stop_served  # torch: after
 
     actor = find_served(args.name, args.namespace)
     if actor is None:

@@ -1,2 +1,6 @@
-"""Admission, the op log, driving the ranks, lockstep checks, the frontend API, KV events
-and metrics. May import ``tpcache.workers`` and ``tpcache.cache``."""
+"""The driver: admission, the op log, driving the ranks (Ray, threads, torchrun),
+lockstep checks, recovery, and building a group from its config.
+
+May import ``tpcache.events``, ``tpcache.workers`` and ``tpcache.cache``; never
+``tpcache.frontend`` or ``tpcache.harness``, which are built on it.
+"""

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tpcache.coordinator.core import Coordinator, CoordinatorConfig
-from tpcache.coordinator.event_config import EventConfig
-from tpcache.coordinator.metrics import CoordinatorMetrics, EventsHook
-from tpcache.coordinator.publisher import EventPublisher
 from tpcache.coordinator.step_types import RankTransport
+from tpcache.events.event_config import EventConfig
+from tpcache.events.metrics import CoordinatorMetrics, EventsHook
+from tpcache.events.publisher import EventPublisher
 from tpcache.workers.group_spec import check_seconds
 from tpcache.workers.kvpool import PoolSpec
 from tpcache.workers.runner_spec import RunnerSpec, RunnerSpecError, runner_pool

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from tpcache.cache.radix import RadixCache
-from tpcache.coordinator.api import CoordinatorUnavailable, RequestLost
+from tpcache.coordinator.errors import CoordinatorUnavailable, RequestLost
 from tpcache.coordinator.step_types import (
     Closed,
     CoordinatorConfig,

@@ -26,10 +26,10 @@ import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from tpcache.cache.keys import TokenLike
-from tpcache.coordinator import api
-from tpcache.coordinator.api import CoordinatorUnavailable
 from tpcache.coordinator.cluster import join
+from tpcache.coordinator.errors import CoordinatorUnavailable
 from tpcache.errors import TpcacheError
+from tpcache.frontend import api
 
 DEFAULT_NAMESPACE = "tpcache"
 

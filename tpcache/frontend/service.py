@@ -16,14 +16,14 @@ from typing import Any
 import ray
 
 from tpcache.cache.errors import CacheError
-from tpcache.coordinator import api
-from tpcache.coordinator.api import CoordinatorUnavailable, RequestLost
 from tpcache.coordinator.build import Endpoints, GroupConfig, build_coordinator
 from tpcache.coordinator.core import Coordinator
-from tpcache.coordinator.frontend import handle, handle_many
+from tpcache.coordinator.errors import CoordinatorUnavailable, RequestLost
 from tpcache.coordinator.ranks import RayRanks
-from tpcache.coordinator.ray_client import DEFAULT_NAMESPACE, Client, connect
 from tpcache.errors import TpcacheError
+from tpcache.frontend import api
+from tpcache.frontend.frontend import handle, handle_many
+from tpcache.frontend.ray_client import DEFAULT_NAMESPACE, Client, connect
 from tpcache.workers.errors import LockstepError
 from tpcache.workers.rank import RankWorker
 

@@ -17,9 +17,9 @@ import msgspec
 import zmq
 
 from tpcache.cache.events import KVEventBatch, decode_batch
-from tpcache.coordinator.block_index import BlockIndex, IndexProblem, ProblemKind, StoredBlock
-from tpcache.coordinator.replay_server import BUSY_SEQ, END_SEQ, SNAPSHOT_REQUEST, decode_seq
 from tpcache.errors import TpcacheError
+from tpcache.events.block_index import BlockIndex, IndexProblem, ProblemKind, StoredBlock
+from tpcache.events.replay_server import BUSY_SEQ, END_SEQ, SNAPSHOT_REQUEST, decode_seq
 from tpcache.workers.netsec import NetSecError, check_key, make_client
 
 __all__ = [

@@ -13,7 +13,8 @@ import numpy as np
 
 from tpcache.cache.errors import CacheError
 from tpcache.cache.keys import pages_to_slots
-from tpcache.coordinator.api import (
+from tpcache.coordinator.core import Coordinator
+from tpcache.frontend.api import (
     AbortCall,
     AdmitCall,
     AdmitReply,
@@ -34,8 +35,7 @@ from tpcache.coordinator.api import (
     encode,
     max_call_bytes,
 )
-from tpcache.coordinator.core import Coordinator
-from tpcache.coordinator.netfront import FrontendConfig, NetFrontend
+from tpcache.frontend.netfront import FrontendConfig, NetFrontend
 from tpcache.workers.lockstep import LockstepError
 
 _REJECTED = (CacheError, CoordinatorUnavailable, RequestLost, LockstepError)

@@ -32,9 +32,9 @@ from tpcache.cache.events import (
     KVEventBatch,
     encode_batch,
 )
-from tpcache.coordinator.event_config import EventConfig, EventConfigError
-from tpcache.coordinator.replay_server import EventLog, ReplayServer, encode_seq
 from tpcache.errors import TpcacheError
+from tpcache.events.event_config import EventConfig, EventConfigError
+from tpcache.events.replay_server import EventLog, ReplayServer, encode_seq
 from tpcache.workers.netsec import allow_clients, make_server, release_clients
 
 __all__ = [

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import zmq
 
 from tpcache.cache.events import KVEvent, KVEventBatch, encode_batch
-from tpcache.coordinator.block_index import BlockIndex
+from tpcache.events.block_index import BlockIndex
 
 SNAPSHOT_REQUEST = b"SNAPSHOT"
 END_SEQ = -1

@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from tpcache.cache import errors as cache_errors
+from tpcache.coordinator.errors import CoordinatorUnavailable, RequestLost
 from tpcache.errors import TpcacheError
 
 RequestId = int | str
@@ -96,12 +97,6 @@ class BadRequest(cache_errors.CacheError, ValueError):
     """A message that is not a valid call (malformed bytes, wrong types, unknown fields)."""
 
 
-class CoordinatorUnavailable(TpcacheError, RuntimeError):
-    """The coordinator cannot take work now (ranks failed, recovering); retry later."""
-
-    retryable = True
-
-
 class Busy(TpcacheError, RuntimeError):
     """The network frontend has more calls waiting than it takes; retry shortly."""
 
@@ -110,13 +105,6 @@ class Busy(TpcacheError, RuntimeError):
 
 class Unauthenticated(TpcacheError, RuntimeError):
     """The network frontend needs a valid token (or CURVE keys) for this request."""
-
-
-class RequestLost(TpcacheError, RuntimeError):
-    """The request was running when the group failed or the coordinator restarted; its
-    KV is gone. Retry it as a new request."""
-
-    retryable = True
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -19,8 +19,8 @@ from typing import Protocol
 
 import numpy as np
 
-from tpcache.coordinator.engine import ModelEngine
-from tpcache.coordinator.engine_work import Chunk, Decode, Prefill, Work
+from tpcache.harness.engine import ModelEngine
+from tpcache.harness.engine_work import Chunk, Decode, Prefill, Work
 
 
 class Reference(Protocol):

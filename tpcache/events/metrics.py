@@ -9,16 +9,28 @@ process (tests) never share series.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from tpcache.cache.protocol import Cache
 from tpcache.errors import TpcacheError
 
 if TYPE_CHECKING:
-    from tpcache.coordinator.core import Coordinator
-    from tpcache.coordinator.publisher import EventPublisher
+    from tpcache.events.publisher import EventPublisher
+
+
+class Observed(Protocol):
+    """What the metrics read of a coordinator (a ``Coordinator``): its ``stats()`` and
+    the mirror's eviction counters. A protocol, so ``events`` never imports the driver
+    that builds it."""
+
+    @property
+    def mirror(self) -> Cache: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
 
 _COUNTERS = {
     "queries": ("tpcache_prefix_queries", "Admitted requests whose prompt was matched"),
@@ -58,7 +70,7 @@ _GAUGES = {
 
 
 class _StatsCollector:
-    def __init__(self, coord: Coordinator) -> None:
+    def __init__(self, coord: Observed) -> None:
         self.coord = coord
 
     def collect(self) -> Iterator[Metric]:
@@ -95,11 +107,11 @@ class CoordinatorMetrics:
             buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 0.1),
             registry=self.registry,
         )
-        self._coord: Coordinator | None = None
+        self._coord: Observed | None = None
         self._evictions_seen = 0
         self.server: Any = None
 
-    def attach(self, coord: Coordinator) -> None:
+    def attach(self, coord: Observed) -> None:
         """Read ``coord``'s stats at every scrape, and observe its steps."""
         self._coord = coord
         self.registry.register(_StatsCollector(coord))  # type: ignore[arg-type]

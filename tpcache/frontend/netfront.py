@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import zmq
 
-from tpcache.coordinator.api import (
+from tpcache.errors import TpcacheError
+from tpcache.frontend.api import (
     BadRequest,
     Call,
     ErrorReply,
@@ -35,7 +36,6 @@ from tpcache.coordinator.api import (
     decode_calls,
     encode_replies,
 )
-from tpcache.errors import TpcacheError
 from tpcache.workers.netsec import (
     NetSecError,
     allow_clients,

@@ -1,0 +1,18 @@
+"""Errors the driver raises to its callers. Here, not with the API records
+(``frontend/api.py``, which names them on the wire), so the driver never imports the
+frontend that is built on it."""
+
+from tpcache.errors import TpcacheError
+
+
+class CoordinatorUnavailable(TpcacheError, RuntimeError):
+    """The coordinator cannot take work now (ranks failed, recovering); retry later."""
+
+    retryable = True
+
+
+class RequestLost(TpcacheError, RuntimeError):
+    """The request was running when the group failed or the coordinator restarted; its
+    KV is gone. Retry it as a new request."""
+
+    retryable = True
