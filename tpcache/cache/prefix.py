@@ -91,6 +91,13 @@ class PrefixCache:
         return self.tree.window
 
     # ---- tree-level operations (the contracts of every public method: ``protocol.Cache``) --
+    def admit_prefix_len(self, tokens: TokenLike) -> int:
+        key = as_tokens(tokens)
+        _, pos, _, common = self.tree.match_walk(
+            key, (key.size - 1) // self.page_size * self.page_size
+        )
+        return pos + common
+
     def match_prefix(self, tokens: TokenLike) -> MatchResult:
         key = as_tokens(tokens, defer_sign=True)
         tree = self.tree

@@ -126,6 +126,13 @@ class Cache(Protocol):
         ...
 
     # ---- prefixes, handles, lent slots --------------------------------------------------
+    def admit_prefix_len(self, tokens: TokenLike) -> int:
+        """How many leading tokens of prompt ``tokens`` an ``admit`` would take from the
+        cache now (at most ``len - 1``, in whole pages). Pure: no split, no access tick,
+        so a scheduler may ask before it decides (the answer holds until the cache next
+        changes). Raises ``InvalidTokens``."""
+        ...
+
     def match_prefix(self, tokens: TokenLike) -> MatchResult:
         """The longest cached prefix of ``tokens`` a match may end at, in whole pages, with
         a handle to lock it. May split a node and advances the access clock; never
