@@ -22,7 +22,13 @@ from tpcache.cache.keys import frozen_tokens
 from tpcache.cache.radix import CacheConfig, RadixCache
 from tpcache.cache.swa_cache import HybridCache
 from tpcache.cache.swa_config import HybridConfig
-from tpcache.trace import TraceRequest, output_tokens, prompt_tokens
+from tpcache.trace import (
+    TraceRequest,
+    check_scale,
+    output_tokens,
+    scaled_output_length,
+    scaled_prompt_tokens,
+)
 
 
 @dataclass(frozen=True)
@@ -32,11 +38,17 @@ class ReplayOptions:
     policy: str = "lru"
     swa_window: int | None = None  # tokens; set: replay through the hybrid (SWA) cache
     swa_capacity: int | None = None  # SWA pool tokens; None: as large as the full pool
+    scale: int = 1  # k of a scale 1/k: every length divided by k (``trace.check_scale``)
+
+    def __post_init__(self) -> None:
+        check_scale(self.scale)
 
 
-def infinite_capacity(requests: list[TraceRequest], page_size: int) -> int:
-    """Tokens that hold every request's prompt and output at once, in whole pages."""
-    pages = sum(-(-(r.input_length + r.output_length) // page_size) for r in requests)
+def infinite_capacity(requests: list[TraceRequest], page_size: int, scale: int = 1) -> int:
+    """Tokens that hold every request's prompt and output (scaled by ``1/scale``) at once,
+    in whole pages."""
+    tokens = [-(-r.input_length // scale) + -(-r.output_length // scale) for r in requests]
+    pages = sum(-(-n // page_size) for n in tokens)
     return max(pages, 1) * page_size
 
 
@@ -53,7 +65,7 @@ def replay(
 
     ``progress(done, total)``, when given, is called every 100 requests and after the
     last one, outside the timed calls."""
-    capacity = opts.capacity or infinite_capacity(requests, opts.page_size)
+    capacity = opts.capacity or infinite_capacity(requests, opts.page_size, opts.scale)
     cache = make_cache(opts, capacity)
     match_s: list[float] = []
     insert_s: list[float] = []
@@ -63,8 +75,8 @@ def replay(
     for i, req in enumerate(requests):
         # Immutable, as a prompt decoded from a frontend's message is: the cache keeps it
         # without a copy.
-        prompt = frozen_tokens(prompt_tokens(req))
-        output = output_tokens(req)
+        prompt = frozen_tokens(scaled_prompt_tokens(req, opts.scale))
+        output = output_tokens(req)[: scaled_output_length(req, opts.scale)]
         c0 = cpu()  # outside the wall-clock window, so it does not add to it
         t0 = clock()
         got = cache.admit(req.index, prompt, reserve=output.size)
@@ -74,7 +86,7 @@ def replay(
         cpu_s += cpu() - c0
         match_s.append(t1 - t0)
         insert_s.append(t2 - t1)
-        prompt_total += req.input_length
+        prompt_total += prompt.size
         matched += got.prefix_len
         if progress is not None and ((i + 1) % 100 == 0 or i + 1 == len(requests)):
             progress(i + 1, len(requests))
@@ -85,6 +97,7 @@ def replay(
         "requests": len(requests),
         "page_size": opts.page_size,
         "policy": opts.policy,
+        "scale": f"1/{opts.scale}",
         "capacity_tokens": capacity if opts.capacity else None,
         "prompt_tokens": prompt_total,
         "matched_tokens": matched,

@@ -10,6 +10,11 @@ exactly:
   ``h * 512 + i + 1`` for ``i = 0..511``; the concatenated blocks are cut to ``n``;
 - output token ``j`` of request ``r``: ``1_000_000_000 + r * 65_536 + j``.
 
+Scaled down by ``1/k`` (``k`` a power of two up to 512), every length is divided by
+``k`` and rounded up: a block is ``512 / k`` tokens, ``h * (512 / k) + i + 1``, the
+prompt ``ceil(n / k)`` of them and the output the first ``ceil(m / k)`` tokens of the
+output rule. ``k = 1`` is the rule above; equal block chains still give equal prefixes.
+
 ``r`` is the request's 0-based position among the requests read (blank lines are not
 requests). Equal block chains give equal token prefixes and different hash ids give
 disjoint tokens, so a prefix cache sees exactly the sharing the trace describes.
@@ -137,6 +142,37 @@ def prompt_tokens(req: TraceRequest) -> np.ndarray:
 def output_tokens(req: TraceRequest) -> np.ndarray:
     """The output of ``req`` by the token rule: int32, length ``output_length``. Pure."""
     return (req._output_base + np.arange(req.output_length, dtype=np.int64)).astype(np.int32)
+
+
+SCALE_DIVISORS = tuple(2**i for i in range(10))  # 1 .. 512: a block stays whole tokens
+
+
+def check_scale(divisor: object) -> int:
+    """``divisor`` (the ``k`` of a scale ``1/k``) if it is a power of two in [1, 512];
+    raises ``TraceError`` otherwise."""
+    if not _is_int(divisor) or divisor not in SCALE_DIVISORS:
+        raise TraceError(
+            f"a scale is 1/k with k a power of two from 1 to {BLOCK_TOKENS} (so a block of "
+            f"{BLOCK_TOKENS} tokens stays whole tokens), got k={divisor!r}"
+        )
+    return int(divisor)  # type: ignore[call-overload]
+
+
+def scaled_prompt_tokens(req: TraceRequest, divisor: int) -> np.ndarray:
+    """The prompt of ``req`` scaled by ``1/divisor`` (see the module docstring): int32,
+    length ``ceil(input_length / divisor)``. Pure; raises ``TraceError`` for a bad
+    divisor. ``divisor=1`` gives ``prompt_tokens(req)``."""
+    block = BLOCK_TOKENS // check_scale(divisor)
+    n = -(-req.input_length // divisor)
+    ids = np.asarray(req.hash_ids[: -(-n // block)], dtype=np.int64)
+    offsets = np.arange(1, block + 1, dtype=np.int64)
+    return (ids[:, None] * block + offsets[None, :]).reshape(-1)[:n].astype(np.int32)
+
+
+def scaled_output_length(req: TraceRequest, divisor: int) -> int:
+    """``ceil(output_length / divisor)``: the scaled output's length. Raises ``TraceError``
+    for a bad divisor."""
+    return -(-req.output_length // check_scale(divisor))
 
 
 def _parse_line(text: str, index: int) -> TraceRequest:

@@ -38,6 +38,31 @@ def positive_arg(text: str) -> int:
     return value
 
 
+def scale_arg(text: str) -> int:
+    """argparse type: a scale ``1/K`` (or ``1``) with K a power of two in [1, 512];
+    returns K, the divisor of every length (``trace.check_scale``)."""
+    t = text.strip()
+    k = 1 if t == "1" else int(t[2:]) if t.startswith("1/") and t[2:].isdigit() else 0
+    if k not in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
+        raise argparse.ArgumentTypeError(
+            f"expected a scale 1/K with K a power of two from 1 to 512 (so a 512-token block "
+            f"stays whole tokens), e.g. 1/32; got {text!r}"
+        )
+    return k
+
+
+def add_scale_option(p: argparse.ArgumentParser) -> None:
+    """``--scale 1/K``, shared by ``replay`` and ``generate`` so both read the same slice."""
+    p.add_argument(
+        "--scale",
+        type=scale_arg,
+        default=1,
+        metavar="1/K",
+        help="divide every length of the trace by K, rounded up (a 512-token block becomes "
+        "512/K tokens; K a power of two up to 512; default 1/1)",
+    )
+
+
 def seconds_arg(text: str) -> float:
     """argparse type: a finite number of seconds > 0."""
     try:

@@ -6,7 +6,13 @@ import argparse
 import json
 import sys
 
-from tpcache.cli.args import add_trace_options, capacity_arg, machine, positive_arg
+from tpcache.cli.args import (
+    add_scale_option,
+    add_trace_options,
+    capacity_arg,
+    machine,
+    positive_arg,
+)
 
 
 def add_replay_parser(sub) -> None:
@@ -19,6 +25,7 @@ def add_replay_parser(sub) -> None:
         "conversation trace in the repository, data/mooncake_conversation.jsonl.gz)",
     )
     add_trace_options(p)
+    add_scale_option(p)
     add_swa_options(p)
     p.set_defaults(func=cmd_replay)
 
@@ -68,6 +75,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         policy=args.policy,
         swa_window=args.swa_window,
         swa_capacity=args.swa_capacity,
+        scale=args.scale,
     )
     try:
         # Progress goes to stderr either way: stdout stays the summary alone.
@@ -81,7 +89,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     else:
         cap = "inf" if summary["capacity_tokens"] is None else f"{summary['capacity_tokens']:,}"
         print(
-            f"replayed {summary['requests']:,} requests, page {opts.page_size}, capacity {cap}, policy {opts.policy}"
+            f"replayed {summary['requests']:,} requests, page {opts.page_size}, capacity {cap}, "
+            f"policy {opts.policy}, scale {summary['scale']}"
         )
         print(
             f"  hit rate        {summary['hit_rate']:.4f}  ({summary['matched_tokens']:,} of {summary['prompt_tokens']:,} prompt tokens)"
