@@ -14,6 +14,7 @@ import sys
 import tempfile
 
 import ray
+from drill_worker import DrillWorker
 from ray.cluster_utils import Cluster
 
 from tpcache.coordinator.build import GroupConfig
@@ -70,7 +71,7 @@ def main() -> None:
     try:
         ray.init(address=cluster.address, namespace="mn", log_to_driver=False)
         here = ray.get_runtime_context().get_node_id()
-        coord = start_group(config())
+        coord = start_group(config(), worker_cls=DrillWorker)
         try:
             out["rank_nodes_distinct"] = len(set(coord.ranks.rank_nodes)) == 2
             out["rank0_on_driver_node"] = coord.ranks.rank_nodes[0] == here

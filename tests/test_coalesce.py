@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from drill_worker import DrillWorker
 from group_helpers import group_config
 
 from tpcache.coordinator.core import CoordinatorConfig
@@ -18,7 +19,7 @@ SLEEP_S = 2.0  # a slow rank: long against a few admits, short against the suite
 
 @pytest.fixture(scope="module")
 def coord(ray_cluster):
-    c = start_group(group_config(2))
+    c = start_group(group_config(2), worker_cls=DrillWorker)
     yield c
     c.close()
 

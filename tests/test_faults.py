@@ -9,6 +9,7 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
+from drill_worker import DrillWorker
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -120,7 +121,7 @@ def test_rank_killed_mid_run_recovers(ray_cluster, tmp_path):
 
 
 def test_rank_hang_times_out_and_recovers(ray_cluster):
-    coord = start_group(config(timeout_s=3.0))
+    coord = start_group(config(timeout_s=3.0), worker_cls=DrillWorker)
     try:
         coord.admit("a", list(range(1, 30)))
         coord.sync()
@@ -167,7 +168,9 @@ def test_timeouts_are_checked_before_anything_starts():
 
 
 def test_divergence_recovers_or_stays_down(ray_cluster):
-    coord = start_group(config(coordinator=CoordinatorConfig(auto_recover=False)))
+    coord = start_group(
+        config(coordinator=CoordinatorConfig(auto_recover=False)), worker_cls=DrillWorker
+    )
     try:
         coord.admit("a", list(range(1, 30)))
         coord.finish("a")

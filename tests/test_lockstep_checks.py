@@ -11,6 +11,7 @@ group of in-process ranks (real gloo):
 from __future__ import annotations
 
 import pytest
+from drill_worker import DrillWorker
 
 from tpcache.coordinator.build import GroupConfig
 from tpcache.coordinator.core import CoordinatorConfig
@@ -35,7 +36,7 @@ def coord():
         timeout_s=20.0,
         coordinator=CoordinatorConfig(auto_recover=False),
     )
-    c = start_local_group(cfg)
+    c = start_local_group(cfg, worker_cls=DrillWorker)
     yield c
     c.close()
 

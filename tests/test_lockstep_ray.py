@@ -11,6 +11,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from drill_worker import DrillWorker
 from group_helpers import group_config
 
 from tpcache.cache import errors
@@ -230,7 +231,7 @@ def test_msgspec_api_rejects_malformed_messages(groups):
 
 
 def test_planted_divergence_is_caught_at_its_step(ray_cluster):
-    coord = start_group(group_config(2))
+    coord = start_group(group_config(2), worker_cls=DrillWorker)
     try:
         coord.admit("a", list(range(1, 30)))
         coord.finish("a")

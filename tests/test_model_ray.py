@@ -17,6 +17,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+from drill_worker import DrillWorker
 
 from tpcache.coordinator.core import CoordinatorConfig
 from tpcache.frontend.service import GroupConfig, start_group
@@ -67,7 +68,7 @@ def engines(ray_cluster):
 
     def get(tp: int, kind: str = "base") -> ModelEngine:
         if (tp, kind) not in made:
-            coord = start_group(group_config(tp, kind))
+            coord = start_group(group_config(tp, kind), worker_cls=DrillWorker)
             coord.ranks.call("load_model", HYBRID if kind == "hybrid" else MODEL)
             made[tp, kind] = ModelEngine(coord)
         eng = made[tp, kind]

@@ -20,6 +20,7 @@ import torch
 
 from tpcache.torchrun import parse
 
+HERE = Path(__file__).resolve().parent
 TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which(
     "torchrun"
 )
@@ -28,9 +29,12 @@ TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or sh
 def run_check(nproc: int, *args: str, timeout: float = 240.0) -> dict:
     assert TORCHRUN, "torchrun is not installed next to this Python"
     cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "-m", "tpcache.torchrun"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # The fault drills live in the tests' worker class (drill_worker.py, found on the path).
+    drills = ["--worker", "drill_worker:DrillWorker", "--drills"]
+    path = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     out = subprocess.run(
-        [*cmd, "check", *args], capture_output=True, text=True, timeout=timeout, env=env
+        [*cmd, "check", *drills, *args], capture_output=True, text=True, timeout=timeout, env=env
     )
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith('{"tpcache_check"')]
     assert lines, f"no verdict (exit {out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"

@@ -13,6 +13,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+from drill_worker import DrillWorker
 from model_helpers import local_engine
 
 from tpcache.harness.modelcheck import Workload, run_script, run_workload
@@ -141,7 +142,7 @@ def tombstone_script(seed: int) -> list:
 
 
 def test_planted_wrong_slot_on_one_rank_shows_in_the_logits():
-    eng = local_engine(2, MODEL, BASE_CACHE, 192)
+    eng = local_engine(2, MODEL, BASE_CACHE, 192, worker_cls=DrillWorker)
     prompt = list(range(1, 30))
     assert run_script(eng, MODEL, [[prompt]], tol=TOL).ok(TOL)
     eng.coord.ranks.workers[1].plant_slot_error(1)

@@ -11,12 +11,16 @@ by ``apply_step`` with the same MIN agreements and digest checks as under Ray.
 
 ``check`` runs the model checks (``harness.modelcheck``) on the group and prints one
 JSON line (``{"tpcache_check": ...}``) from rank 0; the exit code is 0 iff all passed.
+With ``--drills`` it also plants faults on the last rank, through a worker class that
+has fault drills (``--worker``; the product's ``RankWorker`` has none: the tests'
+``drill_worker:DrillWorker`` does).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import os
 import random
@@ -131,7 +135,19 @@ def env_int(name: str) -> int:
     return int(value)
 
 
-def start_rank(cfg: RunConfig) -> tuple[RankWorker, int]:
+def worker_class(target: str) -> type[RankWorker]:
+    """The ``RankWorker`` subclass named ``MODULE:CLASS``; SystemExit saying why not."""
+    module, _, name = target.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise SystemExit(f"--worker {target}: {type(exc).__name__}: {exc}") from None
+    if not (isinstance(cls, type) and issubclass(cls, RankWorker)):
+        raise SystemExit(f"--worker {target}: not a RankWorker subclass")
+    return cls
+
+
+def start_rank(cfg: RunConfig, worker_cls: type[RankWorker] = RankWorker) -> tuple[RankWorker, int]:
     """Build, join, set up and load the model on this torchrun rank (collective)."""
     rank, world, local = env_int("RANK"), env_int("WORLD_SIZE"), env_int("LOCAL_RANK")
     layers = len(cfg.model.full_layers) if cfg.cache.sliding_window else cfg.model.num_layers
@@ -143,7 +159,7 @@ def start_rank(cfg: RunConfig) -> tuple[RankWorker, int]:
         timeout_s=cfg.timeout_s,
         join_timeout_s=cfg.join_timeout_s,
     )
-    worker = RankWorker(rank, spec, local)
+    worker = worker_cls(rank, spec, local)
     worker.join(os.environ.get("MASTER_ADDR", "127.0.0.1"), env_int("MASTER_PORT"))
     capacity = worker.setup()
     worker.load_model(cfg.model)
@@ -157,8 +173,11 @@ def coordinator(worker: RankWorker, capacity: int, cache: CacheSpec) -> Coordina
     return Coordinator(TorchrunRanks(worker, capacity), cache.build(capacity), config)
 
 
-def run_checks(coord: Coordinator, cfg: RunConfig, seed: int, tol: float) -> dict[str, Any]:
-    """The model checks of the Ray tests, on this group. Returns the JSON-able verdict."""
+def run_checks(
+    coord: Coordinator, cfg: RunConfig, seed: int, tol: float, drills: bool = False
+) -> dict[str, Any]:
+    """The model checks of the Ray tests, on this group (with ``drills``, those of
+    ``run_drills`` too). Returns the JSON-able verdict."""
     engine = ModelEngine(coord)
     model, out = cfg.model, {}
     runs = {
@@ -175,7 +194,25 @@ def run_checks(coord: Coordinator, cfg: RunConfig, seed: int, tol: float) -> dic
     out["digests_equal"] = digests == [coord.mirror.digest()] * ranks.world_size
     infos = ranks.call("info")
     out["tokens_computed"] = [i["tokens_computed"] for i in infos]
-    # A wrong slot id on rank 1 (after its check): the logits must show it.
+    drilled = run_drills(engine, coord, cfg, seed, tol) if drills else {}
+    out.update(drilled)
+    out["ok"] = bool(
+        all(out[name]["ok"] for name in runs)
+        and out["digests_equal"]
+        and (not drills or (drilled["planted_slot_detected"] and drilled["divergence_caught"]))
+        and out["basic"]["hit_tokens"] > 0
+        and out["evict"]["evicted_pages"] > 0
+    )
+    return out
+
+
+def run_drills(
+    engine: ModelEngine, coord: Coordinator, cfg: RunConfig, seed: int, tol: float
+) -> dict[str, Any]:
+    """Faults planted on the last rank through its worker's drills (``--worker``): a wrong
+    slot id after its check must show in the logits; a divergence must stop every rank
+    at its step. Returns their part of the verdict."""
+    model, ranks, out = cfg.model, coord.ranks, {}
     coord.reset()
     rng = random.Random(seed)
     prompt = [rng.randrange(model.vocab) for _ in range(24)]
@@ -187,8 +224,7 @@ def run_checks(coord: Coordinator, cfg: RunConfig, seed: int, tol: float) -> dic
     coord.reset()
     run_script(engine, model, [[prompt]], tol=tol, dtype=cfg.dtype, rid_prefix="again")
     coord.sync()
-    # Last: a divergence planted on one rank (its admit misses the cached prefix) stops
-    # every rank at that step.
+    # Last: its admit misses the cached prefix on one rank.
     step = coord.stats()["steps_sent"]
     ranks.call_on(ranks.world_size - 1, "inject_fault", step, "corrupt")
     try:
@@ -198,14 +234,6 @@ def run_checks(coord: Coordinator, cfg: RunConfig, seed: int, tol: float) -> dic
     except DivergenceError as exc:
         out["divergence_caught"] = exc.step == step and exc.odd_ranks == (ranks.world_size - 1,)
         out["divergence"] = {"step": exc.step, "odd_ranks": list(exc.odd_ranks), "planted": step}
-    out["ok"] = bool(
-        all(out[name]["ok"] for name in runs)
-        and out["digests_equal"]
-        and out["planted_slot_detected"]
-        and out["divergence_caught"]
-        and out["basic"]["hit_tokens"] > 0
-        and out["evict"]["evicted_pages"] > 0
-    )
     return out
 
 
@@ -222,8 +250,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     what = (
         "check a small tensor-parallel decoder run over the cache against a full "
         "recompute without it (whole prompts, chunked prefill, eviction pressure), and "
-        "that a wrong slot and a divergence planted on one rank are caught; prints one "
-        "JSON line and exits 0 if every check held"
+        "with --drills that a wrong slot and a divergence planted on one rank are caught; "
+        "prints one JSON line and exits 0 if every check held"
     )
     c = sub.add_parser("check", help=what, description=what[0].upper() + what[1:] + ".")
     c.add_argument(
@@ -268,6 +296,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="seconds any one collective may take before the job fails (default 120)",
     )
     c.add_argument(
+        "--worker",
+        default="tpcache.workers.rank:RankWorker",
+        help="the rank worker class, MODULE:CLASS, a RankWorker subclass (default the product's)",
+    )
+    c.add_argument(
+        "--drills",
+        action="store_true",
+        help="also plant a wrong slot and a divergence on the last rank and check both are "
+        "caught (needs a worker with fault drills, e.g. the tests' drill_worker:DrillWorker)",
+    )
+    c.add_argument(
         "--join-timeout-s",
         type=seconds_arg,
         default=120.0,
@@ -296,14 +335,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     cfg = RunConfig(model, cache, args.capacity, dtype, args.timeout_s, args.join_timeout_s)
     started = time.perf_counter()
-    worker, capacity = start_rank(cfg)
+    worker, capacity = start_rank(cfg, worker_class(args.worker))
     try:
         if worker.rank != 0:
             follow(worker._group(), worker, worker.rank, worker.spec.pool.tp)
             return 0
         coord = coordinator(worker, capacity, cache)
         try:
-            out = run_checks(coord, cfg, args.seed, tol)
+            out = run_checks(coord, cfg, args.seed, tol, args.drills)
         finally:
             coord.ranks.close()
         out.update(

@@ -60,7 +60,6 @@ class ModelHost:
         # a new pool: its slots mean nothing to the new cache).
         self._swa_pool: KVPool | None = None
         self._swa_pool_cache: object | None = None
-        self._slot_fault = 0  # test double: shift of the first context slot, next forward
 
     def install(self, runner: ModelRunner, pool: PoolSpec, window: int | None) -> dict[str, Any]:
         """Check that ``runner``'s layout is what ``pool`` holds (the pool sized from this
@@ -115,8 +114,6 @@ class ModelHost:
         if group.agree_min([0 if problem is None else -1])[0] < 0:
             where = f"this rank ({self.rank}): {problem}" if problem else "another rank"
             raise ForwardError(f"forward refused on {where}")
-        if self._slot_fault:
-            batch = self._plant_slot_fault(batch, kv.pool.num_slots)
         assert self.runner is not None
         out = self.runner.run(batch, kv, group)
         result = self._result(batch, out)
@@ -162,7 +159,7 @@ class ModelHost:
             tokens = ids.detach().cpu().numpy().astype("<i8").tobytes()
         return ForwardBatchResult(self.rank, [r.n for r in reqs], rows, vocab, data, tokens)
 
-    # ---- the SWA pool, fault drills --------------------------------------------------------
+    # ---- the SWA pool --------------------------------------------------------
     def _swa_pool_now(self, cache, pool: KVPool) -> KVPool | None:
         """The SWA pool of the current cache (built on first use for each new cache)."""
         assert self.layout is not None
@@ -176,16 +173,3 @@ class ModelHost:
             self._swa_pool = KVPool(spec, slots, self.device)
             self._swa_pool_cache = cache
         return self._swa_pool
-
-    def plant_slot_error(self, shift: int = 1) -> None:
-        """Test double of a wrong slot id on this rank: the next forward (after its check)
-        reads position 0 of its first request's context from slot ``slots[0] + shift``."""
-        self._slot_fault = shift
-
-    def _plant_slot_fault(self, batch: RunnerBatch, num_slots: int) -> RunnerBatch:
-        shift, self._slot_fault = self._slot_fault, 0
-        first = batch.requests[0]
-        slots = first.read_slots.clone()
-        slots[0] = (slots[0] + shift) % num_slots
-        first = dataclasses.replace(first, read_slots=slots)
-        return dataclasses.replace(batch, requests=(first, *batch.requests[1:]))

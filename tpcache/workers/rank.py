@@ -33,7 +33,7 @@ from tpcache.workers.kvpool import (
 from tpcache.workers.lockstep import apply_step
 from tpcache.workers.model import ModelConfigError, ModelSpec, ReferenceRunner
 from tpcache.workers.model_host import ModelHost
-from tpcache.workers.ops import Op, decode_step, encode
+from tpcache.workers.ops import Step, StepResult, decode_step, encode
 from tpcache.workers.runner import ModelRunner, RunnerConfigError
 from tpcache.workers.runner_spec import RunnerSpec, build_runner
 from tpcache.workers.spec import CacheSpec, WorkerSpec
@@ -60,8 +60,6 @@ class RankWorker:
         self.pool: KVPool | None = None
         self.cache: RadixCache | None = None
         self.last_step = -1
-        # Fault drills (tests, chaos runs): step -> what to do there. Owned by this rank.
-        self._faults: dict[int, tuple[str, float]] = {}
         # The model runner, its SWA pool and the forwards (workers/model_host.py). Owned here.
         self.models = ModelHost(rank, spec.pool.tp, self.device)
         if spec.runner is not None:
@@ -145,7 +143,6 @@ class RankWorker:
         self.attach(group)
         self.pool = None
         self.cache = None
-        self._faults.clear()
         return self.setup()
 
     def join_and_setup(
@@ -166,7 +163,6 @@ class RankWorker:
         self._leave_group()  # not shutdown(): the new group's store may be in this dir
         self.pool = None
         self.cache = None
-        self._faults.clear()
         return self.join_and_setup(master_addr, master_port, store_path)
 
     # ---- steps ------------------------------------------------------------------------
@@ -181,10 +177,14 @@ class RankWorker:
             raise RuntimeError(
                 f"rank {self.rank} expected step {self.last_step + 1}, got {step.step}"
             )
-        tamper = self._drill(step.step)
-        result = apply_step(self._cache(), self._group(), self.rank, step, tamper)
+        result = self._apply_step(step)
         self.last_step = step.step
         return encode(result)
+
+    def _apply_step(self, step: Step) -> StepResult:
+        # A method of its own so that a test worker (tests/drill_worker.py) can plant a
+        # fault in one step without a copy of ``apply``'s order check.
+        return apply_step(self._cache(), self._group(), self.rank, step)
 
     # ---- the step channel (workers/channel.py) -----------------------------------------
     def serve_steps(self, attach: Attach) -> int:
@@ -285,11 +285,6 @@ class RankWorker:
         """
         return self.models.forward_batch(self._group(), self._state, data, self.last_step)
 
-    def plant_slot_error(self, shift: int = 1) -> None:
-        """Test double of a wrong slot id on this rank: the next forward (after its check)
-        reads position 0 of its first request's context from slot ``slots[0] + shift``."""
-        self.models.plant_slot_error(shift)
-
     def _state(self) -> tuple[RadixCache, KVPool]:
         return self._cache(), self._pool()
 
@@ -354,30 +349,6 @@ class RankWorker:
                 self.group.destroy()
             self.group = None
 
-    # ---- fault drills -------------------------------------------------------------------
-    def inject_fault(self, step: int, kind: str, arg: float = 0.0) -> None:
-        """At ``step``: ``corrupt`` (apply a tampered op: the first Admit's first token
-        +1, or an Evict of one more page), ``fail`` (the step's first op raises here: a
-        local failure before the step's agreements), ``sleep`` (``arg`` seconds before
-        applying), or ``crash`` (exit the process). For tests and fault drills only."""
-        if kind not in ("corrupt", "fail", "sleep", "crash"):
-            raise ValueError(f"unknown fault {kind!r}")
-        self._faults[step] = (kind, arg)
-
-    def _drill(self, step: int):
-        fault = self._faults.pop(step, None)
-        if fault is None:
-            return None
-        kind, arg = fault
-        if kind == "sleep":
-            time.sleep(arg)
-            return None
-        if kind == "crash":
-            import os
-
-            os._exit(17)
-        return _fail_first() if kind == "fail" else _corrupt_first
-
     def _cache(self) -> RadixCache:
         if self.cache is None:
             raise RuntimeError(f"rank {self.rank} is not set up")
@@ -392,32 +363,6 @@ class RankWorker:
         if self.group is None:
             raise RuntimeError(f"rank {self.rank} has not joined its group")
         return self.group
-
-
-def _fail_first():
-    first = [True]
-
-    def tamper(op: Op) -> Op:
-        if first[0]:
-            first[0] = False
-            raise RuntimeError("planted failure (fault drill)")
-        return op
-
-    return tamper
-
-
-def _corrupt_first(op: Op) -> Op:
-    import msgspec
-
-    from tpcache.workers.ops import Admit, Evict, pack_tokens, unpack_tokens
-
-    if isinstance(op, Admit):
-        tokens = unpack_tokens(op.tokens).copy()
-        tokens[0] += 1
-        return msgspec.structs.replace(op, tokens=pack_tokens(tokens))
-    if isinstance(op, Evict):
-        return msgspec.structs.replace(op, num_tokens=op.num_tokens + 1)
-    return op
 
 
 def expected_token_kv(

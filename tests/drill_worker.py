@@ -1,0 +1,128 @@
+"""``DrillWorker``: the rank worker with fault drills, for tests only (the product's
+``RankWorker`` has none). Swapped in where a group is started (``start_group(...,
+worker_cls=DrillWorker)``, ``start_local_group``, ``local_engine``) or by name
+(``python -m tpcache.torchrun check --worker drill_worker:DrillWorker --drills``).
+
+Ray actors of this class are pickled by value (below), so a Ray worker process need not
+find this test directory on its path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from tpcache.workers.lockstep import apply_step
+from tpcache.workers.ops import Admit, Evict, Op, Step, StepResult, pack_tokens, unpack_tokens
+from tpcache.workers.rank import RankWorker
+from tpcache.workers.runner_batch import RunnerBatch
+
+FAULTS = ("corrupt", "fail", "sleep", "crash")
+
+
+class DrillWorker(RankWorker):
+    """A ``RankWorker`` that can be told to fail at a given step or forward."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # step -> (kind, arg), the drills planted on this rank; cleared at every restart.
+        self._faults: dict[int, tuple[str, float]] = {}
+
+    def inject_fault(self, step: int, kind: str, arg: float = 0.0) -> None:
+        """At ``step``: ``corrupt`` (apply a tampered op: the first Admit's first token
+        +1, or an Evict of one more page), ``fail`` (the step's first op raises here: a
+        local failure before the step's agreements), ``sleep`` (``arg`` seconds before
+        applying), or ``crash`` (exit the process)."""
+        if kind not in FAULTS:
+            raise ValueError(f"unknown fault {kind!r}")
+        self._faults[step] = (kind, arg)
+
+    def plant_slot_error(self, shift: int = 1) -> None:
+        """A wrong slot id on this rank: the next forward (after its check) reads position
+        0 of its first request's context from slot ``slots[0] + shift``."""
+        host = self.models
+        assert host.runner is not None, "no runner loaded"
+        host.runner = _ShiftOnce(host, host.runner, shift)  # type: ignore[assignment]
+
+    def attach_and_setup(self, group: Any) -> int:
+        self._faults.clear()
+        return super().attach_and_setup(group)
+
+    def rejoin(self, master_addr: str, master_port: int, store_path: str | None = None) -> int:
+        self._faults.clear()
+        return super().rejoin(master_addr, master_port, store_path)
+
+    def _apply_step(self, step: Step) -> StepResult:
+        tamper = self._drill(step.step)
+        return apply_step(self._cache(), self._group(), self.rank, step, tamper)
+
+    def _drill(self, step: int) -> Callable[[Op], Op] | None:
+        fault = self._faults.pop(step, None)
+        if fault is None:
+            return None
+        kind, arg = fault
+        if kind == "sleep":
+            time.sleep(arg)
+            return None
+        if kind == "crash":
+            os._exit(17)
+        return _fail_first() if kind == "fail" else _corrupt_first
+
+
+class _ShiftOnce:
+    """The host's runner for one forward, with the first context slot shifted; it puts
+    the real runner back before running."""
+
+    def __init__(self, host: Any, inner: Any, shift: int) -> None:
+        self._host, self._inner, self._shift = host, inner, shift
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def run(self, batch: RunnerBatch, kv: Any, group: Any) -> Any:
+        self._host.runner = self._inner
+        first = batch.requests[0]
+        slots = first.read_slots.clone()
+        slots[0] = (slots[0] + self._shift) % kv.pool.num_slots
+        first = dataclasses.replace(first, read_slots=slots)
+        batch = dataclasses.replace(batch, requests=(first, *batch.requests[1:]))
+        return self._inner.run(batch, kv, group)
+
+
+def _fail_first() -> Callable[[Op], Op]:
+    first = [True]
+
+    def tamper(op: Op) -> Op:
+        if first[0]:
+            first[0] = False
+            raise RuntimeError("planted failure (fault drill)")
+        return op
+
+    return tamper
+
+
+def _corrupt_first(op: Op) -> Op:
+    if isinstance(op, Admit):
+        tokens = unpack_tokens(op.tokens).copy()
+        tokens[0] += 1
+        return msgspec.structs.replace(op, tokens=pack_tokens(tokens))
+    if isinstance(op, Evict):
+        return msgspec.structs.replace(op, num_tokens=op.num_tokens + 1)
+    return op
+
+
+def _pickle_by_value() -> None:
+    try:
+        from ray import cloudpickle
+    except ImportError:  # the in-process tests run without Ray
+        return
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+_pickle_by_value()
