@@ -1,0 +1,154 @@
+"""``tpcache generate``: a trace's requests generated over the cache by concurrent
+clients, with the prefix cache and without it (``harness/generate.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from tpcache.cli.args import add_scale_option, add_trace_options, machine, seconds_arg
+from tpcache.cli.args import positive_arg as _positive
+
+
+def add_generate_parser(sub) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="generate a trace's requests with a model on a TP group, sent by concurrent "
+        "clients over ZMQ, with the prefix cache and without it",
+        description="The first --limit requests of a Mooncake trace, every length scaled "
+        "by --scale, sent by --clients concurrent clients over ZMQ to a continuous-"
+        "batching loop that runs the built-in reference model on --tp thread ranks (gloo); "
+        "once with the prefix cache, once without (nothing cached, every admit misses). "
+        "Prints prefill tokens computed, tokens/s, time to first token and end-to-end "
+        "time of both, and the prefill tokens `tpcache replay --scale` says to expect.",
+    )
+    p.add_argument(
+        "trace",
+        nargs="?",
+        default=None,
+        help="Mooncake-format JSONL trace, plain or gzip (default: the conversation trace "
+        "in the repository)",
+    )
+    add_trace_options(p)
+    add_scale_option(p)
+    p.set_defaults(limit=1000, scale=128)
+    p.add_argument("--tp", type=_positive, default=2, help="tensor-parallel ranks (default 2)")
+    p.add_argument("--clients", type=_positive, default=8, help="concurrent clients (default 8)")
+    p.add_argument(
+        "--step-tokens",
+        type=_positive,
+        default=512,
+        help="token budget of one step: prefill chunks and decodes (default 512)",
+    )
+    g = p.add_argument_group("the reference model (random weights from --seed)")
+    g.add_argument("--hidden", type=_positive, default=128, help="hidden size (default 128)")
+    g.add_argument("--heads", type=_positive, default=4, help="attention heads (default 4)")
+    g.add_argument("--ffn", type=_positive, default=512, help="MLP size (default 512)")
+    g.add_argument("--layers", type=_positive, default=2, help="layers (default 2)")
+    g.add_argument("--seed", type=int, default=0, help="weights' seed (default 0)")
+    p.add_argument(
+        "--timeout",
+        type=seconds_arg,
+        default=120.0,
+        help="seconds before a silent client, loop or rank is an error (default 120)",
+    )
+    p.set_defaults(func=cmd_generate, parser=p)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tpcache.cache.policies import CACHE_POLICIES
+    from tpcache.harness.gen_wire import GenerateError
+    from tpcache.harness.generate import GenerateOptions, ModelSize, run_generate
+    from tpcache.trace import DEFAULT_TRACE, TraceError, load_trace
+
+    if args.policy not in CACHE_POLICIES:
+        args.parser.error(f"unknown policy {args.policy!r}; known: {', '.join(CACHE_POLICIES)}")
+    try:
+        opts = GenerateOptions(
+            scale=args.scale,
+            page_size=args.page_size,
+            policy=args.policy,
+            capacity=args.capacity,
+            tp=args.tp,
+            clients=args.clients,
+            step_tokens=args.step_tokens,
+            model=ModelSize(args.hidden, args.heads, args.ffn, args.layers, args.seed),
+            timeout_s=args.timeout,
+        )
+    except GenerateError as exc:
+        args.parser.error(str(exc))
+    try:
+        trace = load_trace(args.trace or DEFAULT_TRACE, args.limit)
+    except (OSError, TraceError) as exc:
+        print(f"tpcache generate: {exc}", file=sys.stderr)
+        return 2
+    try:
+        s = run_generate(trace, opts, _Progress())
+    except GenerateError as exc:
+        print(f"tpcache generate: {exc}", file=sys.stderr)
+        return 2
+    s["workload"] = str(args.trace or DEFAULT_TRACE)
+    s["machine"] = machine()
+    ok = s["prefill_equals_replay"] and s["nothing_held"] and s["rank_digests_equal"]
+    if args.json:
+        print(json.dumps(s))
+        return 0 if ok else 1
+    _print(s)
+    return 0 if ok else 1
+
+
+class _Progress:
+    """A line on stderr every 10 s: which run, requests done."""
+
+    def __init__(self) -> None:
+        self.next = time.monotonic() + 10.0
+
+    def __call__(self, mode: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now >= self.next:
+            self.next = now + 10.0
+            print(f"generate: {mode}: {done:,}/{total:,} requests", file=sys.stderr, flush=True)
+
+
+def _print(s: dict) -> None:
+    m = s["model"]
+    on, off = s["cache"], s["no_cache"]
+    print(
+        f"generate: {s['requests']:,} requests of {s['workload']}, scale {s['scale']}, page "
+        f"{s['page_size']}, TP={s['tp']} {s['ranks']}, {s['clients']} clients over ZMQ"
+    )
+    print(
+        f"  model           reference runner: vocab {m['vocab']:,}, hidden {m['hidden']}, "
+        f"{m['heads']} heads, ffn {m['ffn']}, {m['num_layers']} layers; on {s['machine']}"
+    )
+    print(f"  {'':15} {'cache':>12} {'no cache':>12}")
+    rows = [
+        ("prompt tokens", "prompt_tokens", ","),
+        ("matched", "matched_tokens", ","),
+        ("prefill computed", "prefill_tokens_computed", ","),
+        ("generated", "generated_tokens", ","),
+        ("end-to-end s", "e2e_s", ".2f"),
+        ("tokens/s", "tokens_per_s", ".1f"),
+        ("TTFT p50 ms", "ttft_ms_p50", ".1f"),
+        ("TTFT p99 ms", "ttft_ms_p99", ".1f"),
+        ("steps", "steps", ","),
+        ("admission waits", "admission_waits", ","),
+    ]
+    for label, key, fmt in rows:
+        print(f"  {label:15} {on[key]:>12{fmt}} {off[key]:>12{fmt}}")
+    expected = s["replay_prompt_tokens"] - s["replay_matched_tokens"]
+    print(
+        f"  replay          {s['replay_matched_tokens']:,} matched of "
+        f"{s['replay_prompt_tokens']:,}: expects {expected:,} computed -> "
+        f"{'equal' if s['prefill_equals_replay'] else 'DIFFERENT'}"
+    )
+    print(
+        f"  time            cache/no-cache {s['time_ratio']:.3f}, bar 1 - hit/2 = "
+        f"{s['time_bar']:.3f} -> {'met' if s['time_bar_met'] else 'NOT met'}"
+    )
+    print(
+        f"  at the end      held {on['held_tokens_end']} / {off['held_tokens_end']} tokens, "
+        f"rank digests {'equal' if s['rank_digests_equal'] else 'DIFFER'}"
+    )
