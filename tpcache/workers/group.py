@@ -20,19 +20,7 @@ Unsigned 64-bit values (state digests, block hashes) travel as int64 with the sa
 MIN and the MAX of the carried values are equal iff every rank holds the same digest,
 although signed order differs from unsigned order.
 
-Two timeouts. ``join_timeout_s`` bounds joining: the rendezvous of ``init``, which waits
-for the slowest rank's process to start (a Ray worker importing torch takes seconds, tens
-of seconds on a loaded machine, and a replacement rank during recovery starts only after
-the failure). ``timeout_s`` bounds each collective, so a hung peer is found fast. One
-timeout cannot do both: ``init_process_group(timeout=)`` also becomes the default group's
-collective timeout. So ``init`` joins the default group with ``join_timeout_s`` and then
-makes ``dist.new_group(timeout=timeout_s)`` over all ranks, which every collective here
-uses; it meets on the already formed group's store, in milliseconds. (torch's private
-``_set_pg_timeout`` on the default group works on torch 2.13 too, but it is private and
-its gloo path was broken in some releases, pytorch#165422; ``new_group(timeout=)`` is
-public and has bounded gloo collectives since torch 1.0.)
-
-How each timeout behaved under gloo (a late rank, a late master, a peer that never
+Joining (the rendezvous, its two timeouts) is ``group_join.py``'s part. How each timeout behaved under gloo (a late rank, a late master, a peer that never
 enters, a dead peer) is written down in ``results/group_timings.md``. After any failure
 the group is broken and every later call raises GroupError at once. NCCL differs: by
 default its watchdog (TORCH_NCCL_ASYNC_ERROR_HANDLING=3) tears the process down on a
@@ -41,28 +29,21 @@ collective timeout instead of raising.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Sequence
-from datetime import timedelta
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from tpcache.workers.group_join import attached_backend, join_default_group
 from tpcache.workers.group_spec import (
-    _I64_MAX,
     _I64_MIN,
     GroupError,
     GroupInputError,
     GroupSpec,
-    check_seconds,
     i64_to_u64,
-    loopback_only,
 )
-
-_T = TypeVar("_T")
-_PG_METHODS = ("allreduce", "broadcast", "allgather", "barrier", "rank", "size", "name")
-
+from tpcache.workers.group_wire import Wire
 
 _M31 = (1 << 31) - 1
 _FLAG = 1 << 62  # set by every healthy rank in _fold_pair; a failed rank sends 0
@@ -76,13 +57,6 @@ def _fold_pair(digest: int) -> int:
     u = i64_to_u64(digest)
     f = (u ^ (u >> 31) ^ (u >> 62)) & _M31
     return _FLAG | f << 31 | (~f & _M31)
-
-
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """``auto`` means nccl for a CUDA device when CUDA is available, else gloo."""
-    if backend != "auto":
-        return backend
-    return "nccl" if device.type == "cuda" and torch.cuda.is_available() else "gloo"
 
 
 class TPGroup:
@@ -111,19 +85,12 @@ class TPGroup:
         where: str,
         owns_default: bool = False,
     ) -> None:
-        self._pg = pg
+        # Owned by this object: the group's one way to run a collective.
+        self._wire = Wire(pg, backend=backend, device=device, timeout_s=timeout_s, where=where)
         self._rank = rank
         self._world_size = world_size
-        self._backend = backend
-        self._device = device
-        self._timeout_s = timeout_s
-        self._where = where
         self._owns_default = owns_default  # destroy() tears down the default group too
-        # Owned by this object; set once, by the first failure or by destroy().
-        self._broken: str | None = None
         self._destroyed = False
-        # Owned by this object: collectives entered so far (a step's cost is counted in them).
-        self.collectives = 0
 
     @classmethod
     def attach(
@@ -139,19 +106,7 @@ class TPGroup:
         ranks; ``timeout_s`` is what the group was made with (for messages: the group
         enforces its own). ``destroy`` leaves ``pg`` alone. Raises GroupInputError for
         something that is not a process group, or nccl without a CUDA ``device``."""
-        # A ProcessGroup, or a backend made directly (ProcessGroupGloo is no subclass).
-        if not all(callable(getattr(pg, m, None)) for m in _PG_METHODS):
-            raise GroupInputError(f"attach needs a torch.distributed process group, got {pg!r}")
-        check_seconds("timeout_s", timeout_s)
-        backend = str(pg.name()).lower()
-        if backend not in ("gloo", "nccl"):
-            raise GroupInputError(f"attach supports gloo and nccl groups, got {backend!r}")
-        if backend == "nccl":
-            if device is None or device.type != "cuda":
-                raise GroupInputError(f"an nccl group needs a CUDA device, got {device}")
-            comm = device
-        else:
-            comm = torch.device("cpu")
+        backend, comm = attached_backend(pg, device, timeout_s)
         rank, size = pg.rank(), pg.size()
         return cls(
             pg,
@@ -173,43 +128,7 @@ class TPGroup:
         (an engine that has one passes its TP group to ``attach`` instead).
         Collectives on the returned group time out after ``timeout_s``.
         """
-        backend = resolve_backend(spec.backend, device)
-        if backend == "nccl":
-            if device.type != "cuda" or not torch.cuda.is_available():
-                raise GroupError(f"nccl needs a CUDA device, got {device} ({spec.where})")
-            comm_device = device
-        else:
-            comm_device = torch.device("cpu")
-        if dist.is_initialized():
-            raise GroupError(
-                f"this process already has a process group ({spec.where}); "
-                "hand its TP group to TPGroup.attach instead"
-            )
-        if backend == "nccl":
-            torch.cuda.set_device(comm_device)
-        try:
-            local = loopback_only() if spec.store_path is not None else contextlib.nullcontext()
-            with local:
-                dist.init_process_group(
-                    backend,
-                    init_method=spec.init_method,
-                    rank=spec.rank,
-                    world_size=spec.world_size,
-                    # Bounds the store rendezvous, and would bound the default group's
-                    # collectives too: hence the second group below.
-                    timeout=timedelta(seconds=spec.join_timeout_s),
-                )
-                # Every rank is in by now, so this meets at once; its timeout is the one
-                # every collective here runs under.
-                pg = dist.new_group(timeout=timedelta(seconds=spec.timeout_s))
-        except Exception as exc:
-            if dist.is_initialized():
-                with contextlib.suppress(Exception):
-                    dist.destroy_process_group()
-            raise GroupError(
-                f"init of {backend} group failed for {spec.where} "
-                f"(join timeout {spec.join_timeout_s:g}s): {_first_line(exc)}"
-            ) from exc
+        pg, backend, comm_device = join_default_group(spec, device)
         return cls(
             pg,
             rank=spec.rank,
@@ -231,16 +150,21 @@ class TPGroup:
 
     @property
     def backend(self) -> str:
-        return self._backend
+        return self._wire.backend
 
     @property
     def device(self) -> torch.device:
-        return self._device
+        return self._wire.device
 
     @property
     def broken(self) -> str | None:
         """Why the group can no longer be used, or None while it is healthy."""
-        return self._broken
+        return self._wire.broken
+
+    @property
+    def collectives(self) -> int:
+        """Collectives entered so far (a step's cost is counted in them)."""
+        return self._wire.collectives
 
     def all_min(self, values: Sequence[int]) -> list[int]:
         """Element-wise MIN over ranks, in one all-reduce. Collective; changes no state."""
@@ -256,19 +180,19 @@ class TPGroup:
         Bitwise NOT, not negation: ``~x`` reverses int64 order without the overflow of
         ``-INT64_MIN``, which is exactly the digest 0x8000000000000000. Collective.
         """
-        xs = self._int_list("min_max", values)
+        xs = self._wire.ints("min_max", values)
         n = len(xs)
-        t = self._tensor([n, ~n, *xs, *(~x for x in xs)])
-        self._collective("min_max", lambda: self._all_reduce(t, dist.ReduceOp.MIN))
-        out = self._unpack("min_max", t)
+        t = self._wire.tensor([n, ~n, *xs, *(~x for x in xs)])
+        self._wire.all_reduce("min_max", t, dist.ReduceOp.MIN)
+        out = self._wire.unpack("min_max", t)
         return out[:n], [~x for x in out[n:]]
 
     def agree_min(self, values: Sequence[int]) -> list[int]:
         """Element-wise MIN over ranks with no length header (see the module docstring):
         only for a list whose length every rank takes from the code, never from data.
         Collective; changes no state."""
-        t = self._tensor(self._int_list("agree_min", values))
-        self._collective("agree_min", lambda: self._all_reduce(t, dist.ReduceOp.MIN))
+        t = self._wire.tensor(self._wire.ints("agree_min", values))
+        self._wire.all_reduce("agree_min", t, dist.ReduceOp.MIN)
         return t.tolist()
 
     def digest_range(self, digest: int | None) -> tuple[int, int] | None:
@@ -284,10 +208,10 @@ class TPGroup:
         if digest is None:
             pair = [_I64_MIN, _I64_MIN]
         else:
-            (d,) = self._int_list("digest_range", [digest])
+            (d,) = self._wire.ints("digest_range", [digest])
             pair = [d, ~d]
-        t = self._tensor(pair)
-        self._collective("digest_range", lambda: self._all_reduce(t, dist.ReduceOp.MIN))
+        t = self._wire.tensor(pair)
+        self._wire.all_reduce("digest_range", t, dist.ReduceOp.MIN)
         lo, low_not = t.tolist()
         if lo == _I64_MIN and low_not == _I64_MIN:
             return None
@@ -308,15 +232,15 @@ class TPGroup:
         only the coordinator's comparison of each rank's whole digest with its mirror's
         catches it, at the same step.
         """
-        if self._backend == "nccl":
+        if self._wire.backend == "nccl":
             return self.digest_range(digest)
         if digest is None:
             v = 0
         else:
-            (d,) = self._int_list("digest_check", [digest])
+            (d,) = self._wire.ints("digest_check", [digest])
             v = _fold_pair(d)
-        t = self._tensor([v])
-        self._collective("digest_check", lambda: self._all_reduce(t, dist.ReduceOp.BAND))
+        t = self._wire.tensor([v])
+        self._wire.all_reduce("digest_check", t, dist.ReduceOp.BAND)
         got = int(t.item())
         if not got & _FLAG:
             return None
@@ -324,15 +248,15 @@ class TPGroup:
 
     def all_gather_ints(self, values: Sequence[int]) -> list[list[int]]:
         """Every rank's ``values``, indexed by rank (to name the odd rank). Collective."""
-        xs = self._int_list("all_gather_ints", values)
+        xs = self._wire.ints("all_gather_ints", values)
         n = len(xs)
-        mine = self._tensor([n, *xs])
+        mine = self._wire.tensor([n, *xs])
         rows = [torch.empty_like(mine) for _ in range(self.world_size)]
-        self._collective("all_gather_ints", lambda: self._pg.allgather([rows], [mine]).wait())
+        self._wire.run("all_gather_ints", lambda: self._wire.pg.allgather([rows], [mine]).wait())
         out = [row.tolist() for row in rows]
         lens = [row[0] for row in out]
         if any(m != n for m in lens):
-            raise self._fail("all_gather_ints", f"ranks passed lists of lengths {lens}")
+            raise self._wire.fail("all_gather_ints", f"ranks passed lists of lengths {lens}")
         return [row[1:] for row in out]
 
     def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
@@ -344,23 +268,25 @@ class TPGroup:
         """
         if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self.world_size:
             raise GroupInputError(f"src={src!r} is outside [0, {self.world_size})")
-        self._check_open("broadcast_bytes")
+        self._wire.check_open("broadcast_bytes")
         payload: bytes | None = None
         if self.rank == src and isinstance(data, bytes | bytearray | memoryview):
             payload = bytes(data)
-        length = self._tensor([len(payload) if payload is not None else -1])
-        self._collective("broadcast_bytes", lambda: self._broadcast(length, src))
+        length = self._wire.tensor([len(payload) if payload is not None else -1])
+        self._wire.broadcast("broadcast_bytes", length, src)
         n = int(length.item())
         if n < 0:
             # The collective itself went well: the group stays usable.
-            raise self._fail("broadcast_bytes", f"rank {src} had no bytes payload", broken=False)
+            raise self._wire.fail(
+                "broadcast_bytes", f"rank {src} had no bytes payload", broken=False
+            )
         if n == 0:
             return b""
         if payload is not None:
-            buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self._device)
+            buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self._wire.device)
         else:
-            buf = torch.empty(n, dtype=torch.uint8, device=self._device)
-        self._collective("broadcast_bytes", lambda: self._broadcast(buf, src))
+            buf = torch.empty(n, dtype=torch.uint8, device=self._wire.device)
+        self._wire.broadcast("broadcast_bytes", buf, src)
         return buf.cpu().numpy().tobytes()
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
@@ -375,13 +301,15 @@ class TPGroup:
             raise GroupInputError(
                 f"all_reduce_sum needs a floating-point tensor, got {type(t).__name__}"
                 f"{'' if not isinstance(t, torch.Tensor) else ' of ' + str(t.dtype)}"
-                f" ({self._where})"
+                f" ({self._wire.where})"
             )
-        self._check_open("all_reduce_sum")
+        self._wire.check_open("all_reduce_sum")
         buf = (
-            t if t.device == self._device and t.is_contiguous() else t.to(self._device).contiguous()
+            t
+            if t.device == self._wire.device and t.is_contiguous()
+            else t.to(self._wire.device).contiguous()
         )
-        self._collective("all_reduce_sum", lambda: self._all_reduce(buf, dist.ReduceOp.SUM))
+        self._wire.all_reduce("all_reduce_sum", buf, dist.ReduceOp.SUM)
         if buf is not t:
             t.copy_(buf)
         return t
@@ -389,11 +317,11 @@ class TPGroup:
     def barrier(self) -> None:
         """Wait until every rank reaches this barrier. Collective."""
         opts = dist.BarrierOptions()
-        idx = self._device.index
-        if self._backend == "nccl" and idx is not None:
+        idx = self._wire.device.index
+        if self._wire.backend == "nccl" and idx is not None:
             # NCCL wants the device named, or it guesses one from the rank and warns.
             opts.device_ids = [idx]
-        self._collective("barrier", lambda: self._pg.barrier(opts).wait())
+        self._wire.run("barrier", lambda: self._wire.pg.barrier(opts).wait())
 
     def destroy(self) -> None:
         """Leave the group (an attached group is its owner's: it is only left unused).
@@ -401,84 +329,19 @@ class TPGroup:
         if self._destroyed:
             return
         self._destroyed = True
-        if self._broken is None:
-            self._broken = "destroyed"
-        self._pg = None  # an attached group lives on with its owner
+        self._wire.close()  # an attached group lives on with its owner
         if self._owns_default and dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except Exception as exc:
-                raise GroupError(f"destroy failed for {self._where}: {exc}") from exc
-
-    def _all_reduce(self, t: torch.Tensor, op: dist.ReduceOp) -> None:
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = op
-        self._pg.allreduce([t], opts).wait()
-
-    def _broadcast(self, t: torch.Tensor, src: int) -> None:
-        opts = dist.BroadcastOptions()
-        opts.rootRank = src
-        opts.rootTensor = 0
-        self._pg.broadcast([t], opts).wait()
+                raise GroupError(f"destroy failed for {self._wire.where}: {exc}") from exc
 
     def _reduce_min(self, op: str, values: Sequence[int], *, negate: bool) -> list[int]:
-        xs = self._int_list(op, values)
+        xs = self._wire.ints(op, values)
         n = len(xs)
         body = [~x for x in xs] if negate else xs
         # The [n, ~n] header: after MIN it gives the shortest and the longest list.
-        t = self._tensor([n, ~n, *body])
-        self._collective(op, lambda: self._all_reduce(t, dist.ReduceOp.MIN))
-        out = self._unpack(op, t)
+        t = self._wire.tensor([n, ~n, *body])
+        self._wire.all_reduce(op, t, dist.ReduceOp.MIN)
+        out = self._wire.unpack(op, t)
         return [~x for x in out] if negate else out
-
-    def _unpack(self, op: str, t: torch.Tensor) -> list[int]:
-        """Check the [n, ~n] header of a MIN-reduced tensor; return the body."""
-        vals = t.tolist()
-        lo, hi = vals[0], ~vals[1]
-        if lo != hi:
-            raise self._fail(op, f"ranks passed lists of different lengths ({lo} to {hi})")
-        return vals[2:]
-
-    def _int_list(self, op: str, values: Sequence[int]) -> list[int]:
-        self._check_open(op)
-        xs: list[int] = []
-        for v in values:
-            if isinstance(v, bool) or not hasattr(v, "__index__"):
-                raise GroupInputError(f"{op}: {v!r} is not an int ({self._where})")
-            x = v.__index__()
-            if not _I64_MIN <= x <= _I64_MAX:
-                raise GroupInputError(
-                    f"{op}: {x} does not fit in int64; carry u64 with u64_to_i64 ({self._where})"
-                )
-            xs.append(x)
-        if not xs:
-            raise GroupInputError(f"{op}: empty list ({self._where})")
-        return xs
-
-    def _tensor(self, xs: list[int]) -> torch.Tensor:
-        return torch.tensor(xs, dtype=torch.int64, device=self._device)
-
-    def _check_open(self, op: str) -> None:
-        if self._broken is not None:
-            raise GroupError(f"{op}: group is unusable ({self._broken}) for {self._where}")
-
-    def _collective(self, op: str, fn: Callable[[], _T]) -> _T:
-        self._check_open(op)
-        self.collectives += 1
-        try:
-            return fn()
-        except Exception as exc:
-            raise self._fail(op, _first_line(exc)) from exc
-
-    def _fail(self, op: str, why: str, *, broken: bool = True) -> GroupError:
-        if broken:
-            self._broken = f"{op} failed: {why}"
-        return GroupError(
-            f"{op} failed for {self._where} ({self._backend}, timeout {self._timeout_s:g}s): {why}"
-        )
-
-
-def _first_line(exc: BaseException) -> str:
-    # torch's distributed errors carry a C++ stack trace after the first line.
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
