@@ -26,13 +26,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from tpcache.cache.errors import CacheError, LockError, OutOfCapacity, UnknownHandle
 from tpcache.cache.swa_cache import HybridCache
 from tpcache.cache.swa_config import HybridConfig, SwaHandle
-from tpcache.workers.lockstep import (
-    apply_op,
-    evict_result,
-    local_evict,
-    logged_admit,
-    logged_extend,
-)
+from tpcache.workers.lockstep import apply_op, local_evict
+from tpcache.workers.oplog import evict_result, logged_admit, logged_extend
 from tpcache.workers.ops import Abort, CacheUnfinished, Evict, Finish, OpResult, pack_tokens
 
 Key = tuple[int, ...]

@@ -26,7 +26,7 @@ from tpcache.coordinator.step_types import (
     StepObserver,
 )
 from tpcache.coordinator.steps import StepPipeline
-from tpcache.workers.lockstep import evict_result, logged_admit, logged_extend
+from tpcache.workers.oplog import evict_result, logged_admit, logged_extend
 from tpcache.workers.ops import (
     Abort,
     CacheUnfinished,

@@ -36,15 +36,12 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
-import numpy as np
-
-from tpcache.cache.keys import TokenLike, int_sum
-from tpcache.cache.reqtable import check_request_id
 from tpcache.errors import TpcacheError
 from tpcache.workers.errors import DivergenceError, LockstepError, RankFailure
 from tpcache.workers.group_spec import i64_to_u64, u64_to_i64
+from tpcache.workers.oplog import admit_result, evict_result, extend_result
 from tpcache.workers.ops import (
     Abort,
     Admit,
@@ -66,7 +63,6 @@ from tpcache.workers.ops import (
     decode_reply,
     decode_step,
     encode,
-    pack_tokens,
     unpack_tokens,
 )
 
@@ -85,61 +81,6 @@ class Agreement(Protocol):
 
 class _PeerFailed(TpcacheError):
     """Raised inside a step when an agreement carries a peer's failure sentinel."""
-
-
-def admit_result(got, evicted: tuple[int, ...] = (0,)) -> OpResult:
-    """The ``OpResult`` of an admit, from its pages: the slot-id sum without expanding
-    the prompt's slots (slot = page * size + offset, the last page possibly partial).
-    ``evicted``: pages freed per pool by its eviction."""
-    ps, n, pages = got.page_size, got.num_tokens, got.pages
-    full, rest = divmod(n, ps)
-    total = ps * ps * int_sum(pages[:full]) + full * (ps * (ps - 1) // 2)
-    if rest:
-        total += rest * ps * int(pages[full]) + rest * (rest - 1) // 2
-    return OpResult(got.prefix_len, n, total, *_pair(evicted))
-
-
-def evict_result(freed: tuple[int, ...]) -> OpResult:
-    """The ``OpResult`` of an ``Evict``: pages freed per pool."""
-    return OpResult(0, 0, 0, *_pair(freed))
-
-
-def _pair(pools: tuple[int, ...]) -> tuple[int, int]:
-    """Per-pool counts as the op log's (full, SWA) fields; a one-pool cache has no SWA."""
-    return pools[0], pools[1] if len(pools) > 1 else 0
-
-
-def _evicted(before: tuple[int, ...], after: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(b - a for a, b in zip(before, after, strict=True))
-
-
-# ---- the mirror's side: a call, and the op every rank must repeat -------------------------
-def logged_admit(
-    mirror, rid: RequestId, tokens: TokenLike, priority: int = 0, reserve: int = 0
-) -> tuple[Any, Admit, OpResult]:
-    """Admit on the coordinator's ``mirror`` (which validates and may evict); returns its
-    result, the ``Admit`` op every rank applies, and the result each must report.
-
-    The op carries the mirror's eviction ask (``eviction_ask``), so a rank repeats the
-    mirror's decision exactly. Raises what ``mirror.admit`` raises, having changed nothing.
-    """
-    rid = check_request_id(rid)  # the plain id the op log carries
-    marks = mirror.eviction_marks()
-    got = mirror.admit(rid, tokens, priority, reserve=reserve)
-    # The mirror's checked int32 tokens (its copy, or the caller's immutable buffer).
-    key = mirror.request_row(rid).tokens
-    ask = _pair(mirror.eviction_ask)
-    op = Admit(rid, pack_tokens(key), priority, ask[0], ask[1], reserve)
-    return got, op, admit_result(got, _evicted(marks, mirror.eviction_marks()))
-
-
-def logged_extend(mirror, rid: RequestId, n: int) -> tuple[np.ndarray, Extend, OpResult]:
-    """``logged_admit`` for ``extend``: the new slots, the op, the expected result."""
-    marks = mirror.eviction_marks()
-    slots = mirror.extend(rid, n)
-    ask = _pair(mirror.eviction_ask)
-    evicted = _pair(_evicted(marks, mirror.eviction_marks()))
-    return slots, Extend(rid, n, *ask), OpResult(0, int(slots.size), int_sum(slots), *evicted)
 
 
 # ---- a rank's side --------------------------------------------------------------------------
@@ -189,7 +130,7 @@ def apply_op(cache, op: Op, evict_fn: EvictFn) -> OpResult:
         case Extend(rid, n):
             evictor = _OpEvictor(op, evict_fn)
             slots = cache.extend(rid, n, evict=evictor)
-            return OpResult(0, int(slots.size), int_sum(slots), *_pair(evictor.evicted))
+            return extend_result(slots, evictor.evicted)
         case CacheUnfinished(rid, tokens):
             n = cache.cache_unfinished(rid, unpack_tokens(tokens))
             return OpResult(prefix_len=n)
@@ -382,6 +323,4 @@ __all__ = [
     "follow",
     "lead_command",
     "local_evict",
-    "logged_admit",
-    "logged_extend",
 ]

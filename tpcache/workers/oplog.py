@@ -1,0 +1,78 @@
+"""The op log's records of one cache call: the op the coordinator's mirror logs for every
+rank to repeat (``logged_admit``, ``logged_extend``), and the ``OpResult`` every rank must
+report for it (``admit_result``, ``evict_result``). No collective here: how a rank applies
+an op and agrees on it is ``lockstep.py``'s.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from tpcache.cache.keys import TokenLike, int_sum
+from tpcache.cache.reqtable import check_request_id
+from tpcache.workers.ops import Admit, Extend, OpResult, pack_tokens
+
+RequestId = int | str
+
+
+def admit_result(got, evicted: tuple[int, ...] = (0,)) -> OpResult:
+    """The ``OpResult`` of an admit, from its pages: the slot-id sum without expanding
+    the prompt's slots (slot = page * size + offset, the last page possibly partial).
+    ``evicted``: pages freed per pool by its eviction."""
+    ps, n, pages = got.page_size, got.num_tokens, got.pages
+    full, rest = divmod(n, ps)
+    total = ps * ps * int_sum(pages[:full]) + full * (ps * (ps - 1) // 2)
+    if rest:
+        total += rest * ps * int(pages[full]) + rest * (rest - 1) // 2
+    return OpResult(got.prefix_len, n, total, *_pair(evicted))
+
+
+def extend_result(slots: np.ndarray, evicted: tuple[int, ...]) -> OpResult:
+    """The ``OpResult`` of an extend: its new slots' count and sum, pages its eviction
+    freed per pool."""
+    return OpResult(0, int(slots.size), int_sum(slots), *_pair(evicted))
+
+
+def evict_result(freed: tuple[int, ...]) -> OpResult:
+    """The ``OpResult`` of an ``Evict``: pages freed per pool."""
+    return OpResult(0, 0, 0, *_pair(freed))
+
+
+def _pair(pools: tuple[int, ...]) -> tuple[int, int]:
+    """Per-pool counts as the op log's (full, SWA) fields; a one-pool cache has no SWA."""
+    return pools[0], pools[1] if len(pools) > 1 else 0
+
+
+def _evicted(before: tuple[int, ...], after: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(b - a for a, b in zip(before, after, strict=True))
+
+
+# ---- the mirror's side: a call, and the op every rank must repeat -------------------------
+def logged_admit(
+    mirror, rid: RequestId, tokens: TokenLike, priority: int = 0, reserve: int = 0
+) -> tuple[Any, Admit, OpResult]:
+    """Admit on the coordinator's ``mirror`` (which validates and may evict); returns its
+    result, the ``Admit`` op every rank applies, and the result each must report.
+
+    The op carries the mirror's eviction ask (``eviction_ask``), so a rank repeats the
+    mirror's decision exactly. Raises what ``mirror.admit`` raises, having changed nothing.
+    """
+    rid = check_request_id(rid)  # the plain id the op log carries
+    marks = mirror.eviction_marks()
+    got = mirror.admit(rid, tokens, priority, reserve=reserve)
+    # The mirror's checked int32 tokens (its copy, or the caller's immutable buffer).
+    key = mirror.request_row(rid).tokens
+    ask = _pair(mirror.eviction_ask)
+    op = Admit(rid, pack_tokens(key), priority, ask[0], ask[1], reserve)
+    return got, op, admit_result(got, _evicted(marks, mirror.eviction_marks()))
+
+
+def logged_extend(mirror, rid: RequestId, n: int) -> tuple[np.ndarray, Extend, OpResult]:
+    """``logged_admit`` for ``extend``: the new slots, the op, the expected result."""
+    marks = mirror.eviction_marks()
+    slots = mirror.extend(rid, n)
+    ask = _pair(mirror.eviction_ask)
+    evicted = _evicted(marks, mirror.eviction_marks())
+    return slots, Extend(rid, n, *ask), extend_result(slots, evicted)
