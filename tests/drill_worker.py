@@ -1,4 +1,4 @@
-"""``DrillWorker``: the rank worker with fault drills, for tests only (the product's
+"""``DrillWorker``: the rank worker with fault drills and a known KV pattern, for tests only (the product's
 ``RankWorker`` has none). Swapped in where a group is started (``start_group(...,
 worker_cls=DrillWorker)``, ``start_local_group``, ``local_engine``) or by name
 (``python -m tpcache.torchrun check --worker drill_worker:DrillWorker --drills``).
@@ -17,7 +17,10 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import numpy as np
+import torch
 
+from tpcache.workers.kvpool import PoolSpec
 from tpcache.workers.lockstep import apply_step
 from tpcache.workers.ops import Admit, Evict, Op, Step, StepResult, pack_tokens, unpack_tokens
 from tpcache.workers.rank import RankWorker
@@ -49,6 +52,14 @@ class DrillWorker(RankWorker):
         host = self.models
         assert host.runner is not None, "no runner loaded"
         host.runner = _ShiftOnce(host, host.runner, shift)  # type: ignore[assignment]
+
+    def write_token_kv(self, slots: np.ndarray, tokens: np.ndarray) -> None:
+        """Write a known function of (token, layer, global head) at ``slots`` on every layer
+        (``expected_token_kv``): a later prefix hit must read back exactly that."""
+        pool = self._pool()
+        for layer in range(self.spec.pool.num_layers):
+            k, v = expected_token_kv(self.spec.pool, self.rank, layer, tokens)
+            pool.write(layer, slots, k.to(self.device), v.to(self.device))
 
     def attach_and_setup(self, group: Any) -> int:
         self._faults.clear()
@@ -115,6 +126,21 @@ def _corrupt_first(op: Op) -> Op:
     if isinstance(op, Evict):
         return msgspec.structs.replace(op, num_tokens=op.num_tokens + 1)
     return op
+
+
+def expected_token_kv(
+    pool: PoolSpec, rank: int, layer: int, tokens: np.ndarray
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V ``DrillWorker.write_token_kv`` stores for ``tokens`` on ``rank``'s heads."""
+    h = pool.heads_per_rank
+    heads = torch.arange(rank * h, (rank + 1) * h, dtype=torch.float64)
+    dims = torch.arange(pool.head_dim, dtype=torch.float64)
+    t = torch.as_tensor(np.asarray(tokens, dtype=np.float64))
+    # Small exact values in every dtype: token mod 251, head, layer and dim mixed in.
+    base = (t % 251)[:, None, None] + 256 * heads[None, :, None] + dims[None, None, :] / 64
+    k = (base + 1024 * layer).to(pool.torch_dtype)
+    v = (-base - 1024 * layer).to(pool.torch_dtype)
+    return k, v
 
 
 def _pickle_by_value() -> None:

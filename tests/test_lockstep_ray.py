@@ -11,7 +11,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from drill_worker import DrillWorker
+from drill_worker import DrillWorker, expected_token_kv
 from group_helpers import group_config
 
 from tpcache.cache import errors
@@ -20,7 +20,6 @@ from tpcache.frontend import api
 from tpcache.frontend.frontend import handle
 from tpcache.frontend.service import start_group
 from tpcache.workers.lockstep import DivergenceError
-from tpcache.workers.rank import expected_token_kv
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +28,7 @@ def groups(ray_cluster):
 
     def get(tp: int):
         if tp not in made:
-            made[tp] = start_group(group_config(tp))
+            made[tp] = start_group(group_config(tp), worker_cls=DrillWorker)
         coord = made[tp]
         coord.reset()
         coord.sync()

@@ -15,7 +15,6 @@ import time
 from typing import Any
 
 import numpy as np
-import torch
 
 from tpcache.cache.errors import CacheError
 from tpcache.cache.radix import RadixCache
@@ -25,7 +24,6 @@ from tpcache.workers.group import TPGroup
 from tpcache.workers.group_spec import GroupSpec, free_port, node_ip
 from tpcache.workers.kvpool import (
     KVPool,
-    PoolSpec,
     device_budget_bytes,
     rank_device,
     slots_that_fit,
@@ -221,16 +219,6 @@ class RankWorker:
         return [self.apply(data) for data in steps]
 
     # ---- KV data (the model's side; not part of the cache state) ------------------------
-    def write_token_kv(self, slots: np.ndarray, tokens: np.ndarray) -> None:
-        """Write a known function of (token, layer, global head) at ``slots`` on every layer.
-
-        For checking that KV written at some slots is what a later prefix hit reads.
-        """
-        pool = self._pool()
-        for layer in range(self.spec.pool.num_layers):
-            k, v = expected_token_kv(self.spec.pool, self.rank, layer, tokens)
-            pool.write(layer, slots, k.to(self.device), v.to(self.device))
-
     def read_kv(self, layer: int, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         k, v = self._pool().read(layer, slots)
         return k.float().cpu().numpy(), v.float().cpu().numpy()
@@ -328,8 +316,6 @@ class RankWorker:
         return self.rank
 
     def pid(self) -> int:
-        import os
-
         return os.getpid()
 
     def collective_ping(self, payload: bytes = b"") -> int:
@@ -365,19 +351,4 @@ class RankWorker:
         return self.group
 
 
-def expected_token_kv(
-    pool: PoolSpec, rank: int, layer: int, tokens: np.ndarray
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The K and V ``write_token_kv`` stores for ``tokens`` on ``rank``'s heads."""
-    h = pool.heads_per_rank
-    heads = torch.arange(rank * h, (rank + 1) * h, dtype=torch.float64)
-    dims = torch.arange(pool.head_dim, dtype=torch.float64)
-    t = torch.as_tensor(np.asarray(tokens, dtype=np.float64))
-    # Small exact values in every dtype: token mod 251, head, layer and dim mixed in.
-    base = (t % 251)[:, None, None] + 256 * heads[None, :, None] + dims[None, None, :] / 64
-    k = (base + 1024 * layer).to(pool.torch_dtype)
-    v = (-base - 1024 * layer).to(pool.torch_dtype)
-    return k, v
-
-
-__all__ = ["CacheSpec", "RankWorker", "WorkerSpec", "expected_token_kv"]
+__all__ = ["CacheSpec", "RankWorker", "WorkerSpec"]
