@@ -113,11 +113,11 @@ class Coordinator:
 
     @property
     def restart_note(self) -> str | None:
-        return self.steps.restart_note
+        return self.steps.lost.restart_note
 
     @restart_note.setter
     def restart_note(self, value: str | None) -> None:
-        self.steps.restart_note = value
+        self.steps.lost.restart_note = value
 
     def batch(self):
         """Group every call made inside the block into one step."""
@@ -153,7 +153,7 @@ class Coordinator:
         def run() -> Admission:
             rid = check_request_id(request_id)
             got, op, expected = logged_admit(self.mirror, rid, tokens, priority, reserve)
-            self.steps.forget_lost(rid)
+            self.steps.lost.forget(rid)
             self.steps.emit(op, expected)
             c = self.counters
             c.queries += 1
@@ -247,7 +247,7 @@ class Coordinator:
         """The plain id of a call on a running request; raises ``RequestLost`` for one lost
         to a failure, ``CacheError`` for a malformed id (nothing changed either way)."""
         rid = check_request_id(request_id)
-        self.steps.check_lost(rid)
+        self.steps.lost.check(rid, self.mirror.is_running(rid))
         return rid
 
     def stats(self) -> dict[str, Any]:

@@ -16,7 +16,7 @@ work. A step that waits is sent by the next call, ``flush()`` or ``sync()``; any
 that reaches the ranks directly (a model forward) flushes first.
 
 A failed or diverged step stops the group: the running requests are lost (later calls
-for them raise ``RequestLost``) and, if configured, the group is rebuilt at once.
+for them raise ``RequestLost``, ``lost.py``) and, if configured, the group is rebuilt at once.
 ``core.Coordinator`` puts the frontend API on top.
 """
 
@@ -27,10 +27,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from tpcache.cache.radix import RadixCache
-from tpcache.coordinator.errors import CoordinatorUnavailable, RequestLost
+from tpcache.coordinator.errors import CoordinatorUnavailable
+from tpcache.coordinator.lost import LostRequests
 from tpcache.coordinator.step_types import (
     Closed,
     CoordinatorConfig,
@@ -80,10 +81,7 @@ class StepPipeline:
         self._batch_depth = 0
         self.broken: LockstepError | None = None
         self.recovery = Recovery()
-        # Requests that were running when the group failed: id -> why they were lost.
-        self._lost: dict[Any, str] = {}
-        # Set by a restarted service: every unknown request id may have been lost.
-        self.restart_note: str | None = None
+        self.lost = LostRequests()  # owned here: what a failure or a recovery lost
 
     @property
     def steps_sent(self) -> int:
@@ -245,10 +243,7 @@ class StepPipeline:
         """Stop: every running request is lost (with ``err`` as the cause), then recover
         if configured, and raise ``err`` (retryable) to the caller that hit it."""
         self.broken = err
-        for rid in self.mirror.running_ids():
-            self._lost[rid] = str(err)
-        while len(self._lost) > 100_000:  # bounded memory of lost ids, oldest first
-            del self._lost[next(iter(self._lost))]
+        self.lost.lose(self.mirror.running_ids(), str(err))
         self._inflight.clear()
         self._waiting = []
         self._pending = []
@@ -289,8 +284,8 @@ class StepPipeline:
         """
         started = time.monotonic()
         self.recovery.stopped = False
-        for rid in self.mirror.running_ids():
-            self._lost.setdefault(rid, "the coordinator recovered its TP group")
+        why = "the coordinator recovered its TP group"
+        self.lost.lose(self.mirror.running_ids(), why, replace=False)
         self._inflight.clear()
         self._waiting = []
         self._pending = []
@@ -328,19 +323,6 @@ class StepPipeline:
             self._break(RankFailure(self._next_step, f"rank {exc.rank} {kind}: {exc.cause}"))
         return True
 
-    def check_lost(self, rid: Any) -> None:
-        """Raise ``RequestLost`` for a request the group lost (to a failure or a restart)."""
-        if not _hashable(rid) or self.mirror.is_running(rid):
-            return
-        why = self._lost.pop(rid, None)
-        if why is not None:
-            raise RequestLost(f"request {rid!r} was lost ({why}); admit it again")
-        if self.restart_note is not None:
-            raise RequestLost(
-                f"request {rid!r} is unknown: {self.restart_note}, so requests admitted "
-                "before then are lost; admit it again"
-            )
-
     def _check_usable(self) -> None:
         """Raise ``CoordinatorUnavailable`` (retryable) while the group is broken. Where an
         automatic recovery attempt is due, make it first: so a served coordinator (its
@@ -357,12 +339,3 @@ class StepPipeline:
             wait = max(0.0, r.next_at - time.monotonic())
             why = f"recovery attempt {r.consecutive} failed ({r.last_error}); next in {wait:.1f}s"
         raise CoordinatorUnavailable(f"the TP group stopped at {self.broken}; {why}")
-
-    def forget_lost(self, rid: Any) -> None:
-        """A request admitted again is no longer lost."""
-        if _hashable(rid):
-            self._lost.pop(rid, None)
-
-
-def _hashable(rid: Any) -> bool:
-    return isinstance(rid, int | str)
