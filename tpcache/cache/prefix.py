@@ -15,7 +15,6 @@ a ``CacheError`` subclass otherwise.
 
 from __future__ import annotations
 
-from operator import add
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -48,9 +47,9 @@ from tpcache.cache.reqtable import (
     check_extends,
     extended_length,
     finished_tail,
-    refuse_room,
     row_slots,
 )
+from tpcache.cache.room import Room
 from tpcache.cache.tree_check import check_cache
 
 if TYPE_CHECKING:
@@ -61,7 +60,7 @@ class PrefixCache:
     """A paged radix prefix cache: allocator, tree, running-request table and handles.
 
     ``alloc``, ``tree``, ``reqs`` and ``handles`` are owned here and changed only through
-    these methods (the digest and ``check_integrity`` read them); so is ``_ask``. A kind
+    these methods (the digest and ``check_integrity`` read them); so is ``_room``. A kind
     gives ``pool_names``, its allocator and tree, and shapes its results (the hooks at
     the end; those here are the one-pool cache's).
     """
@@ -76,10 +75,8 @@ class PrefixCache:
         self.reqs = ReqTable()
         self.handles = HandleLocks(tree)
         self._limit = config.request_limit  # read on every admit and extend
-        # Pages per pool the last admit or extend asked the eviction for (its shortfall
-        # after the lock): the decision a TP rank repeats (see ``eviction_ask``).
-        self._no_ask = (0,) * len(self.pool_names)
-        self._ask: tuple[int, ...] = self._no_ask
+        # How admit and extend make room; it keeps the last eviction ask (``eviction_ask``).
+        self._room = Room(alloc, tree, self.page_size, self.pool_names)
 
     @property
     def num_pools(self) -> int:
@@ -141,7 +138,7 @@ class PrefixCache:
     # ---- eviction as the lockstep asks for it (one entry per pool) ------------------------
     @property
     def eviction_ask(self) -> tuple[int, ...]:
-        return self._ask
+        return self._room.ask
 
     def evictable_pages(self) -> tuple[int, ...]:
         return tuple(c - p for c, p in self.tree.pool_pages())
@@ -167,14 +164,15 @@ class PrefixCache:
         key = as_tokens(tokens, copy=True, defer_sign=True)  # the row keeps it (if mutable)
         prio = as_priority(priority)
         total = admitted_length(key.size, reserve, self._limit)
-        self._ask = self._no_ask
+        room = self._room
+        room.ask = room.no_ask
         ps = self.page_size
         tree = self.tree
         path, pos, partial, common = tree.match_walk(key, (key.size - 1) // ps * ps)
         check_sign(key, pos + common)
         need = -(-total // ps) - (pos + common) // ps
         if need > self.alloc.num_free:
-            self._check_room(need, path, partial, common, evict)
+            room.check(need, path, partial, common, evict)
         if partial is not None:  # the match ends inside it: split off its upper part
             path.append(tree.split(partial, common))
             pos += common
@@ -183,7 +181,7 @@ class PrefixCache:
         tree.lock(node, top)
         tree.touch(path, queue=False)
         try:
-            pages = self._take_pages(need, evict)
+            pages = room.take(need, evict)
         except OutOfCapacity:
             tree.unlock(node, top)
             raise
@@ -195,13 +193,14 @@ class PrefixCache:
     def extend(self, rid: RequestId, n: int, *, evict: bool | Evictor = True) -> np.ndarray:
         req = self.reqs.get(rid)
         end = extended_length(req, n, self._limit)
-        self._ask = self._no_ask
+        room = self._room
+        room.ask = room.no_ask
         ps = self.page_size
         need = -(-end // ps) - req.pages.size
         if need > self.alloc.num_free:
-            self._check_room(need, [], None, 0, evict)
+            room.check(need, [], None, 0, evict)
         if need or callable(evict):
-            req.pages = join_pages((req.pages, self._take_pages(need, evict)))
+            req.pages = join_pages((req.pages, room.take(need, evict)))
         start, req.num_tokens = req.num_tokens, end
         return row_slots(req, start, end, ps)
 
@@ -251,31 +250,6 @@ class PrefixCache:
         tree.unlock(req.node, tree.find_top(req.node, req.mark) if req.mark else None)
         self.reqs.remove(req.rid)
 
-    def _check_room(
-        self, need: int, path: list[Any], partial: Any, common: int, evict: bool | Evictor
-    ) -> None:
-        """Refuse (``OutOfCapacity``) ``need`` pages that some pool cannot give even after
-        eviction, once the match ``path`` is locked (its pages stop being evictable)."""
-        if callable(evict):
-            return
-        frees = self.alloc.pool_free()
-        room = None
-        if evict:
-            room = self.tree.evictable_after_lock(path, partial, common)
-            if need <= min(map(add, frees, room)):
-                return
-        refuse_room(need, self.page_size, frees, room, self.pool_names)
-
-    def _take_pages(self, need: int, evict: bool | Evictor) -> np.ndarray:
-        """``need`` pages (in every pool) after the eviction: a view, valid until the next
-        free, that callers copy into the row at once."""
-        if callable(evict):
-            evict(*self.alloc.shortfall(need))  # may be a collective
-        elif evict and need > self.alloc.num_free:
-            self._ask = self.alloc.shortfall(need)
-            self.tree.evict(*self._ask)
-        return self.alloc.alloc(need, HELD, copy=False)
-
     # ---- what a cache kind shapes (one pool, no window here) ------------------------------
     def _match_result(self, path: list[Any], n: int) -> MatchResult:
         if len(path) > 1:
@@ -309,7 +283,7 @@ class PrefixCache:
         self.tree._clear()
         self.reqs = ReqTable()
         self.handles = HandleLocks(self.tree)
-        self._ask = self._no_ask
+        self._room.ask = self._room.no_ask
         if self.config.record_events:
             events.append(AllBlocksCleared())
         self.tree.events = events
