@@ -166,6 +166,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "Start it under torchrun: `torchrun --standalone --nproc_per_node=2 -m "
         "tpcache.torchrun check`.",
     )
+    # One flat list of the check's options, in the order --help shows them (longer than
+    # 60 lines, but split it would only scatter one command's help).
     sub = p.add_subparsers(dest="mode", required=True)
     what = (
         "check a small tensor-parallel decoder run over the cache against a full "

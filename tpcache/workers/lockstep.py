@@ -194,25 +194,40 @@ def apply_step(
                 failure = f"op {i} ({type(op).__name__}) did not reach its agreement"
     digest = cache.digest()
     ops_us = (time.perf_counter() - started) * 1e6
+    agree_digest(group, step.step, rank, digest, failure, peer_failed_at)
+    return StepResult(
+        step.step, rank, digest, results, (time.perf_counter() - started) * 1e6, ops_us
+    )
+
+
+def agree_digest(
+    group: Agreement,
+    step: int,
+    rank: int,
+    digest: int,
+    failure: str | None,
+    peer_failed_at: int | None,
+) -> None:
+    """The step's last collective: ``digest_check`` of this rank's ``digest`` (``None``
+    if this rank failed, at ``failure``, or saw a peer's failure at op
+    ``peer_failed_at``). Raises ``RankFailure`` if any rank failed, ``DivergenceError``
+    if the digests differ, on every rank together."""
     healthy = failure is None and peer_failed_at is None
     span = group.digest_check(u64_to_i64(digest) if healthy else None)
     if span is None:
         if failure is not None:
-            raise RankFailure(step.step, f"rank {rank} failed at {failure}", local=True)
+            raise RankFailure(step, f"rank {rank} failed at {failure}", local=True)
         seen = (
             f" (announced at op {peer_failed_at}'s agreement)" if peer_failed_at is not None else ""
         )
-        raise RankFailure(step.step, f"an op failed on another rank{seen}")
+        raise RankFailure(step, f"an op failed on another rank{seen}")
     if span[0] != span[1]:
         raise DivergenceError(
-            step.step,
+            step,
             f"cache digests differ across ranks (this rank {digest:#018x}; over the ranks "
             f"{i64_to_u64(span[0]):#x} and {i64_to_u64(span[1]):#x}: the MIN and MAX of "
             "the digests under NCCL, the AND and OR of their 31-bit folds under gloo)",
         )
-    return StepResult(
-        step.step, rank, digest, results, (time.perf_counter() - started) * 1e6, ops_us
-    )
 
 
 def broadcast_step(group: Agreement, data: bytes | None, src: int = 0) -> Step:
