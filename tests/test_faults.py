@@ -381,12 +381,20 @@ def test_recovery_retries_after_a_rank_dies_during_it(ray_cluster, tmp_path):
     from tpcache.workers.rank import RankWorker
 
     marker = str(tmp_path / "crashed")
+    late = str(tmp_path / "late")
 
     class CrashOnRejoin(RankWorker):
         def rejoin(self, master_addr: str, master_port: int, store_path=None) -> int:
             if self.rank == 0 and not os.path.exists(marker):
                 open(marker, "w").close()
                 os._exit(9)
+            if self.rank == 1 and not os.path.exists(late):
+                # The first attempt's call starts late (as under load, behind a new
+                # actor's start): the next attempt's ping finds rank 1 not joining yet.
+                # Judged healthy, it used to get a second rejoin while this one went on
+                # to join the first attempt's group: the two never met (CI failed so).
+                open(late, "w").close()
+                time.sleep(4.0)
             return super().rejoin(master_addr, master_port, store_path)
 
     cfg = config(coordinator=CoordinatorConfig(probe_s=2.0, recovery_backoff_s=2.0))

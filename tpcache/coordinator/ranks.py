@@ -72,6 +72,7 @@ class RayRanks:
         bundle = {"GPU": gpus_per_rank, "CPU": CPU_PER_RANK} if gpus else {"CPU": CPU_PER_RANK}
         bundles = [{**bundle, **(rank_resources[r] if rank_resources else {})} for r in range(tp)]
         self.path: ChannelPath | None = None
+        self._joins: list[Any] = []  # the last group formation's calls, one per rank
         self.pg = placement_group(bundles, strategy=strategy)
         try:
             ray.get(self.pg.ready(), timeout=start_timeout_s)
@@ -136,7 +137,8 @@ class RayRanks:
         # setup's one collective), so a failed join comes back as the rank's GroupError,
         # which names it, rather than as a bare timeout here.
         t += self.spec.join_timeout_s + self.spec.timeout_s
-        caps = self._get([getattr(a, method).remote(addr, port, store) for a in self.actors], t)
+        self._joins = [getattr(a, method).remote(addr, port, store) for a in self.actors]
+        caps = self._get(self._joins, t)
         self.master = (addr, port)
         return int(caps[0])
 
@@ -198,12 +200,19 @@ class RayRanks:
         new group and a new step channel, and agree the capacity again. The new ranks and
         the survivors all start with an empty cache. Returns the capacity."""
         self._close_path()
+        # A rank whose join of an earlier attempt has not returned is replaced whatever
+        # its health says: that call may not have started yet (a new actor still
+        # starting, health answered first), and would then join the old group while the
+        # new one waits for it.
+        joins = self._joins
+        joined, _ = ray.wait(joins, num_returns=len(joins), timeout=0) if joins else ([], [])
+        stale = {rank for rank, ref in enumerate(joins) if ref not in set(joined)}
         refs = [a.health.remote() for a in self.actors]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=probe_s)
         done = set(ready)
         for rank, ref in enumerate(refs):
             healthy = False
-            if ref in done:
+            if ref in done and rank not in stale:
                 with contextlib.suppress(Exception):
                     got, busy_s, joining = ray.get(ref, timeout=0)
                     healthy = got == rank and busy_s < probe_s and not joining
