@@ -51,20 +51,11 @@ def attend(
     ValueError if some query sees no key (its own K must always be among ``k``), or if
     ``kv_heads`` does not divide ``heads``.
     """
-    heads, kv_heads = q.shape[1], k.shape[1]
-    if kv_heads != heads:
-        if kv_heads < 1 or heads % kv_heads:
-            raise ValueError(f"{heads} query heads cannot share {kv_heads} KV heads evenly")
-        k = k.repeat_interleave(heads // kv_heads, dim=1)
-        v = v.repeat_interleave(heads // kv_heads, dim=1)
+    k, v = _share_kv(q.shape[1], k, v, dim=1)
     scale = q.shape[-1] ** -0.5
     scores = torch.einsum("nhd,chd->hnc", q.float(), k.float()) * scale
     rel = q_pos[:, None] - k_pos[None, :]  # [n, c]: how far back each key is
-    allowed = rel >= 0
-    if window is not None:
-        allowed &= rel <= window
-    if not bool(allowed.any(dim=1).all()):
-        raise ValueError("a query has no key in its context (its own K is missing)")
+    allowed = _context(rel >= 0, rel, window)
     scores = scores.masked_fill(~allowed[None, :, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("hnc,chd->nhd", probs, v.float())
@@ -86,21 +77,36 @@ def attend_one_each(
     ``k_pos`` ``[b, c]``, of which ``valid`` ``[b, c]`` are real (the rest is padding).
     Same masks, grouping and precision as ``attend``. Returns ``[b, heads * d]``.
     """
-    heads, kv_heads = q.shape[1], k.shape[2]
-    if kv_heads != heads:
-        if kv_heads < 1 or heads % kv_heads:
-            raise ValueError(f"{heads} query heads cannot share {kv_heads} KV heads evenly")
-        k = k.repeat_interleave(heads // kv_heads, dim=2)
-        v = v.repeat_interleave(heads // kv_heads, dim=2)
+    k, v = _share_kv(q.shape[1], k, v, dim=2)
     scale = q.shape[-1] ** -0.5
     scores = torch.einsum("bhd,bchd->bhc", q.float(), k.float()) * scale
     rel = q_pos[:, None] - k_pos  # [b, c]
-    allowed = valid & (rel >= 0)
-    if window is not None:
-        allowed &= rel <= window
-    if not bool(allowed.any(dim=1).all()):
-        raise ValueError("a query has no key in its context (its own K is missing)")
+    allowed = _context(valid & (rel >= 0), rel, window)
     scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bhc,bchd->bhd", probs, v.float())
     return out.reshape(out.shape[0], -1).to(q.dtype)
+
+
+def _share_kv(
+    heads: int, k: torch.Tensor, v: torch.Tensor, dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped-query attention: ``k`` and ``v`` with their KV heads (axis ``dim``)
+    repeated so query head h reads KV head ``h // (heads // kv_heads)``. Raises
+    ValueError unless ``kv_heads`` divides ``heads``."""
+    kv_heads = k.shape[dim]
+    if kv_heads == heads:
+        return k, v
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"{heads} query heads cannot share {kv_heads} KV heads evenly")
+    group = heads // kv_heads
+    return k.repeat_interleave(group, dim=dim), v.repeat_interleave(group, dim=dim)
+
+
+def _context(causal: torch.Tensor, rel: torch.Tensor, window: int | None) -> torch.Tensor:
+    """The keys each query sees: ``causal`` (already ``rel >= 0``) and, with a window,
+    at most ``window`` back. Raises ValueError if some query sees none."""
+    allowed = causal if window is None else causal & (rel <= window)
+    if not bool(allowed.any(dim=1).all()):
+        raise ValueError("a query has no key in its context (its own K is missing)")
+    return allowed
