@@ -26,11 +26,11 @@ from tpcache.frontend.netfront import FrontendConfig, FrontendConfigError
 from tpcache.workers.spec import CacheSpec
 
 
-def group(capacity: int = 4096):
+def group(capacity: int = 4096, window: int | None = None):
     cfg = GroupConfig(
         tp=2,
         capacity_tokens=capacity,
-        cache=CacheSpec(page_size=4, max_request_tokens=1024),
+        cache=CacheSpec(page_size=4, max_request_tokens=1024, sliding_window=window),
         num_layers=1,
         kv_heads=2,
         head_dim=4,
@@ -231,6 +231,62 @@ def test_row_rewrites_reach_the_remote_frontend(served) -> None:
                 assert coord.ranks.call("request_slots", rid) == [rows[rid]] * 2
         c.finish("A")
         c.finish("B")
+
+
+def _check_swa(coord, rid: str, start: int, reply) -> None:
+    """The reply's SWA slots are those of the request's full slots from the window before
+    ``start`` to the end of its row, as the cache maps them."""
+    row = coord.mirror.request_row(rid)
+    assert reply.swa_start == max(0, start - 12)
+    full = row.slots[reply.swa_start :]
+    assert reply.swa_slots == coord.mirror.swa_slots(full).tolist()
+    assert len(set(reply.swa_slots)) == len(reply.swa_slots) == row.num_tokens - reply.swa_start
+
+
+def test_hybrid_replies_carry_the_swa_slots() -> None:
+    """#21: with the sliding-window cache, admit, extend and a rewriting cache_unfinished
+    give the SWA slots the new tokens read (the window before them) and write; with the
+    full-attention cache they give none."""
+    coord = group(window=12)
+    lock = threading.Lock()
+    front = serve_network(coord, FrontendConfig(endpoint="tcp://127.0.0.1:*"), lock)
+    prompt = list(range(600, 640))
+    try:
+        with Client(front.endpoint) as c:
+            c.admit("warm", prompt[:32])
+            c.finish("warm")
+            got = c.admit("A", prompt)  # a hit of 32 tokens: reads the window 20..32
+            assert got.prefix_len == 32 and got.swa_start == 20
+            with lock:
+                _check_swa(coord, "A", 32, got)
+            more = c.extend("A", 5)
+            with lock:
+                _check_swa(coord, "A", 40, more)
+            c.admit("B", prompt[:8])
+            c.extend("B", 16)
+            c.admit("C", prompt[:8])
+            c.extend("C", 16)
+            c.cache_unfinished("B", prompt[:24])
+            moved = c.cache_unfinished("C", prompt[:24])  # rewritten to B's pages
+            assert moved.row
+            with lock:
+                _check_swa(coord, "C", 24, moved)
+            for rid in ("A", "B", "C"):
+                c.abort(rid)
+        digest, ranks = settled(coord, lock)
+        assert ranks == [digest, digest]
+    finally:
+        front.close()
+        coord.close()
+
+
+def test_full_attention_replies_have_no_swa_slots(served) -> None:
+    _, front, _ = served
+    with Client(front.endpoint) as c:
+        got = c.admit("a", list(range(1, 30)))
+        more = c.extend("a", 2)
+        assert (got.swa_start, got.swa_slots, more.swa_start, more.swa_slots) == (0, [], 0, [])
+        c.abort("a")
 
 
 def test_the_client_imports_neither_torch_nor_ray() -> None:

@@ -57,23 +57,37 @@ class _Reply(msgspec.Struct, tag_field="reply", frozen=True):
     pass
 
 
+# With the hybrid (sliding-window) cache, a reply that hands out slots also gives
+# ``swa_slots``: the SWA-pool slots of the request's tokens from ``swa_start`` to the end
+# of its row, that is, the window the new tokens attend to (sliding layers read it) and
+# the new tokens themselves (sliding layers write there). Empty with the full-attention
+# cache.
+
+
 class AdmitReply(_Reply, tag="admit"):
     prefix_len: int
     slots: list[int]
+    swa_start: int = 0
+    swa_slots: list[int] = []
 
 
 class SlotsReply(_Reply, tag="slots"):
     slots: list[int]
+    swa_start: int = 0
+    swa_slots: list[int] = []
 
 
 class CachedReply(_Reply, tag="cached"):
     """``row``: after a ``cache_unfinished`` that rewrote the request's row (its cached
     pages became the tree's), the request's slots now; ``freed``: the slots it held
-    before that are free now (stale for the frontend). Both empty when nothing moved."""
+    before that are free now (stale for the frontend). Both empty when nothing moved;
+    with the hybrid cache a rewrite also gives the last window's SWA slots now."""
 
     cached_tokens: int
     row: list[int] = []
     freed: list[int] = []
+    swa_start: int = 0
+    swa_slots: list[int] = []
 
 
 class OkReply(_Reply, tag="ok"):

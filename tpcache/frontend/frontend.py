@@ -47,9 +47,13 @@ def dispatch(coord: Coordinator, call: Call) -> Reply:
         match call:
             case AdmitCall(rid, tokens, priority, reserve):
                 got = coord.admit(rid, tokens, priority, reserve)
-                return AdmitReply(got.prefix_len, got.slots.tolist())
+                return AdmitReply(
+                    got.prefix_len, got.slots.tolist(), *_swa(coord, rid, got.prefix_len)
+                )
             case ExtendCall(rid, n):
-                return SlotsReply(coord.extend(rid, n).tolist())
+                slots = coord.extend(rid, n)
+                start = coord.mirror.request_row(rid).num_tokens - slots.size
+                return SlotsReply(slots.tolist(), *_swa(coord, rid, start))
             case CacheUnfinishedCall(rid, tokens):
                 return _cache_unfinished(coord, rid, tokens)
             case FinishCall(rid, output):
@@ -64,6 +68,15 @@ def dispatch(coord: Coordinator, call: Call) -> Reply:
     except Exception as exc:  # a bug: the frontend still gets a reply, and the type's name
         return ErrorReply(type(exc).__name__, f"internal error: {exc}")
     return ErrorReply("BadRequest", f"unknown call {call!r}")
+
+
+def _swa(coord: Coordinator, rid, start: int) -> tuple[int, list[int]]:
+    """The SWA slots from the window before token ``start`` (the first new one) to the end
+    of the request's row; ``(0, [])`` with the full-attention cache."""
+    got = coord.mirror.request_swa_slots(rid, start)
+    if got is None:
+        return 0, []
+    return got[0], got[1].tolist()
 
 
 def _cache_unfinished(coord: Coordinator, rid, tokens) -> CachedReply:
@@ -84,6 +97,7 @@ def _cache_unfinished(coord: Coordinator, rid, tokens) -> CachedReply:
         n,
         pages_to_slots(row.pages, ps, row.num_tokens).tolist(),
         pages_to_slots(np.sort(freed), ps).tolist(),
+        *_swa(coord, rid, row.num_tokens),
     )
 
 

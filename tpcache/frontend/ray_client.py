@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -42,10 +42,13 @@ class NotServing(TpcacheError, ValueError):
 class Admitted:
     """An admitted request as the client sees it: the cached prefix length and the slot
     ids of the whole prompt (read-only; with ``reserve=n``, those of the first ``n``
-    output tokens follow)."""
+    output tokens follow); with the hybrid cache, the SWA slots from ``swa_start`` (the
+    window before the first new token) to the end (``api.AdmitReply``), else empty."""
 
     prefix_len: int
     slots: np.ndarray
+    swa_start: int = 0
+    swa_slots: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
 
     @property
     def num_tokens(self) -> int:
@@ -222,8 +225,9 @@ class Client:
 def _admitted(r: api.Reply) -> Admitted:
     assert isinstance(r, api.AdmitReply)
     slots = np.asarray(r.slots, dtype=np.int64)
-    slots.flags.writeable = False
-    return Admitted(r.prefix_len, slots)
+    swa = np.asarray(r.swa_slots, dtype=np.int64)
+    slots.flags.writeable = swa.flags.writeable = False
+    return Admitted(r.prefix_len, slots, r.swa_start, swa)
 
 
 def _slots(r: api.Reply) -> np.ndarray:
