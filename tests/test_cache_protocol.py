@@ -71,6 +71,14 @@ def test_request_row_slots() -> None:
     assert row.slots.tolist() == pages_to_slots(row.pages, 4, 11).tolist() == R(0, 10)
 
 
+def test_swa_slots_is_refused_without_an_swa_pool_after_checking_the_slots() -> None:
+    b = _base()
+    with pytest.raises(NoSwaPool, match="needs an SWA pool"):
+        b.swa_slots([0, 1])
+    with pytest.raises(InvalidSlots):
+        b.swa_slots([10_000])
+
+
 def test_request_swa_slots_is_the_window_the_first_new_token_sees() -> None:
     b = _base()
     b.admit("a", R(1, 9))

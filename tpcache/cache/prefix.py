@@ -265,6 +265,10 @@ class PrefixCache:
     def _evict_result(self, out: Freed) -> EvictResult:
         return EvictResult(out.full * self.page_size, len(out.dead))
 
+    def swa_slots(self, slots: TokenLike) -> np.ndarray:
+        as_slots(slots, None, self.alloc.num_pages * self.page_size)
+        raise NoSwaPool("swa_slots needs an SWA pool (the hybrid cache)")
+
     def request_swa_slots(self, rid: RequestId, start: int) -> tuple[int, np.ndarray] | None:
         self.reqs.get(rid)
         return None

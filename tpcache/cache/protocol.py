@@ -5,8 +5,6 @@ implement it, through one implementation (``prefix.PrefixCache``). Quantities th
 differ by kind are data, never a kind test: per-pool figures are tuples in
 ``pool_names`` order (``("full",)`` or ``("full", "SWA")``), ``window`` is ``None``
 without an SWA pool, and the SWA calls answer ``None``, 0 or ``NoSwaPool`` there.
-(``HybridCache.swa_slots`` maps any full slots; it joins the protocol, with a
-``NoSwaPool`` refusal on one-pool caches, once no caller tells the kinds apart by it.)
 Callers never reach into a cache's tree, request table or allocator.
 
 Every call validates its input before it changes anything and raises a ``CacheError``
@@ -169,7 +167,13 @@ class Cache(Protocol):
         could never be matched."""
         ...
 
-    # ---- SWA slots (a cache without an SWA pool answers None or 0) ----------------------
+    # ---- SWA slots (a cache without an SWA pool answers None, 0 or NoSwaPool) -----------
+    def swa_slots(self, slots: TokenLike) -> np.ndarray:
+        """The SWA-pool slots paired with full-pool ``slots`` (each page's SWA page, the
+        same offset). Pure. Raises ``InvalidSlots`` for ids out of range or pages with no
+        SWA page, ``NoSwaPool`` without an SWA pool."""
+        ...
+
     def request_swa_slots(self, rid: RequestId, start: int) -> tuple[int, np.ndarray] | None:
         """For a forward of ``rid`` whose first new token is at ``start``: ``(swa_start,
         SWA slots of positions swa_start .. its end)``, ``swa_start = max(0, start -
