@@ -74,15 +74,14 @@ def test_prefill_equals_replay_when_concurrent_prompts_share() -> None:
     seed = int(np.random.SeedSequence().entropy % 2**31)
     print(f"seed {seed}")
     rng = np.random.default_rng(seed)
-    stems = [list(rng.integers(0, 40, size=6)) for _ in range(3)]
     trace = []
-    for i in range(14):
-        stem = stems[int(rng.integers(0, 3))][: int(rng.integers(2, 7))]
-        ids = tuple(int(h) for h in [*stem, *rng.integers(100, 400, size=2)])
-        n = int(rng.integers(len(ids) - 1, len(ids))) * 512 + int(rng.integers(1, 512))
+    for i in range(14):  # pairs share 2-5 blocks; a pair's blocks are its own
+        stem = [100 * (i // 2) + j for j in range(int(rng.integers(2, 6)))]
+        ids = (*stem, *(int(h) for h in rng.integers(10_000, 20_000, size=2)))
+        n = (len(ids) - 1) * 512 + int(rng.integers(1, 512))
         trace.append(TraceRequest(i, 0, n, int(rng.integers(1, 200)), ids))
     out = _check_equal_to_replay(
-        trace, GenerateOptions(scale=32, clients=6, step_tokens=48, model=TINY)
+        trace, GenerateOptions(scale=32, clients=6, step_tokens=64, model=TINY)
     )
     assert out["cache"]["admission_waits"] > 0  # the rule was exercised
     assert out["no_cache"]["admission_waits"] == 0
