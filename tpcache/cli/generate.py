@@ -35,7 +35,7 @@ def add_generate_parser(sub) -> None:
     add_scale_option(p)
     p.set_defaults(limit=1000, scale=128)
     p.add_argument("--tp", type=_positive, default=2, help="tensor-parallel ranks (default 2)")
-    p.add_argument("--clients", type=_positive, default=8, help="concurrent clients (default 8)")
+    p.add_argument("--clients", type=_positive, default=32, help="concurrent clients (default 32)")
     p.add_argument(
         "--step-tokens",
         type=_positive,
@@ -43,10 +43,10 @@ def add_generate_parser(sub) -> None:
         help="token budget of one step: prefill chunks and decodes (default 512)",
     )
     g = p.add_argument_group("the reference model (random weights from --seed)")
-    g.add_argument("--hidden", type=_positive, default=128, help="hidden size (default 128)")
-    g.add_argument("--heads", type=_positive, default=4, help="attention heads (default 4)")
-    g.add_argument("--ffn", type=_positive, default=512, help="MLP size (default 512)")
-    g.add_argument("--layers", type=_positive, default=2, help="layers (default 2)")
+    g.add_argument("--hidden", type=_positive, default=256, help="hidden size (default 256)")
+    g.add_argument("--heads", type=_positive, default=8, help="attention heads (default 8)")
+    g.add_argument("--ffn", type=_positive, default=2048, help="MLP size (default 2048)")
+    g.add_argument("--layers", type=_positive, default=8, help="layers (default 8)")
     g.add_argument("--seed", type=int, default=0, help="weights' seed (default 0)")
     p.add_argument(
         "--timeout",
