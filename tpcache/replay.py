@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+from tpcache.cache.errors import HostTierError
+from tpcache.cache.host_cache import HostCache, HostConfig
 from tpcache.cache.keys import frozen_tokens
 from tpcache.cache.radix import CacheConfig, RadixCache
 from tpcache.cache.swa_cache import HybridCache
@@ -39,6 +41,9 @@ class ReplayOptions:
     swa_window: int | None = None  # tokens; set: replay through the hybrid (SWA) cache
     swa_capacity: int | None = None  # SWA pool tokens; None: as large as the full pool
     scale: int = 1  # k of a scale 1/k: every length divided by k (``trace.check_scale``)
+    host_capacity: int | None = None  # tokens; set: a host tier behind the device pool
+    write_policy: str = "write_back"  # the host tier's (``HostConfig``)
+    write_through_hits: int = 2
 
     def __post_init__(self) -> None:
         check_scale(self.scale)
@@ -69,7 +74,8 @@ def replay(
     cache = make_cache(opts, capacity)
     match_s: list[float] = []
     insert_s: list[float] = []
-    prompt_total = matched = 0
+    prompt_total = matched = host_hits = 0
+    tiered = opts.host_capacity is not None
     cpu_s = 0.0
     clock, cpu = time.perf_counter, time.process_time
     for i, req in enumerate(requests):
@@ -88,6 +94,8 @@ def replay(
         insert_s.append(t2 - t1)
         prompt_total += prompt.size
         matched += got.prefix_len
+        if tiered:
+            host_hits += got.host_hit_length  # type: ignore[union-attr]
         if progress is not None and ((i + 1) % 100 == 0 or i + 1 == len(requests)):
             progress(i + 1, len(requests))
     cache.check_integrity()
@@ -112,12 +120,27 @@ def replay(
         "cached_tokens_end": cache.sizes().cached,
         "peak_rss_mb": round(peak_rss_mb(), 1),
         **(hybrid_summary(cache) if opts.swa_window else {}),
+        **(host_summary(cache, matched, host_hits) if tiered else {}),  # type: ignore[arg-type]
     }
 
 
-def make_cache(opts: ReplayOptions, capacity: int) -> RadixCache | HybridCache:
-    """The base cache, or the hybrid one when ``opts.swa_window`` is set (raises
-    ``CacheError`` for a configuration it cannot build)."""
+def make_cache(opts: ReplayOptions, capacity: int) -> RadixCache | HybridCache | HostCache:
+    """The base cache, the hybrid one when ``opts.swa_window`` is set, the one with a host
+    tier when ``opts.host_capacity`` is (raises ``CacheError`` for a configuration it
+    cannot build, ``HostTierError`` for both)."""
+    if opts.host_capacity is not None:
+        if opts.swa_window:
+            raise HostTierError("the hybrid (SWA) cache has no host tier")
+        return HostCache(
+            HostConfig(
+                capacity,
+                opts.page_size,
+                opts.policy,
+                host_capacity_tokens=opts.host_capacity,
+                write_policy=opts.write_policy,
+                write_through_hits=opts.write_through_hits,
+            )
+        )
     if not opts.swa_window:
         return RadixCache(CacheConfig(capacity, opts.page_size, opts.policy))
     swa = opts.swa_capacity if opts.swa_capacity is not None else capacity
@@ -139,6 +162,22 @@ def hybrid_summary(cache: HybridCache) -> dict[str, Any]:
         "tombstones_end": s.tombstones,
         "tombstone_tokens_end": s.tombstone_tokens,
         "tombstoned_nodes_total": stats.tombstoned_nodes,
+    }
+
+
+def host_summary(cache: HostCache, matched: int, host_hits: int) -> dict[str, Any]:
+    """The host tier's figures: hits split by tier, tokens loaded and written back."""
+    counts = cache.host_counts()
+    ps = cache.page_size
+    return {
+        "host_capacity_tokens": cache.host_sizes().capacity,
+        "write_policy": cache.config.write_policy,
+        "device_hit_tokens": matched - host_hits,
+        "host_hit_tokens": host_hits,
+        "loaded_tokens": counts["loaded_pages"] * ps,
+        "written_back_tokens": counts["written_pages"] * ps,
+        "host_evicted_tokens": counts["host_evicted_pages"] * ps,
+        "host_cached_tokens_end": cache.host_sizes().cached,
     }
 
 

@@ -58,3 +58,8 @@ class DuplicateRequest(CacheError, ValueError):
 
 class IntegrityError(CacheError, AssertionError):
     """``check_integrity()`` found a broken invariant; the message has the numbers."""
+
+
+class HostTierError(CacheError, ValueError):
+    """A host (CPU) tier that cannot be built: a host pool smaller than one page, a write
+    policy it does not know, or a cache kind or eviction policy that has no host tier."""

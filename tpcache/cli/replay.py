@@ -27,6 +27,7 @@ def add_replay_parser(sub) -> None:
     add_trace_options(p)
     add_scale_option(p)
     add_swa_options(p)
+    add_host_options(p)
     p.set_defaults(func=cmd_replay)
 
 
@@ -43,6 +44,29 @@ def add_swa_options(p: argparse.ArgumentParser) -> None:
         type=capacity_arg,
         default=None,
         help="SWA pool size in tokens (default: as large as the full pool)",
+    )
+
+
+def add_host_options(p: argparse.ArgumentParser) -> None:
+    """The host (CPU) tier options of ``replay``."""
+    p.add_argument(
+        "--host-capacity",
+        type=positive_arg,
+        default=None,
+        help="host tier size in tokens: evicted or hot pages are kept there and loaded back",
+    )
+    p.add_argument(
+        "--write-policy",
+        choices=("write_back", "write_through_selective"),
+        default=None,
+        help="what goes to the host: pages evicted from the device (write_back, default), "
+        "or nodes hit --write-through-hits times (write_through_selective)",
+    )
+    p.add_argument(
+        "--write-through-hits",
+        type=positive_arg,
+        default=None,
+        help="hits that copy a node to the host under write_through_selective (default 2)",
     )
 
 
@@ -69,6 +93,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if args.swa_capacity is not None and args.swa_window is None:
         print("tpcache replay: --swa-capacity needs --swa-window", file=sys.stderr)
         return 2
+    if args.host_capacity is None and (args.write_policy or args.write_through_hits):
+        print("tpcache replay: --write-policy and --write-through-hits need --host-capacity",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if args.write_through_hits is not None and args.write_policy != "write_through_selective":
+        print("tpcache replay: --write-through-hits needs --write-policy write_through_selective",
+              file=sys.stderr)  # fmt: skip
+        return 2
     opts = ReplayOptions(
         capacity=args.capacity,
         page_size=args.page_size,
@@ -76,6 +108,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
         swa_window=args.swa_window,
         swa_capacity=args.swa_capacity,
         scale=args.scale,
+        host_capacity=args.host_capacity,
+        write_policy=args.write_policy or "write_back",
+        write_through_hits=args.write_through_hits or 2,
     )
     try:
         # Progress goes to stderr either way: stdout stays the summary alone.
@@ -107,6 +142,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
             )
             print(
                 f"  tombstones      {summary['tombstones_end']:,} nodes ({summary['tombstone_tokens_end']:,} tokens) at the end, {summary['tombstoned_nodes_total']:,} made; SWA evicted {summary['swa_evicted_tokens']:,} tokens"
+            )
+        if opts.host_capacity is not None:
+            print(
+                f"  host tier       {summary['host_capacity_tokens']:,} tokens, {summary['write_policy']}: device hits {summary['device_hit_tokens']:,}, host hits {summary['host_hit_tokens']:,}; loaded {summary['loaded_tokens']:,}, written {summary['written_back_tokens']:,}, dropped from the host {summary['host_evicted_tokens']:,}"
             )
         print(f"  peak RSS        {summary['peak_rss_mb']} MB   on {summary['machine']}")
     return 0

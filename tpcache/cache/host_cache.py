@@ -1,0 +1,280 @@
+"""``HostCache``: the one-pool cache with a host (CPU) tier behind its device pool.
+
+It is ``PrefixCache`` (``prefix.py``) over a device ``PageAllocator``, a host one and
+the tiered tree (``host_tree.py``), so a cache without the tier is ``RadixCache``
+untouched and pays nothing for it. What changes with the tier:
+
+- A match is the device prefix and, beyond it, the host prefix: ``match_prefix``
+  reports it as ``host_hit_length``; ``admit`` loads it, in the same allocation as the
+  request's own pages (so one eviction makes room for both, and a refusal comes before
+  anything changes), and counts it in ``prefix_len``.
+- An eviction moves device pages to the host (write-back) or drops them
+  (write-through-selective, where hot nodes were copied already).
+- An insert that walks over host-only nodes (a request computed tokens the host holds)
+  gives them the request's device pages first, top-down, so the device tier stays
+  closed under parents; the rest is the base insert.
+
+The hybrid (SWA) cache has no host tier: ``HostConfig`` is a one-pool configuration.
+The contracts of every method: ``protocol.Cache``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from tpcache.cache.allocator import HELD, LENT, PageAllocator
+from tpcache.cache.errors import HostTierError, IntegrityError, InvalidSlots, OutOfCapacity
+from tpcache.cache.host_config import HostAdmitResult, HostConfig, HostCopy, HostMatchResult
+from tpcache.cache.host_moves import to_device
+from tpcache.cache.host_tree import HostTree
+from tpcache.cache.insert import insert_key
+from tpcache.cache.keys import (
+    TokenLike,
+    as_slots,
+    as_tokens,
+    check_sign,
+    join_pages,
+    slots_to_pages,
+)
+from tpcache.cache.node import pages_of
+from tpcache.cache.policies import policy_key
+from tpcache.cache.prefix import PrefixCache
+from tpcache.cache.protocol import Evictor
+from tpcache.cache.records import CacheSizes
+from tpcache.cache.reqtable import (
+    RequestId,
+    admitted_length,
+    as_priority,
+    check_extends,
+    finished_tail,
+)
+from tpcache.cache.tree_check import check_cache
+from tpcache.errors import TpcacheError
+
+__all__ = ["HostCache", "HostConfig"]
+
+
+class HostCache(PrefixCache):
+    """A paged radix prefix cache over a device pool with a host pool behind it.
+
+    Owned as in ``PrefixCache``; the tree owns the host allocator and the copy log."""
+
+    tree: HostTree
+
+    def __init__(self, config: HostConfig) -> None:
+        if not isinstance(config, HostConfig):
+            raise HostTierError(
+                f"a host tier needs a HostConfig (one pool), got {type(config).__name__}"
+            )
+        alloc = PageAllocator(config.num_pages, config.page_size)
+        tree = HostTree(
+            alloc,
+            policy_key(config.policy),
+            PageAllocator(config.num_host_pages, config.page_size),
+            config.through_hits,
+            record_events=config.record_events,
+            record_copies=config.record_copies,
+            medium=config.medium,
+        )
+        super().__init__(config, alloc, tree)
+
+    # ---- matches --------------------------------------------------------------------------
+    def admit_prefix_len(self, tokens: TokenLike) -> int:
+        key = as_tokens(tokens)
+        _, pos, _, common = self.tree.descend(
+            key, (key.size - 1) // self.page_size * self.page_size
+        )
+        return pos + common  # the host part too: an admit loads it
+
+    def match_prefix(self, tokens: TokenLike) -> HostMatchResult:
+        key = as_tokens(tokens, defer_sign=True)
+        tree = self.tree
+        found = tree.descend(key, key.size // self.page_size * self.page_size)
+        check_sign(key, found[1] + found[3])
+        path, pos, partial, common, *_ = tree.tier_cut(*found)
+        host = found[1] + found[3] - pos - common
+        path, pos = tree.split_match(path, pos, partial, common)
+        tree.touch(path)
+        res = self._match_result(path, pos)
+        return HostMatchResult(res.prefix_len, res.pages, res.handle, self.page_size, host)
+
+    def admit(
+        self,
+        rid: RequestId,
+        tokens: TokenLike,
+        priority: int = 0,
+        *,
+        evict: bool | Evictor = True,
+        reserve: int = 0,
+    ) -> HostAdmitResult:
+        rid = self.reqs.check_new(rid)
+        key = as_tokens(tokens, copy=True, defer_sign=True)  # the row keeps it (if mutable)
+        prio = as_priority(priority)
+        total = admitted_length(key.size, reserve, self._limit)
+        room = self._room
+        room.ask = room.no_ask
+        ps = self.page_size
+        tree = self.tree
+        found = tree.descend(key, (key.size - 1) // ps * ps)
+        check_sign(key, found[1] + found[3])
+        path, pos, partial, common, hosts, hpart, hcommon = tree.tier_cut(*found)
+        need = -(-total // ps) - (pos + common) // ps  # the host part's pages included
+        if need > self.alloc.num_free:
+            room.check(need, path, partial, common, evict)
+        path, pos = tree.split_match(path, pos, partial, common)
+        if hpart is not None:
+            hosts.append(tree.split(hpart, hcommon))
+        node = path[-1] if path else tree.root
+        tree.lock(node)
+        for h in hosts:  # no host eviction may take what this admit loads
+            h.pinned = True  # type: ignore[attr-defined]
+        try:
+            pages = room.take(need, evict)
+        except OutOfCapacity:
+            tree.unlock(node)
+            self._unpin(hosts)
+            raise
+        loaded = self._load(hosts, pages)
+        if hosts:  # the request's lock moves to the end of what was loaded
+            tree.lock(hosts[-1])
+            tree.unlock(node)
+            node = hosts[-1]
+            path = path + hosts
+        row = join_pages([*map(pages_of, path), pages[loaded // ps :]])
+        tree.touch(path, queue=False)
+        self.reqs.add(rid, key, row, total, (pos + loaded) // ps, node, prio, 0)
+        return HostAdmitResult(pos + loaded, row, total, ps, loaded)
+
+    def _load(self, hosts: list[Any], pages: np.ndarray) -> int:
+        """Load host-only ``hosts`` (top-down) into the first of ``pages``; their tokens."""
+        k = 0
+        for h in hosts:
+            n = h.pages.size
+            to_device(self.tree, h, pages[k : k + n], HELD, load=True)
+            h.pinned = False
+            k += n
+        return k * self.page_size
+
+    def _unpin(self, hosts: list[Any]) -> None:
+        for h in hosts:
+            h.pinned = False
+            if not h.children:
+                self.tree.host_leaves.push(h)
+
+    # ---- inserts over host-only nodes -------------------------------------------------------
+    def _revive(self, key: np.ndarray, pages: np.ndarray, start: Any, start_pos: int, owner: int):
+        """Give the host-only nodes that caching ``key`` (pages ``pages``, ``start`` ending
+        at ``key[:start_pos]``) walks over the given device pages, top-down."""
+        tree = self.tree
+        if not tree.host_only_pages():
+            return
+        ps = self.page_size
+        path, _, partial, common = tree.descend(key, key.size, start, start_pos)
+        if partial is not None and not partial.dev:
+            path.append(tree.split(partial, common))
+        at = start_pos // ps
+        for node in path:
+            n = node.pages.size
+            if not node.dev:
+                to_device(tree, node, pages[at : at + n], owner, load=False)
+            at += n
+
+    def _check_lent(self, key: np.ndarray, pages: np.ndarray) -> None:
+        """Raise ``InvalidSlots`` (nothing changed) unless every given page is the tree's
+        device page at its place or a page lent to the caller."""
+        path, pos, partial, common = self.tree.descend(key, key.size)
+        pieces = list(map(pages_of, path))
+        if partial is not None:
+            pieces.append(partial.pages[: common // self.page_size])
+        k = (pos + common) // self.page_size
+        known = join_pages(pieces) if pieces else np.zeros(0, np.int64)
+        mine = np.concatenate((pages[:k][pages[:k] != known], pages[k:]))
+        try:
+            self.alloc.check_owned(mine, LENT)
+        except TpcacheError as exc:
+            raise InvalidSlots(f"cannot insert: {exc}") from None
+
+    def insert(self, tokens: TokenLike, slots: TokenLike, priority: int = 0) -> int:
+        key = as_tokens(tokens)
+        slot_ids = as_slots(slots, key.size, self.alloc.num_pages * self.page_size)
+        n = key.size // self.page_size * self.page_size
+        pages = slots_to_pages(slot_ids[:n], self.page_size)
+        prio = as_priority(priority)
+        if self.tree.host_only_pages():
+            self._check_lent(key[:n], pages)
+            self._revive(key[:n], pages, self.tree.root, 0, LENT)
+        have, _, _ = insert_key(self.tree, key[:n], pages, prio, owner=LENT)
+        return have
+
+    def cache_unfinished(self, rid: RequestId, tokens: TokenLike) -> int:
+        req = self.reqs.get(rid)
+        key = as_tokens(tokens, copy=True)  # the row keeps it
+        check_extends(rid, req.tokens, key, req.num_tokens)
+        ps = self.page_size
+        n = key.size // ps * ps
+        tree = self.tree
+        start_pos = req.cached_pages * ps
+        self._revive(key[:n], req.pages[: n // ps], req.node, start_pos, HELD)
+        _, tree_pages, node = insert_key(
+            tree, key[:n], req.pages[: n // ps], req.priority,
+            start=req.node, start_pos=start_pos, trusted=True,
+        )  # fmt: skip
+        req.pages[: tree_pages.size] = tree_pages  # type: ignore[union-attr]
+        tree.lock(node)
+        tree.unlock(req.node)
+        req.node = node
+        req.cached_pages = tree_pages.size  # type: ignore[union-attr]
+        req.tokens = key
+        return n
+
+    def finish(self, rid: RequestId, output_tokens: TokenLike = ()) -> int:
+        req = self.reqs.get(rid)
+        out = as_tokens(output_tokens, allow_empty=True)
+        ps = self.page_size
+        tail, pages, n = finished_tail(req, out, ps)
+        tree = self.tree
+        self._revive(tail, pages, req.node, 0, HELD)
+        insert_key(tree, tail, pages, req.priority, start=req.node, trusted=True, want_pages=False)
+        self.alloc.free(req.pages[n // ps :], HELD, checked=False)
+        tree.unlock(req.node)
+        self.reqs.remove(req.rid)
+        return n
+
+    # ---- the host pool ----------------------------------------------------------------------
+    def host_sizes(self) -> CacheSizes:
+        """Token counts of the host pool: host-only pages are evictable, copies of
+        device-resident nodes protected (they go with their node), nothing held. Pure."""
+        t, ps = self.tree, self.page_size
+        a = t.host_alloc
+        return CacheSizes(
+            a.num_pages * ps, a.num_free * ps, t.host_only_pages() * ps, t.copy_pages * ps, 0
+        )
+
+    def host_counts(self) -> dict[str, int]:
+        """Pages written to the host, loaded back and dropped by host eviction since
+        creation, and copies started and completed. Statistics, never a decision. Pure."""
+        t = self.tree
+        return {
+            "written_pages": t.written_pages,
+            "loaded_pages": t.loaded_pages,
+            "host_evicted_pages": t.host_evicted_pages,
+            "copies_started": t.copies.started,
+            "copies_completed": t.copies.completed,
+        }
+
+    def take_copies(self) -> list[HostCopy]:
+        """The copies started since the last call, in id order (empty unless
+        ``record_copies``): what a rank runs between its pools."""
+        return self.tree.copies.take()
+
+    def check_integrity(self) -> None:
+        check_cache(self)
+        s = self.host_sizes()
+        total = s.free + s.evictable + s.protected + s.held
+        if total != s.capacity:
+            raise IntegrityError(
+                f"host pool: free {s.free} + evictable {s.evictable} + protected {s.protected}"
+                f" + held {s.held} = {total} != capacity {s.capacity}"
+            )

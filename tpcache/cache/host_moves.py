@@ -1,0 +1,254 @@
+"""The moves of the host tier: what leaves the device, what the host pool drops, what a
+load or an insert brings back.
+
+- ``evict_device``: device candidates (``HostTree.leaves``) in policy order. A node with
+  a host copy becomes host-only; under write-back one without is written to the host
+  first; one that finds no host room is deleted with its host-only subtree.
+- ``make_host_room``: host-only leaves (``HostTree.host_leaves``) in policy order are
+  deleted until the pages fit (pinned ones, being loaded, are skipped).
+- ``to_device``: a host-only node gets device pages (a load, or the pages of a request
+  that computed the same tokens: an insert over it); write-back frees the host copy
+  then (exclusive tiers), write-through keeps it.
+
+Every move keeps the tree's counters, the digest terms (a node's term covers its
+``pages``, which change tier) and the KV events (a store and a removal per medium).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from tpcache.cache.allocator import CACHED
+from tpcache.cache.events import BlockRemoved, BlockStored
+from tpcache.cache.evict import Freed
+from tpcache.cache.hashing import block_hashes
+from tpcache.cache.keys import join_pages
+from tpcache.cache.node import _EMPTY_PAGES, _MASK, page_terms
+
+if TYPE_CHECKING:
+    from tpcache.cache.host_tree import HostTree
+
+HOST = "CPU"  # the events' medium of the host tier
+_K2 = 0x9E3779B97F4A7C15  # odd
+
+
+def has_dev_child(node: Any) -> bool:
+    # A loop, not any(): a generator costs more than the few children it checks.
+    for child in node.children.values():  # noqa: SIM110
+        if child.dev:
+            return True
+    return False
+
+
+def copy_term(host: np.ndarray, device: np.ndarray) -> int:
+    """Digest term of a node's host copy: each host page paired with its device page."""
+    h = host.view(np.uint64) + np.uint64(_K2)
+    d = device.view(np.uint64) + np.uint64(_K2 >> 1)
+    return int(np.add.reduce(h * d)) & _MASK
+
+
+def _retier(tree: HostTree, node: Any, pages: np.ndarray) -> None:
+    """Give ``node`` new ``pages`` (its tier changed): its digest term follows if it is
+    hashed (an unhashed node is hashed later, from the pages it has then)."""
+    if node.states is not None:
+        term = page_terms(node.states, pages)
+        tree.digest_sum = (tree.digest_sum - node.term + term) & _MASK
+        node.term = term
+    node.pages = pages
+
+
+def _announce(tree: HostTree, node: Any, medium: str, stored: bool) -> None:
+    if not tree.record_events:
+        return
+    hashes = block_hashes(node.states).tolist()
+    if not stored:
+        tree.events.append(BlockRemoved(block_hashes=hashes, medium=medium))
+        return
+    parent = node.parent
+    parent_hash = int(block_hashes(parent.states[-1:])[0]) if parent.states.size else None
+    tree.events.append(
+        BlockStored(
+            block_hashes=hashes,
+            parent_block_hash=parent_hash,
+            token_ids=node.key.tolist(),
+            block_size=tree.ps,
+            medium=medium,
+        )
+    )
+
+
+# ---- device -> host ---------------------------------------------------------------------
+def evict_device(tree: HostTree, num_pages: int) -> Freed:
+    """``HostTree.evict``: device candidates in policy order until ``num_pages`` device
+    pages are freed or none is left; the pages go back in one free group. Times the call."""
+    started = time.perf_counter()
+    out = Freed()
+    freed: list[np.ndarray] = []
+    pop = tree.leaves.pop
+    while out.full < num_pages:
+        node = pop()
+        if node is None:
+            break
+        if node.dev and not node.lock and node.alive and not has_dev_child(node):
+            _leave_device(tree, node, out, freed)
+    if freed:
+        pages = freed[0] if len(freed) == 1 else join_pages(freed)
+        tree.alloc.free(pages, CACHED, checked=False)
+    tree.evicted_pages += out.full
+    tree.evict_calls += 1
+    seconds = tree.evict_seconds
+    seconds.append(time.perf_counter() - started)
+    if len(seconds) > 20_000:
+        del seconds[:10_000]
+    return out
+
+
+def _leave_device(tree: HostTree, node: Any, out: Freed, freed: list[np.ndarray]) -> None:
+    n = node.pages.size
+    out.full += n
+    out.dead.append(node)
+    freed.append(node.pages)
+    tree.cached_pages -= n
+    if node.host.size:  # a copy already (write-through): only the device's pages go
+        tree.copy_pages -= n
+        tree.host_sum = (tree.host_sum - copy_term(node.host, node.pages)) & _MASK
+    elif tree.through is None:  # write-back: copy it, unless the host has no room
+        host = _take_host(tree, n)
+        if host is not None:
+            # The copy completes at once in one process, so the node never counts as a
+            # copy (``copy_pages``) here: it goes straight to host-only.
+            _started_write(tree, node, host)
+    if node.host.size:
+        _announce(tree, node, tree.medium, stored=False)
+        _retier(tree, node, node.host + tree.offset)
+        node.dev = False
+        if not node.children:
+            tree.host_leaves.push(node)
+    else:
+        _drop_subtree(tree, node)
+    tree._queue(node.parent)
+
+
+def _take_host(tree: HostTree, n: int) -> np.ndarray | None:
+    if not make_host_room(tree, n):
+        return None
+    return tree.host_alloc.alloc(n, CACHED)
+
+
+def _started_write(tree: HostTree, node: Any, host: np.ndarray) -> None:
+    n = host.size
+    node.host = host
+    tree.host_pages += n
+    tree.copies.start(True, node.pages, host)
+    tree.copies.completed = tree.copies.started  # one process: done as started
+    tree.written_pages += n
+    if tree.record_events:
+        _announce(tree, node, HOST, stored=True)
+
+
+def write_to_host(tree: HostTree, node: Any) -> bool:
+    """Copy device node ``node`` to the host (it keeps its device pages: write-through):
+    host pages for it, by host eviction if needed. False, and nothing copied, if they
+    cannot be had."""
+    host = _take_host(tree, node.pages.size)
+    if host is None:
+        return False
+    _started_write(tree, node, host)
+    tree.copy_pages += host.size
+    tree.host_sum = (tree.host_sum + copy_term(host, node.pages)) & _MASK
+    return True
+
+
+def _drop_subtree(tree: HostTree, node: Any) -> None:
+    """Delete device node ``node`` (its device pages are the caller's to free) and its
+    descendants, all host-only (the device tier is closed under parents)."""
+    stack = list(node.children.values())
+    while stack:
+        child = stack.pop()
+        stack.extend(child.children.values())
+        _delete(tree, child)
+        tree.host_alloc.free(child.host, CACHED, checked=False)
+        tree.host_pages -= child.host.size
+        tree.host_evicted_pages += child.host.size
+        tree.host_leaves.forget(child)
+        _announce(tree, child, HOST, stored=False)
+    _delete(tree, node)
+    _announce(tree, node, tree.medium, stored=False)
+
+
+def _delete(tree: HostTree, node: Any) -> None:
+    del node.parent.children[node.kb[: 4 * tree.ps]]
+    del tree.nodes[node.id]
+    node.alive = False
+    tree.digest_sum = (tree.digest_sum - node.term) & _MASK
+
+
+# ---- the host pool ----------------------------------------------------------------------
+def make_host_room(tree: HostTree, n: int) -> bool:
+    """Free host pages until ``n`` are free, deleting host-only leaves in policy order
+    (their pages go back in one free group); False if they cannot be freed (what was
+    deleted stays deleted, as in any eviction)."""
+    alloc = tree.host_alloc
+    have = alloc.num_free
+    if have >= n:
+        return True
+    if n > have + tree.host_only_pages():
+        return False
+    pop = tree.host_leaves.pop
+    skipped = []
+    freed = []
+    while have < n:
+        node = pop()
+        if node is None:
+            break
+        if node.dev or node.children or not node.alive:
+            continue
+        if node.pinned:
+            skipped.append(node)
+            continue
+        _delete(tree, node)
+        freed.append(node.host)
+        have += node.host.size
+        _announce(tree, node, HOST, stored=False)
+        parent = node.parent
+        if not (parent.dev or parent.children):
+            tree.host_leaves.push(parent)
+    if freed:
+        pages = freed[0] if len(freed) == 1 else join_pages(freed)
+        alloc.free(pages, CACHED, checked=False)
+        tree.host_pages -= pages.size
+        tree.host_evicted_pages += pages.size
+    for node in skipped:
+        tree.host_leaves.push(node)
+    return have >= n
+
+
+# ---- host -> device ---------------------------------------------------------------------
+def to_device(tree: HostTree, node: Any, pages: np.ndarray, owner: int, load: bool) -> None:
+    """Host-only ``node`` gets device ``pages`` (tagged ``owner`` until now): loaded from
+    its host copy (``load``: a copy is started) or computed by the request that gives
+    them. Its parent is on the device already (callers go top-down)."""
+    n = pages.size
+    pages = pages.copy()  # the node's own array from now on
+    tree.alloc.retag(pages, owner, CACHED, checked=False)
+    if load:
+        tree.copies.start(False, pages, node.host)
+        tree.copies.completed = tree.copies.started
+        tree.loaded_pages += n
+    _retier(tree, node, pages)
+    node.dev = True
+    tree.cached_pages += n
+    tree.host_leaves.forget(node)
+    _announce(tree, node, tree.medium, stored=True)
+    if tree.through is None:  # exclusive tiers: the host copy goes once the load is done
+        tree.host_alloc.free(node.host, CACHED, checked=False)
+        tree.host_pages -= n
+        node.host = _EMPTY_PAGES
+        _announce(tree, node, HOST, stored=False)
+    else:
+        tree.copy_pages += n
+        tree.host_sum = (tree.host_sum + copy_term(node.host, pages)) & _MASK
+    tree._queue(node)
