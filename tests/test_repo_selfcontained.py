@@ -72,7 +72,7 @@ def test_the_design_document_is_in_the_repository() -> None:
     headings = [line for line in text.splitlines() if line.startswith("## ")]
     for part in ("## Layout", "## The cache state machine", "## Lockstep across ranks"):
         assert any(h.startswith(part) for h in headings), part
-    assert "## KV events (`coordinator/`)" in headings
+    assert "## KV events (`events/`)" in headings
 
 
 def test_the_trace_ships_with_its_source_and_license() -> None:
