@@ -96,6 +96,37 @@ def test_curve_lets_in_only_who_knows_the_key() -> None:
             assert not _receives(wrong, pub)
 
 
+def test_a_replay_request_that_cannot_be_sent_fails_in_time() -> None:
+    """A subscriber without keys asking a CURVE publisher for a replay: its DEALER's
+    handshake is refused, so it has no peer and a send used to block for good (the CURVE
+    test above hung so, now and then). Each request ends in a typed error within its
+    timeout, whenever the refusal falls."""
+    import threading
+
+    _, secret = new_keypair()
+    cfg = EventConfig(endpoint="tcp://*:*", replay_endpoint="tcp://*:*", curve_secret_key=secret)
+    with EventPublisher(cfg) as pub:
+        ep = pub.endpoint.replace("0.0.0.0", "127.0.0.1")
+        rep = pub.replay_endpoint.replace("0.0.0.0", "127.0.0.1")
+        with EventSubscriber(ep, rep) as plain:
+            outcomes: list[str] = []
+
+            def ask() -> None:
+                try:
+                    plain.request_replay(0, 0.3)
+                    outcomes.append("answered")
+                except EventSubscriberError:
+                    outcomes.append("refused")
+
+            for attempt in range(20):
+                t = threading.Thread(target=ask, daemon=True)
+                t.start()
+                t.join(10.0)
+                assert not t.is_alive(), f"attempt {attempt} still blocked after 10 s"
+                time.sleep(0.01 * (attempt % 5))  # land at different points of the handshake
+            assert outcomes == ["refused"] * 20
+
+
 def test_curve_client_keys_limit_who_may_subscribe() -> None:
     public, secret = new_keypair()
     allowed = new_keypair()

@@ -200,7 +200,18 @@ class EventSubscriber:
     def _request(self, body: bytes, timeout: float) -> list[Received]:
         if self._dealer is None:
             raise EventSubscriberError("no replay endpoint configured")
-        self._dealer.send(body)
+        # Bounded: a DEALER with no peer blocks on send, and one whose CURVE handshake
+        # was refused has none (a test hung here for good).
+        self._dealer.setsockopt(zmq.SNDTIMEO, max(1, int(timeout * 1000)))
+        try:
+            self._dealer.send(body)
+        except zmq.Again:
+            self._dealer.close(linger=0)
+            self._dealer = self._open_dealer()
+            raise EventSubscriberError(
+                f"no end marker within {timeout}s (the request could not be sent: "
+                "nothing accepted the connection)"
+            ) from None
         replies: list[Received] = []
         while self._dealer.poll(int(timeout * 1000)):
             seq, payload = _parse(self._dealer.recv_multipart())
