@@ -58,8 +58,8 @@ def fold_fields(seed: int, fields: tuple[int, ...]) -> int:
     The multiplier is odd, so a change of any one field always changes the result;
     changes of several can cancel only when their differences meet a relation like
     ``d1 == -d2 * M**k`` mod 2**64, which no natural small differences do. One mix at the
-    end, not one per field: a rank and the mirror take a digest every step, and here a
-    mix costs ~0.6 us where a multiply-add costs ~0.15 us.
+    end, not one per field: a rank and the mirror take a digest every step, and a mix
+    costs several multiply-adds (results/group_timings.md).
     """
     x = seed & MASK64
     for v in fields:
@@ -166,7 +166,7 @@ class PageHasher:
         """``chain`` of a few pages in Python ints: the same states, as a list.
 
         Why: most nodes a step adds are a page or two, and numpy's fixed cost per call
-        (about 2.5 us here, more with cold caches) is then most of hashing them. Uses
+        (results/group_timings.md) is then most of hashing them. Uses
         the chain's recurrence ``state[i] = M * state[i-1] + C1 * c[i]`` directly; the
         int64 products wrap exactly as numpy's int64 matmul does once masked.
         """

@@ -105,9 +105,9 @@ def frozen_tokens(tokens: TokenLike) -> np.ndarray:
     return joined_key(as_tokens(tokens, allow_empty=True))
 
 
-# A numpy reduction costs ~2.5 us here whatever the length; a Python min over tolist() is
-# cheaper below ~48 elements, a Python sum below ~128 (measured on the 2-core VM). Decode
-# steps and short outputs are that small.
+# A numpy reduction has a fixed cost whatever the length; a Python min or sum over
+# tolist() is cheaper for short arrays (results/group_timings.md). Decode steps and short
+# outputs are that small.
 _SMALL_MIN = 32
 _SMALL_SUM = 64
 
@@ -187,10 +187,9 @@ def joined_key(*parts: np.ndarray) -> np.ndarray:
 def join_pages(parts: Iterable[np.ndarray]) -> np.ndarray:
     """Contiguous int64 page arrays back to back, as a new writable int64 array.
 
-    Why not ``np.concatenate``: it costs about 0.25 us per array here, a bytearray join
-    of their buffers a fraction of that (32 arrays: 2.0 us against 8.6 us; 2 arrays: 0.8
-    against 1.2). Every page array of the cache is int64 (the allocator's ids), which
-    this relies on: it joins bytes, it does not convert.
+    Why not ``np.concatenate``: its cost per array is several times a bytearray join of
+    their buffers (results/group_timings.md). Every page array of the cache is int64 (the
+    allocator's ids), which this relies on: it joins bytes, it does not convert.
     """
     return np.frombuffer(bytearray().join(parts), np.int64)
 

@@ -90,7 +90,8 @@ _FEW_SLOTS = 4  # up to this many, slots are computed in Python (a decode step's
 def row_slots(req: Req, start: int, end: int, page_size: int) -> np.ndarray:
     """Slot ids of tokens ``start..end`` of ``req``'s row (a new array)."""
     if end - start <= _FEW_SLOTS:
-        # A decode step's extend: 3 us here, where the vectorised path costs 7 us.
+        # A decode step's extend: a Python loop beats numpy's fixed cost at this size
+        # (results/group_timings.md).
         pages = req.pages
         ps = page_size
         return np.array([int(pages[t // ps]) * ps + t % ps for t in range(start, end)], np.int64)

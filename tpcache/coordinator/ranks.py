@@ -146,9 +146,8 @@ class RayRanks:
     def send(self, steps: list[bytes]) -> Any:
         if self.path is not None:
             return self.path.send(steps, self.spec.timeout_s + 60.0)
-        # A lone step goes as plain bytes: a list argument and result cost 0.14-0.55 ms
-        # more per round trip here (TP=2 and 4, measured interleaved), which only several
-        # steps repay.
+        # A lone step goes as plain bytes: a list argument and result cost more per round
+        # trip than one small step carries (results/group_timings.md).
         if len(steps) == 1:
             return False, [a.apply.remote(steps[0]) for a in self.actors]
         return True, [a.apply_steps.remote(steps) for a in self.actors]
