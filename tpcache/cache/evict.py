@@ -66,6 +66,11 @@ def evict(tree: RadixTree, num_pages: int, swa_pages: int) -> Freed:
         tree._free(pages, out)
     if dead and tree.hooks is not None:
         tree.hooks.on_evict(dead)
+    return record_evict(tree, out, started)
+
+
+def record_evict(tree: Any, out: Freed, started: float) -> Freed:
+    """Count an eviction call that freed ``out`` and keep its time (the last 10-20k)."""
     tree.evicted_pages += out.full
     tree.evict_calls += 1
     seconds = tree.evict_seconds

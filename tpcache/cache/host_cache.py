@@ -45,7 +45,6 @@ from tpcache.cache.protocol import Evictor
 from tpcache.cache.records import CacheSizes
 from tpcache.cache.reqtable import (
     RequestId,
-    admitted_length,
     as_priority,
     check_extends,
     finished_tail,
@@ -109,12 +108,7 @@ class HostCache(PrefixCache):
         evict: bool | Evictor = True,
         reserve: int = 0,
     ) -> HostAdmitResult:
-        rid = self.reqs.check_new(rid)
-        key = as_tokens(tokens, copy=True, defer_sign=True)  # the row keeps it (if mutable)
-        prio = as_priority(priority)
-        total = admitted_length(key.size, reserve, self._limit)
-        room = self._room
-        room.ask = room.no_ask
+        rid, key, prio, total, room = self._admission(rid, tokens, priority, reserve)
         ps = self.page_size
         tree = self.tree
         found = tree.descend(key, (key.size - 1) // ps * ps)

@@ -23,7 +23,7 @@ import numpy as np
 
 from tpcache.cache.allocator import CACHED
 from tpcache.cache.events import BlockRemoved, BlockStored
-from tpcache.cache.evict import Freed
+from tpcache.cache.evict import Freed, record_evict
 from tpcache.cache.hashing import block_hashes
 from tpcache.cache.keys import join_pages
 from tpcache.cache.node import _EMPTY_PAGES, _MASK, page_terms
@@ -97,13 +97,7 @@ def evict_device(tree: HostTree, num_pages: int) -> Freed:
     if freed:
         pages = freed[0] if len(freed) == 1 else join_pages(freed)
         tree.alloc.free(pages, CACHED, checked=False)
-    tree.evicted_pages += out.full
-    tree.evict_calls += 1
-    seconds = tree.evict_seconds
-    seconds.append(time.perf_counter() - started)
-    if len(seconds) > 20_000:
-        del seconds[:10_000]
-    return out
+    return record_evict(tree, out, started)
 
 
 def _leave_device(tree: HostTree, node: Any, out: Freed, freed: list[np.ndarray]) -> None:

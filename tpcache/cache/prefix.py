@@ -151,6 +151,19 @@ class PrefixCache:
         return self.tree.evicted()
 
     # ---- request lifecycle (the contracts: ``protocol.Cache``) ----------------------------
+    def _admission(
+        self, rid: RequestId, tokens: TokenLike, priority: int, reserve: int
+    ) -> tuple[RequestId, np.ndarray, int, int, Any]:
+        """An admit's inputs checked before anything changes (the id, its tokens, priority
+        and total length), and the room-maker with no eviction ask pending."""
+        rid = self.reqs.check_new(rid)
+        key = as_tokens(tokens, copy=True, defer_sign=True)  # the row keeps it (if mutable)
+        prio = as_priority(priority)
+        total = admitted_length(key.size, reserve, self._limit)
+        room = self._room
+        room.ask = room.no_ask
+        return rid, key, prio, total, room
+
     def admit(
         self,
         rid: RequestId,
@@ -160,12 +173,7 @@ class PrefixCache:
         evict: bool | Evictor = True,
         reserve: int = 0,
     ) -> AdmitResult:
-        rid = self.reqs.check_new(rid)
-        key = as_tokens(tokens, copy=True, defer_sign=True)  # the row keeps it (if mutable)
-        prio = as_priority(priority)
-        total = admitted_length(key.size, reserve, self._limit)
-        room = self._room
-        room.ask = room.no_ask
+        rid, key, prio, total, room = self._admission(rid, tokens, priority, reserve)
         ps = self.page_size
         tree = self.tree
         path, pos, partial, common = tree.match_walk(key, (key.size - 1) // ps * ps)
