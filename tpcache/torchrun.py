@@ -166,8 +166,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "Start it under torchrun: `torchrun --standalone --nproc_per_node=2 -m "
         "tpcache.torchrun check`.",
     )
-    # One flat list of the check's options, in the order --help shows them (longer than
-    # 60 lines, but split it would only scatter one command's help).
     sub = p.add_subparsers(dest="mode", required=True)
     what = (
         "check a small tensor-parallel decoder run over the cache against a full "
@@ -176,41 +174,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "prints one JSON line and exits 0 if every check held"
     )
     c = sub.add_parser("check", help=what, description=what[0].upper() + what[1:] + ".")
-    c.add_argument(
-        "--seed", type=int, default=0, help="seed of the model and the workloads (default 0)"
-    )
-    c.add_argument(
-        "--dtype",
-        default=None,
-        help="model and KV dtype: float32 (default on CPUs) or bfloat16 (default on GPUs)",
-    )
-    c.add_argument(
-        "--tol",
-        type=float,
-        default=None,
-        help="largest relative error against the full recompute that passes (default "
-        "1e-5 in float32, 1e-2 in bfloat16)",
-    )
-    c.add_argument("--page-size", type=int, default=4, help="tokens per cache page (default 4)")
-    c.add_argument(
-        "--capacity",
-        type=int,
-        default=192,
-        help="KV-pool tokens per rank (default 192: small, so that the eviction workload evicts)",
-    )
-    c.add_argument(
-        "--window",
-        type=int,
-        default=None,
-        help="sliding window in tokens: check the hybrid full + sliding-window cache, on a "
-        "model with sliding-window layers (default: full attention only)",
-    )
-    c.add_argument(
-        "--swa-capacity",
-        type=int,
-        default=64,
-        help="sliding-window KV pool in tokens, with --window (default 64)",
-    )
+    _add_model_options(c)
+    _add_cache_options(c)
     c.add_argument(
         "--timeout-s",
         type=seconds_arg,
@@ -235,6 +200,49 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="seconds for every rank to join the group (default 120)",
     )
     return p.parse_args(argv)
+
+
+def _add_model_options(c: argparse.ArgumentParser) -> None:
+    """The checked model's options: its seed, its dtype and the error that passes."""
+    c.add_argument(
+        "--seed", type=int, default=0, help="seed of the model and the workloads (default 0)"
+    )
+    c.add_argument(
+        "--dtype",
+        default=None,
+        help="model and KV dtype: float32 (default on CPUs) or bfloat16 (default on GPUs)",
+    )
+    c.add_argument(
+        "--tol",
+        type=float,
+        default=None,
+        help="largest relative error against the full recompute that passes (default "
+        "1e-5 in float32, 1e-2 in bfloat16)",
+    )
+
+
+def _add_cache_options(c: argparse.ArgumentParser) -> None:
+    """The cache's options: pages, the pool, and the sliding window."""
+    c.add_argument("--page-size", type=int, default=4, help="tokens per cache page (default 4)")
+    c.add_argument(
+        "--capacity",
+        type=int,
+        default=192,
+        help="KV-pool tokens per rank (default 192: small, so that the eviction workload evicts)",
+    )
+    c.add_argument(
+        "--window",
+        type=int,
+        default=None,
+        help="sliding window in tokens: check the hybrid full + sliding-window cache, on a "
+        "model with sliding-window layers (default: full attention only)",
+    )
+    c.add_argument(
+        "--swa-capacity",
+        type=int,
+        default=64,
+        help="sliding-window KV pool in tokens, with --window (default 64)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,35 +7,47 @@ import argparse
 import math
 import os
 import platform
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # = build.STRATEGIES
 TRANSPORTS = ("channel", "ray")  # = build.TRANSPORTS
+
+_T = TypeVar("_T")
+
+
+def _checked(
+    text: str, read: Callable[[str], _T], ok: Callable[[_T], bool], unread: str, bad: str
+) -> _T:
+    """The argparse types' one shape: ``read(text)``, then ``ok`` of the value; an
+    ``ArgumentTypeError`` with ``unread`` (if ``read`` raises ValueError) or ``bad`` (if
+    ``ok`` fails), both formatted with ``text`` and ``value``."""
+    try:
+        value = read(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(unread.format(text=text)) from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(bad.format(text=text, value=value))
+    return value
 
 
 def capacity_arg(text: str) -> int | None:
     """argparse type: a token count >= 1, or ``inf`` (None)."""
     if text.lower() in ("inf", "infinite", "none"):
         return None
-    try:
-        value = int(float(text))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"capacity must be a token count or 'inf', got {text!r}"
-        ) from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"capacity must be >= 1 token, got {value}")
-    return value
+    return _checked(
+        text,
+        lambda t: int(float(t)),
+        lambda v: v >= 1,
+        "capacity must be a token count or 'inf', got {text!r}",
+        "capacity must be >= 1 token, got {value}",
+    )
 
 
 def positive_arg(text: str) -> int:
     """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+    what = "expected a positive integer, got "
+    return _checked(text, int, lambda v: v >= 1, what + "{text!r}", what + "{value}")
 
 
 def scale_arg(text: str) -> int:
@@ -65,24 +77,24 @@ def add_scale_option(p: argparse.ArgumentParser) -> None:
 
 def seconds_arg(text: str) -> float:
     """argparse type: a finite number of seconds > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0, got {text}")
-    return value
+    return _checked(
+        text,
+        float,
+        lambda v: math.isfinite(v) and v > 0,
+        "expected seconds, got {text!r}",
+        "expected a finite number of seconds > 0, got {text}",
+    )
 
 
 def gpus_arg(text: str) -> float:
     """argparse type: GPUs per rank, a number in (0, 64]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of GPUs, got {text!r}") from None
-    if not (math.isfinite(value) and 0 < value <= 64):
-        raise argparse.ArgumentTypeError(f"GPUs per rank must be in (0, 64], got {text}")
-    return value
+    return _checked(
+        text,
+        float,
+        lambda v: math.isfinite(v) and 0 < v <= 64,
+        "expected a number of GPUs, got {text!r}",
+        "GPUs per rank must be in (0, 64], got {text}",
+    )
 
 
 def rank_resources_arg(text: str) -> dict[str, float] | list[dict[str, float]]:
@@ -113,27 +125,37 @@ def rank_resources_arg(text: str) -> dict[str, float] | list[dict[str, float]]:
     return groups[0] if len(groups) == 1 else groups
 
 
-def add_trace_options(p: argparse.ArgumentParser) -> None:
-    """The trace options shared by ``replay`` and ``demo``."""
-    p.add_argument(
-        "--capacity",
-        type=capacity_arg,
-        default=None,
-        help="cache size in tokens, or 'inf' (default)",
-    )
+def add_cache_options(
+    p: argparse.ArgumentParser, capacity: int | None, capacity_help: str, policy_help: str
+) -> None:
+    """``--capacity`` (default ``capacity``), ``--page-size`` and ``--policy``: the cache's
+    options, shared by the trace commands and ``serve``."""
+    p.add_argument("--capacity", type=capacity_arg, default=capacity, help=capacity_help)
     p.add_argument(
         "--page-size", type=positive_arg, default=16, help="tokens per page (default 16)"
     )
-    p.add_argument("--policy", default="lru", help="eviction policy (default lru)")
+    p.add_argument("--policy", default="lru", help=policy_help)
+
+
+def add_trace_options(p: argparse.ArgumentParser) -> None:
+    """The trace options shared by ``replay`` and ``demo``."""
+    add_cache_options(
+        p, None, "cache size in tokens, or 'inf' (default)", "eviction policy (default lru)"
+    )
     p.add_argument(
         "--limit", type=positive_arg, default=None, help="replay only the first N requests"
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def add_tp_option(p: argparse.ArgumentParser) -> None:
+    """``--tp``, shared by the group options and ``generate``."""
+    p.add_argument("--tp", type=positive_arg, default=2, help="tensor-parallel ranks (default 2)")
+
+
 def add_group_options(p: argparse.ArgumentParser) -> None:
     """The TP group's options, shared by ``demo`` and ``serve``."""
-    p.add_argument("--tp", type=positive_arg, default=2, help="tensor-parallel ranks (default 2)")
+    add_tp_option(p)
     p.add_argument(
         "--address",
         default=None,
@@ -159,7 +181,12 @@ def add_group_options(p: argparse.ArgumentParser) -> None:
         help="seconds ranks wait for each other to join the group, at start-up and after "
         "a rank is replaced (default 120)",
     )
-    g = p.add_argument_group("placement of the ranks (Ray placement group, one bundle a rank)")
+    _add_placement_options(
+        p.add_argument_group("placement of the ranks (Ray placement group, one bundle a rank)")
+    )
+
+
+def _add_placement_options(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--strategy",
         choices=STRATEGIES,
@@ -226,6 +253,11 @@ def group_config(args: argparse.Namespace, capacity: int | None):  # -> GroupCon
         rank_resources=res,
         transport=args.transport,
     )
+
+
+def picked(args: argparse.Namespace, *names: str, prefix: str = "") -> dict[str, Any]:
+    """``{name: args.<prefix><name>}``: the options a record takes as they were given."""
+    return {name: getattr(args, prefix + name) for name in names}
 
 
 def machine() -> str:

@@ -107,10 +107,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     ok = summary["lockstep_verified"]
     if args.json:
         print(json.dumps(summary))
-        return 0 if ok else 1
-    s = summary
+    else:
+        _print_summary(summary, args.batch)
+    return 0 if ok else 1
+
+
+def _print_summary(s: dict, batch: int) -> None:
+    ok = s["lockstep_verified"]
     print(f"demo: TP={s['tp']} on {s['machine']}, workload {s['workload']}")
-    print(f"  requests        {s['requests']:,} in {s['steps']:,} steps ({args.batch} per step)")
+    print(f"  requests        {s['requests']:,} in {s['steps']:,} steps ({batch} per step)")
     print(
         f"  hit rate        {s['hit_rate']:.4f}  ({s['matched_tokens']:,} of {s['prompt_tokens']:,} prompt tokens)"
     )
@@ -133,4 +138,3 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if ok
         else "LOCKSTEP FAILED"
     )
-    return 0 if ok else 1

@@ -8,7 +8,14 @@ import json
 import sys
 import time
 
-from tpcache.cli.args import add_scale_option, add_trace_options, machine, seconds_arg
+from tpcache.cli.args import (
+    add_scale_option,
+    add_tp_option,
+    add_trace_options,
+    machine,
+    picked,
+    seconds_arg,
+)
 from tpcache.cli.args import positive_arg as _positive
 
 
@@ -34,7 +41,7 @@ def add_generate_parser(sub) -> None:
     add_trace_options(p)
     add_scale_option(p)
     p.set_defaults(limit=1000, scale=128)
-    p.add_argument("--tp", type=_positive, default=2, help="tensor-parallel ranks (default 2)")
+    add_tp_option(p)
     p.add_argument("--clients", type=_positive, default=32, help="concurrent clients (default 32)")
     p.add_argument(
         "--step-tokens",
@@ -67,13 +74,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.parser.error(f"unknown policy {args.policy!r}; known: {', '.join(CACHE_POLICIES)}")
     try:
         opts = GenerateOptions(
-            scale=args.scale,
-            page_size=args.page_size,
-            policy=args.policy,
-            capacity=args.capacity,
-            tp=args.tp,
-            clients=args.clients,
-            step_tokens=args.step_tokens,
+            **picked(
+                args, "scale", "page_size", "policy", "capacity", "tp", "clients", "step_tokens"
+            ),
             model=ModelSize(args.hidden, args.heads, args.ffn, args.layers, args.seed),
             timeout_s=args.timeout,
         )

@@ -5,14 +5,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
 
 from tpcache.cli.args import (
     add_scale_option,
     add_trace_options,
     capacity_arg,
     machine,
+    picked,
     positive_arg,
 )
+
+if TYPE_CHECKING:
+    from tpcache.replay import ReplayOptions
 
 
 def add_replay_parser(sub) -> None:
@@ -70,6 +75,18 @@ def add_host_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+# The options ``ReplayOptions`` takes as they were given.
+_AS_GIVEN = (
+    "capacity",
+    "page_size",
+    "policy",
+    "scale",
+    "swa_window",
+    "swa_capacity",
+    "host_capacity",
+)
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     from tpcache.cache.errors import CacheError
     from tpcache.cache.policies import CACHE_POLICIES
@@ -77,38 +94,18 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from tpcache.trace import DEFAULT_TRACE, TraceError, load_trace
 
     if args.policy not in CACHE_POLICIES:
-        print(
-            f"tpcache replay: unknown policy {args.policy!r}; known: {', '.join(CACHE_POLICIES)}",
-            file=sys.stderr,
-        )
-        return 2
+        return _fail(f"unknown policy {args.policy!r}; known: {', '.join(CACHE_POLICIES)}")
     try:
         requests = load_trace(args.trace or DEFAULT_TRACE, args.limit)
     except (OSError, TraceError) as exc:
-        print(f"tpcache replay: {exc}", file=sys.stderr)
-        return 2
+        return _fail(str(exc))
     if not requests:
-        print("tpcache replay: the trace has no requests", file=sys.stderr)
-        return 2
-    if args.swa_capacity is not None and args.swa_window is None:
-        print("tpcache replay: --swa-capacity needs --swa-window", file=sys.stderr)
-        return 2
-    if args.host_capacity is None and (args.write_policy or args.write_through_hits):
-        print("tpcache replay: --write-policy and --write-through-hits need --host-capacity",
-              file=sys.stderr)  # fmt: skip
-        return 2
-    if args.write_through_hits is not None and args.write_policy != "write_through_selective":
-        print("tpcache replay: --write-through-hits needs --write-policy write_through_selective",
-              file=sys.stderr)  # fmt: skip
-        return 2
+        return _fail("the trace has no requests")
+    mismatch = _mismatch(args)
+    if mismatch is not None:
+        return _fail(mismatch)
     opts = ReplayOptions(
-        capacity=args.capacity,
-        page_size=args.page_size,
-        policy=args.policy,
-        swa_window=args.swa_window,
-        swa_capacity=args.swa_capacity,
-        scale=args.scale,
-        host_capacity=args.host_capacity,
+        **picked(args, *_AS_GIVEN),
         write_policy=args.write_policy or "write_back",
         write_through_hits=args.write_through_hits or 2,
     )
@@ -116,36 +113,53 @@ def cmd_replay(args: argparse.Namespace) -> int:
         # Progress goes to stderr either way: stdout stays the summary alone.
         summary = replay(requests, opts, Progress(sys.stderr))
     except CacheError as exc:
-        print(f"tpcache replay: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
+        return _fail(f"{type(exc).__name__}: {exc}")
     summary["machine"] = machine()
     if args.json:
         print(json.dumps(summary))
     else:
-        cap = "inf" if summary["capacity_tokens"] is None else f"{summary['capacity_tokens']:,}"
-        print(
-            f"replayed {summary['requests']:,} requests, page {opts.page_size}, capacity {cap}, "
-            f"policy {opts.policy}, scale {summary['scale']}"
-        )
-        print(
-            f"  hit rate        {summary['hit_rate']:.4f}  ({summary['matched_tokens']:,} of {summary['prompt_tokens']:,} prompt tokens)"
-        )
-        print(
-            f"  evicted tokens  {summary['evicted_tokens']:,} in {summary['evict_calls']:,} calls"
-        )
-        print(
-            f"  cache ops       {summary['cache_ops_s']:.3f} s   medians: admit {summary['match_us_median']} us, finish {summary['insert_us_median']} us, evict {summary['evict_us_median']} us"
-        )
-        if opts.swa_window:
-            print(
-                f"  SWA window      {summary['swa_window']:,} tokens, pool {summary['swa_capacity_tokens']:,}; at the end: full {summary['full_cached_tokens_end']:,} cached, SWA {summary['swa_cached_tokens_end']:,} cached, {summary['swa_free_tokens_end']:,} free"
-            )
-            print(
-                f"  tombstones      {summary['tombstones_end']:,} nodes ({summary['tombstone_tokens_end']:,} tokens) at the end, {summary['tombstoned_nodes_total']:,} made; SWA evicted {summary['swa_evicted_tokens']:,} tokens"
-            )
-        if opts.host_capacity is not None:
-            print(
-                f"  host tier       {summary['host_capacity_tokens']:,} tokens, {summary['write_policy']}: device hits {summary['device_hit_tokens']:,}, host hits {summary['host_hit_tokens']:,}; loaded {summary['loaded_tokens']:,}, written {summary['written_back_tokens']:,}, dropped from the host {summary['host_evicted_tokens']:,}"
-            )
-        print(f"  peak RSS        {summary['peak_rss_mb']} MB   on {summary['machine']}")
+        _print_summary(summary, opts)
     return 0
+
+
+def _fail(message: str) -> int:
+    print(f"tpcache replay: {message}", file=sys.stderr)
+    return 2
+
+
+def _mismatch(args: argparse.Namespace) -> str | None:
+    """Which options were given without the one they need, or None."""
+    if args.swa_capacity is not None and args.swa_window is None:
+        return "--swa-capacity needs --swa-window"
+    if args.host_capacity is None and (args.write_policy or args.write_through_hits):
+        return "--write-policy and --write-through-hits need --host-capacity"
+    if args.write_through_hits is not None and args.write_policy != "write_through_selective":
+        return "--write-through-hits needs --write-policy write_through_selective"
+    return None
+
+
+def _print_summary(summary: dict, opts: ReplayOptions) -> None:
+    cap = "inf" if summary["capacity_tokens"] is None else f"{summary['capacity_tokens']:,}"
+    print(
+        f"replayed {summary['requests']:,} requests, page {opts.page_size}, capacity {cap}, "
+        f"policy {opts.policy}, scale {summary['scale']}"
+    )
+    print(
+        f"  hit rate        {summary['hit_rate']:.4f}  ({summary['matched_tokens']:,} of {summary['prompt_tokens']:,} prompt tokens)"
+    )
+    print(f"  evicted tokens  {summary['evicted_tokens']:,} in {summary['evict_calls']:,} calls")
+    print(
+        f"  cache ops       {summary['cache_ops_s']:.3f} s   medians: admit {summary['match_us_median']} us, finish {summary['insert_us_median']} us, evict {summary['evict_us_median']} us"
+    )
+    if opts.swa_window:
+        print(
+            f"  SWA window      {summary['swa_window']:,} tokens, pool {summary['swa_capacity_tokens']:,}; at the end: full {summary['full_cached_tokens_end']:,} cached, SWA {summary['swa_cached_tokens_end']:,} cached, {summary['swa_free_tokens_end']:,} free"
+        )
+        print(
+            f"  tombstones      {summary['tombstones_end']:,} nodes ({summary['tombstone_tokens_end']:,} tokens) at the end, {summary['tombstoned_nodes_total']:,} made; SWA evicted {summary['swa_evicted_tokens']:,} tokens"
+        )
+    if opts.host_capacity is not None:
+        print(
+            f"  host tier       {summary['host_capacity_tokens']:,} tokens, {summary['write_policy']}: device hits {summary['device_hit_tokens']:,}, host hits {summary['host_hit_tokens']:,}; loaded {summary['loaded_tokens']:,}, written {summary['written_back_tokens']:,}, dropped from the host {summary['host_evicted_tokens']:,}"
+        )
+    print(f"  peak RSS        {summary['peak_rss_mb']} MB   on {summary['machine']}")

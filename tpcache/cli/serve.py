@@ -9,25 +9,23 @@ import signal
 import sys
 import time
 
-from tpcache.cli.args import add_group_options, capacity_arg, group_config, positive_arg
+from tpcache.cli.args import (
+    add_cache_options,
+    add_group_options,
+    group_config,
+    picked,
+    positive_arg,
+)
 
 
 def add_serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a TP group's coordinator as a named Ray actor")
     add_group_options(p)
-    p.add_argument(
-        "--capacity",
-        type=capacity_arg,
-        default=1 << 20,
-        help="KV slots per rank (default 1,048,576)",
-    )
-    p.add_argument(
-        "--page-size", type=positive_arg, default=16, help="tokens per page (default 16)"
-    )
-    p.add_argument(
-        "--policy",
-        default="lru",
-        help="eviction policy: lru (default), lfu, fifo, mru, filo, priority, resight",
+    add_cache_options(
+        p,
+        1 << 20,
+        "KV slots per rank (default 1,048,576)",
+        "eviction policy: lru (default), lfu, fifo, mru, filo, priority, resight",
     )
     _add_name_options(p)
     p.add_argument(
@@ -42,7 +40,11 @@ def add_serve_parser(sub) -> None:
         help="stop a coordinator already served under this name first (its running "
         "requests are lost); without it, a taken name is an error",
     )
-    e = p.add_argument_group("KV events and metrics (off by default)")
+    _add_events_options(p.add_argument_group("KV events and metrics (off by default)"))
+    p.set_defaults(func=cmd_serve, parser=p)
+
+
+def _add_events_options(e: argparse._ArgumentGroup) -> None:
     e.add_argument(
         "--events-endpoint",
         default=None,
@@ -100,7 +102,6 @@ def add_serve_parser(sub) -> None:
         default="127.0.0.1",
         help="address the metrics endpoint binds (default loopback; 0.0.0.0 for all)",
     )
-    p.set_defaults(func=cmd_serve, parser=p)
 
 
 def add_stop_parser(sub) -> None:
@@ -146,13 +147,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tpcache.events.event_config import EventConfigError
     from tpcache.events.metrics import MetricsError
     from tpcache.events.publisher import EventPublisherError
-    from tpcache.frontend.service import (
-        AlreadyServing,
-        describe,
-        find_served,
-        serve,
-        stop_served,
-    )
+    from tpcache.frontend.service import AlreadyServing, find_served, serve, stop_served
 
     try:
         config = _serve_config(args)
@@ -188,28 +183,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
-    print(
-        f"tpcache serving {args.name!r} in namespace {args.namespace!r}: {describe(actor)}",
-        flush=True,
-    )
-    if joined.started:
-        print(f"  Ray cluster {joined.address}, started by this command: it ends when it does")
-    else:
-        print(f"  Ray cluster {joined.address}")
-    print(
-        f"  frontends: tpcache.connect({args.name!r}, {args.namespace!r}, "
-        f"address={joined.address!r}) from any node of the cluster"
-    )
-    if args.events_endpoint:
-        print(
-            f"  KV events on {args.events_endpoint} (replay: {args.events_replay_endpoint}); "
-            f"read them with `tpcache events --endpoint {args.events_endpoint}`"
-        )
-    if args.metrics_port is not None:
-        import ray
-
-        port = ray.get(actor.stats.remote())["metrics_port"]
-        print(f"  Prometheus metrics on http://{args.metrics_host}:{port}/metrics")
+    _print_serving(args, actor, joined.address, joined.started)
     if args.detached:
         print(f"  detached: it keeps serving after this command exits; `tpcache stop {where}`")
         return 0
@@ -226,6 +200,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_serving(args: argparse.Namespace, actor, address: str, started: bool) -> None:
+    """Where the served coordinator is, and its events and metrics endpoints."""
+    from tpcache.frontend.service import describe
+
+    print(
+        f"tpcache serving {args.name!r} in namespace {args.namespace!r}: {describe(actor)}",
+        flush=True,
+    )
+    if started:
+        print(f"  Ray cluster {address}, started by this command: it ends when it does")
+    else:
+        print(f"  Ray cluster {address}")
+    print(
+        f"  frontends: tpcache.connect({args.name!r}, {args.namespace!r}, "
+        f"address={address!r}) from any node of the cluster"
+    )
+    if args.events_endpoint:
+        print(
+            f"  KV events on {args.events_endpoint} (replay: {args.events_replay_endpoint}); "
+            f"read them with `tpcache events --endpoint {args.events_endpoint}`"
+        )
+    if args.metrics_port is not None:
+        import ray
+
+        port = ray.get(actor.stats.remote())["metrics_port"]
+        print(f"  Prometheus metrics on http://{args.metrics_host}:{port}/metrics")
+
+
 def _serve_config(args: argparse.Namespace):  # -> GroupConfig
     import dataclasses
 
@@ -234,14 +236,18 @@ def _serve_config(args: argparse.Namespace):  # -> GroupConfig
     config = group_config(args, args.capacity)
     if args.events_endpoint:
         events = EventConfig(
-            endpoint=args.events_endpoint,
-            replay_endpoint=args.events_replay_endpoint,
-            topic=args.events_topic,
+            **picked(
+                args,
+                "endpoint",
+                "replay_endpoint",
+                "topic",
+                "encoding",
+                "insecure",
+                prefix="events_",
+            ),
             buffer_steps=args.events_buffer,
-            encoding=args.events_encoding,
             curve_secret_key=_read_key(args.events_curve_secret_file),
             curve_client_keys=_read_keys(args.events_curve_client_keys_file),
-            insecure=args.events_insecure,
         )
         config = dataclasses.replace(config, events=events)
     if args.metrics_port is not None:
