@@ -17,6 +17,7 @@ import numpy as np
 
 from tpcache.cache.errors import CacheError
 from tpcache.cache.keys import TokenLike, as_tokens
+from tpcache.cache.protocol import Cache
 from tpcache.cache.radix import AdmitResult
 from tpcache.cache.reqtable import check_count, check_request_id
 from tpcache.coordinator.step_types import (
@@ -26,6 +27,7 @@ from tpcache.coordinator.step_types import (
     StepObserver,
 )
 from tpcache.coordinator.steps import StepPipeline
+from tpcache.events.publisher import EventPublisher
 from tpcache.workers.oplog import evict_result, logged_admit, logged_extend
 from tpcache.workers.ops import (
     Abort,
@@ -64,11 +66,11 @@ class Coordinator:
     def __init__(
         self,
         ranks: RankTransport,
-        mirror: Any,
+        mirror: Cache,
         config: CoordinatorConfig | None = None,
         observers: list[StepObserver] | None = None,
         *,
-        publisher: Any = None,
+        publisher: EventPublisher | None = None,
         event_stats: Callable[[], tuple[int, int]] | None = None,
         metrics_port: int | None = None,
     ) -> None:
@@ -83,7 +85,7 @@ class Coordinator:
         return self.steps.ranks
 
     @property
-    def mirror(self) -> Any:
+    def mirror(self) -> Cache:
         """The coordinator's mirror of the cache (recovery may replace it)."""
         return self.steps.mirror
 

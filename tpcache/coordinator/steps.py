@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
-from tpcache.cache.radix import RadixCache
+from tpcache.cache.protocol import Cache
 from tpcache.coordinator.errors import CoordinatorUnavailable
 from tpcache.coordinator.lost import LostRequests
 from tpcache.coordinator.step_types import (
@@ -65,7 +65,7 @@ class StepPipeline:
     def __init__(
         self,
         ranks: RankTransport,
-        mirror: RadixCache,
+        mirror: Cache,
         config: CoordinatorConfig | None = None,
         observers: list[StepObserver] | None = None,
     ) -> None:

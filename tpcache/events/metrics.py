@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -109,7 +110,7 @@ class CoordinatorMetrics:
         )
         self._coord: Observed | None = None
         self._evictions_seen = 0
-        self.server: Any = None
+        self.server: WSGIServer | None = None  # set by serve, cleared by close
 
     def attach(self, coord: Observed) -> None:
         """Read ``coord``'s stats at every scrape, and observe its steps."""

@@ -22,6 +22,9 @@ import numpy as np
 import zmq
 
 from tpcache.errors import TpcacheError
+from tpcache.workers.ops import encode
+from tpcache.workers.ops import pack_tokens as pack
+from tpcache.workers.ops import unpack_tokens as unpack
 
 
 class GenerateError(TpcacheError):
@@ -55,30 +58,10 @@ class Refused(msgspec.Struct, tag=True, frozen=True):
 ToLoop = Submit
 ToClient = Token | Done | Refused
 
-_encoder = msgspec.msgpack.Encoder()
-_to_loop = msgspec.msgpack.Decoder(ToLoop)
-_to_client = msgspec.msgpack.Decoder(ToClient)
-
-
-def encode(msg: msgspec.Struct) -> bytes:
-    return _encoder.encode(msg)
-
-
-def decode_submit(data: bytes) -> Submit:
-    """Raises ``msgspec.ValidationError``/``DecodeError`` for a malformed message."""
-    return _to_loop.decode(data)
-
-
-def decode_reply(data: bytes) -> ToClient:
-    return _to_client.decode(data)
-
-
-def pack(tokens: np.ndarray) -> bytes:
-    return np.ascontiguousarray(tokens, dtype="<i4").tobytes()
-
-
-def unpack(data: bytes) -> np.ndarray:
-    return np.frombuffer(data, dtype="<i4")
+# Messages are encoded, and token ids packed, as the step channel's are (``workers.ops``).
+# Both decoders raise ``msgspec.ValidationError``/``DecodeError`` for a malformed message.
+decode_submit = msgspec.msgpack.Decoder(ToLoop).decode
+decode_reply = msgspec.msgpack.Decoder(ToClient).decode
 
 
 @dataclass(frozen=True)

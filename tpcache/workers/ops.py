@@ -184,47 +184,20 @@ class CallReply(msgspec.Struct, frozen=True):
 
 
 _encoder = msgspec.msgpack.Encoder()
-_step_decoder = msgspec.msgpack.Decoder(Step)
-_result_decoder = msgspec.msgpack.Decoder(StepResult)
-_forward_decoder = msgspec.msgpack.Decoder(Forward)
-_forward_result_decoder = msgspec.msgpack.Decoder(ForwardResult)
-_batch_decoder = msgspec.msgpack.Decoder(ForwardBatch)
-_batch_result_decoder = msgspec.msgpack.Decoder(ForwardBatchResult)
-_command_decoder = msgspec.msgpack.Decoder(Command)
-_reply_decoder = msgspec.msgpack.Decoder(CallReply)
 
 
 def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode_step(data: bytes) -> Step:
-    return _step_decoder.decode(data)
-
-
-def decode_result(data: bytes) -> StepResult:
-    return _result_decoder.decode(data)
-
-
-def decode_forward(data: bytes) -> Forward:
-    return _forward_decoder.decode(data)
-
-
-def decode_forward_result(data: bytes) -> ForwardResult:
-    return _forward_result_decoder.decode(data)
-
-
-def decode_forward_batch(data: bytes) -> ForwardBatch:
-    return _batch_decoder.decode(data)
-
-
-def decode_forward_batch_result(data: bytes) -> ForwardBatchResult:
-    return _batch_result_decoder.decode(data)
-
-
-def decode_command(data: bytes) -> Command:
-    return _command_decoder.decode(data)
-
-
-def decode_reply(data: bytes) -> CallReply:
-    return _reply_decoder.decode(data)
+# One reused decoder per message type; its bound ``decode`` is the function.
+decode_step = msgspec.msgpack.Decoder(Step).decode
+decode_result = msgspec.msgpack.Decoder(StepResult).decode
+# the forward calls of a model runner
+decode_forward = msgspec.msgpack.Decoder(Forward).decode
+decode_forward_result = msgspec.msgpack.Decoder(ForwardResult).decode
+decode_forward_batch = msgspec.msgpack.Decoder(ForwardBatch).decode
+decode_forward_batch_result = msgspec.msgpack.Decoder(ForwardBatchResult).decode
+# what rank 0 broadcasts under torchrun, and the replies
+decode_command = msgspec.msgpack.Decoder(Command).decode
+decode_reply = msgspec.msgpack.Decoder(CallReply).decode
