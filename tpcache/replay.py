@@ -72,6 +72,56 @@ def replay(
     last one, outside the timed calls."""
     capacity = opts.capacity or infinite_capacity(requests, opts.page_size, opts.scale)
     cache = make_cache(opts, capacity)
+    run = _run(cache, requests, opts, progress)
+    cache.check_integrity()
+    evicts = cache.evict_seconds()
+    stats = cache.stats()
+    return {
+        "requests": len(requests),
+        "page_size": opts.page_size,
+        "policy": opts.policy,
+        "scale": f"1/{opts.scale}",
+        "capacity_tokens": capacity if opts.capacity else None,
+        "prompt_tokens": run.prompt_tokens,
+        "matched_tokens": run.matched,
+        "hit_rate": run.matched / run.prompt_tokens if run.prompt_tokens else 0.0,
+        "evicted_tokens": stats.evicted_pages[0] * opts.page_size,
+        "evict_calls": stats.evict_calls,
+        "cache_ops_s": sum(run.match_s) + sum(run.insert_s),
+        "cache_ops_cpu_s": run.cpu_s,  # process CPU time of the same calls
+        "match_us_median": _median_us(run.match_s),
+        "insert_us_median": _median_us(run.insert_s),
+        "evict_us_median": _median_us(evicts),
+        "cached_tokens_end": cache.sizes().cached,
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+        **(hybrid_summary(cache) if opts.swa_window else {}),
+        **(
+            host_summary(cache, run.matched, run.host_hits)  # type: ignore[arg-type]
+            if opts.host_capacity is not None
+            else {}
+        ),
+    }
+
+
+@dataclass
+class _Run:
+    """What the replay's loop timed and counted."""
+
+    match_s: list[float]  # each admit's wall time
+    insert_s: list[float]  # each finish's
+    cpu_s: float  # process CPU time of the same calls
+    prompt_tokens: int
+    matched: int
+    host_hits: int  # of ``matched``, from the host tier
+
+
+def _run(
+    cache: RadixCache | HybridCache | HostCache,
+    requests: list[TraceRequest],
+    opts: ReplayOptions,
+    progress: Callable[[int, int], None] | None,
+) -> _Run:
+    """Admit and finish every request in order, timing each call alone."""
     match_s: list[float] = []
     insert_s: list[float] = []
     prompt_total = matched = host_hits = 0
@@ -98,30 +148,7 @@ def replay(
             host_hits += got.host_hit_length  # type: ignore[union-attr]
         if progress is not None and ((i + 1) % 100 == 0 or i + 1 == len(requests)):
             progress(i + 1, len(requests))
-    cache.check_integrity()
-    evicts = cache.evict_seconds()
-    stats = cache.stats()
-    return {
-        "requests": len(requests),
-        "page_size": opts.page_size,
-        "policy": opts.policy,
-        "scale": f"1/{opts.scale}",
-        "capacity_tokens": capacity if opts.capacity else None,
-        "prompt_tokens": prompt_total,
-        "matched_tokens": matched,
-        "hit_rate": matched / prompt_total if prompt_total else 0.0,
-        "evicted_tokens": stats.evicted_pages[0] * opts.page_size,
-        "evict_calls": stats.evict_calls,
-        "cache_ops_s": sum(match_s) + sum(insert_s),
-        "cache_ops_cpu_s": cpu_s,  # process CPU time of the same calls
-        "match_us_median": _median_us(match_s),
-        "insert_us_median": _median_us(insert_s),
-        "evict_us_median": _median_us(evicts),
-        "cached_tokens_end": cache.sizes().cached,
-        "peak_rss_mb": round(peak_rss_mb(), 1),
-        **(hybrid_summary(cache) if opts.swa_window else {}),
-        **(host_summary(cache, matched, host_hits) if tiered else {}),  # type: ignore[arg-type]
-    }
+    return _Run(match_s, insert_s, cpu_s, prompt_total, matched, host_hits)
 
 
 def make_cache(opts: ReplayOptions, capacity: int) -> RadixCache | HybridCache | HostCache:

@@ -207,17 +207,8 @@ class LifetimeModel:
                 grid_room = (grid_room[:, None] + r[None, :]).reshape(-1)
         # LRU in this model: one lifetime for all, the longest that fits.
         lru = max(int(np.searchsorted(np.maximum.accumulate(lru_room), budget, "right")) - 1, 0)
-        left = budget - grid_room
-        # The last class: the last edge whose room fits (room grows with T), plus the
-        # fraction of the next bin that the rest of the room pays for.
-        last_room = np.maximum.accumulate(room[-1])
+        j, frac, ok = _last_class(room[-1], budget - grid_room)
         last_hits = hits[-1]
-        j = np.searchsorted(last_room, left, side="right") - 1  # -1: does not fit
-        ok = j >= 0
-        j = np.clip(j, 0, NUM_BINS - 2)
-        span = last_room[j + 1] - last_room[j]
-        frac = np.where(ok & (span > 0), (left - last_room[j]) / np.maximum(span, 1e-9), 0.0)
-        frac = np.clip(frac, 0.0, 1.0)
         total = np.where(
             ok, grid_hits + last_hits[j] + frac * (last_hits[j + 1] - last_hits[j]), -1
         )
@@ -242,3 +233,17 @@ class LifetimeModel:
         ticks = self._snap_tick[: self._n]
         if not self._n or (np.diff(ticks) <= 0).any() or ticks[-1] > self.now:
             raise IntegrityError(f"lifetime model: snapshot ticks {ticks[-3:]} out of order")
+
+
+def _last_class(room: np.ndarray, left: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The last class's lifetime for each amount of room ``left`` by the others: the
+    last bin edge ``j`` whose room fits (room grows with T), plus the fraction ``frac``
+    of the next bin that the rest of the room pays for; ``ok`` False where not even the
+    first edge fits."""
+    room = np.maximum.accumulate(room)
+    j = np.searchsorted(room, left, side="right") - 1  # -1: does not fit
+    ok = j >= 0
+    j = np.clip(j, 0, NUM_BINS - 2)
+    span = room[j + 1] - room[j]
+    frac = np.where(ok & (span > 0), (left - room[j]) / np.maximum(span, 1e-9), 0.0)
+    return j, np.clip(frac, 0.0, 1.0), ok

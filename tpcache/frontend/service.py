@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -151,7 +152,7 @@ class CoordinatorService:
         """``Coordinator.reset``, answered as ``evict`` is."""
         return self._answer(self.coord.reset)
 
-    def _answer(self, fn: Any) -> tuple[Any, bytes | None]:
+    def _answer(self, fn: Callable[[], Any]) -> tuple[Any, bytes | None]:
         with self._lock:
             try:
                 return fn(), None
