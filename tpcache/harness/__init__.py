@@ -1,6 +1,7 @@
 """Checking harnesses, apart from the product: the model engine and its work items, the
-model check, the soak and the demo.
+model check, the soak, the demo, and ``tpcache generate``'s loop and clients.
 
-May import ``tpcache.coordinator`` and what it may; the product never imports these
-(only the CLI's ``demo`` and ``tpcache.torchrun check``, which run them).
+May import ``tpcache.coordinator`` and what it may, and ``tpcache.trace`` and
+``tpcache.replay``; the product never imports these
+(only the CLI's ``demo`` and ``generate`` and ``tpcache.torchrun check``, which run them).
 """
