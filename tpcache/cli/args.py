@@ -125,15 +125,20 @@ def rank_resources_arg(text: str) -> dict[str, float] | list[dict[str, float]]:
     return groups[0] if len(groups) == 1 else groups
 
 
+def add_count_option(
+    p: argparse.ArgumentParser | argparse._ArgumentGroup, flag: str, default: int, what: str
+) -> None:
+    """``flag``: an integer >= 1, ``default`` unless given, which its help names."""
+    p.add_argument(flag, type=positive_arg, default=default, help=f"{what} (default {default})")
+
+
 def add_cache_options(
     p: argparse.ArgumentParser, capacity: int | None, capacity_help: str, policy_help: str
 ) -> None:
     """``--capacity`` (default ``capacity``), ``--page-size`` and ``--policy``: the cache's
     options, shared by the trace commands and ``serve``."""
     p.add_argument("--capacity", type=capacity_arg, default=capacity, help=capacity_help)
-    p.add_argument(
-        "--page-size", type=positive_arg, default=16, help="tokens per page (default 16)"
-    )
+    add_count_option(p, "--page-size", 16, "tokens per page")
     p.add_argument("--policy", default="lru", help=policy_help)
 
 
@@ -150,7 +155,7 @@ def add_trace_options(p: argparse.ArgumentParser) -> None:
 
 def add_tp_option(p: argparse.ArgumentParser) -> None:
     """``--tp``, shared by the group options and ``generate``."""
-    p.add_argument("--tp", type=positive_arg, default=2, help="tensor-parallel ranks (default 2)")
+    add_count_option(p, "--tp", 2, "tensor-parallel ranks")
 
 
 def add_group_options(p: argparse.ArgumentParser) -> None:
@@ -166,8 +171,8 @@ def add_group_options(p: argparse.ArgumentParser) -> None:
         "authentication the token is read from ~/.ray/auth_token (or RAY_AUTH_TOKEN, "
         "RAY_AUTH_TOKEN_PATH)",
     )
-    p.add_argument("--layers", type=positive_arg, default=1, help="KV-pool layers (default 1)")
-    p.add_argument("--head-dim", type=positive_arg, default=4, help="KV-pool head dim (default 4)")
+    add_count_option(p, "--layers", 1, "KV-pool layers")
+    add_count_option(p, "--head-dim", 4, "KV-pool head dim")
     p.add_argument(
         "--timeout",
         type=seconds_arg,

@@ -9,8 +9,13 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
-from tpcache.cli.args import add_group_options, add_trace_options, group_config, machine
-from tpcache.cli.args import positive_arg as _positive
+from tpcache.cli.args import (
+    add_count_option,
+    add_group_options,
+    add_trace_options,
+    group_config,
+    machine,
+)
 
 
 def add_demo_parser(sub) -> None:
@@ -26,7 +31,7 @@ def add_demo_parser(sub) -> None:
     )
     add_trace_options(p)
     add_group_options(p)
-    p.add_argument("--batch", type=_positive, default=8, help="requests per step (default 8)")
+    add_count_option(p, "--batch", 8, "requests per step")
     p.set_defaults(func=cmd_demo, parser=p)
 
 

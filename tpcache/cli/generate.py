@@ -9,6 +9,7 @@ import sys
 import time
 
 from tpcache.cli.args import (
+    add_count_option,
     add_scale_option,
     add_tp_option,
     add_trace_options,
@@ -16,7 +17,6 @@ from tpcache.cli.args import (
     picked,
     seconds_arg,
 )
-from tpcache.cli.args import positive_arg as _positive
 
 
 def add_generate_parser(sub) -> None:
@@ -42,18 +42,15 @@ def add_generate_parser(sub) -> None:
     add_scale_option(p)
     p.set_defaults(limit=1000, scale=128)
     add_tp_option(p)
-    p.add_argument("--clients", type=_positive, default=32, help="concurrent clients (default 32)")
-    p.add_argument(
-        "--step-tokens",
-        type=_positive,
-        default=512,
-        help="token budget of one step: prefill chunks and decodes (default 512)",
+    add_count_option(p, "--clients", 32, "concurrent clients")
+    add_count_option(
+        p, "--step-tokens", 512, "token budget of one step: prefill chunks and decodes"
     )
     g = p.add_argument_group("the reference model (random weights from --seed)")
-    g.add_argument("--hidden", type=_positive, default=256, help="hidden size (default 256)")
-    g.add_argument("--heads", type=_positive, default=8, help="attention heads (default 8)")
-    g.add_argument("--ffn", type=_positive, default=2048, help="MLP size (default 2048)")
-    g.add_argument("--layers", type=_positive, default=8, help="layers (default 8)")
+    add_count_option(g, "--hidden", 256, "hidden size")
+    add_count_option(g, "--heads", 8, "attention heads")
+    add_count_option(g, "--ffn", 2048, "MLP size")
+    add_count_option(g, "--layers", 8, "layers")
     g.add_argument("--seed", type=int, default=0, help="weights' seed (default 0)")
     p.add_argument(
         "--timeout",
