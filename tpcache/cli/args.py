@@ -8,7 +8,10 @@ import math
 import os
 import platform
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from tpcache.coordinator.build import GroupConfig
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # = build.STRATEGIES
 TRANSPORTS = ("channel", "ray")  # = build.TRANSPORTS
@@ -225,7 +228,7 @@ def _add_placement_options(g: argparse._ArgumentGroup) -> None:
     )
 
 
-def group_config(args: argparse.Namespace, capacity: int | None):  # -> GroupConfig
+def group_config(args: argparse.Namespace, capacity: int | None) -> GroupConfig:
     """The ``GroupConfig`` the group options ask for. Raises ``ValueError`` naming what
     does not fit (e.g. 3 resource groups for 2 ranks)."""
     from tpcache.coordinator.build import GroupConfig

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tpcache.coordinator.core import Coordinator, CoordinatorConfig
-from tpcache.coordinator.step_types import RankTransport
+from tpcache.coordinator.step_types import RankTransport, StepObserver
 from tpcache.events.event_config import EventConfig
 from tpcache.events.metrics import CoordinatorMetrics, EventsHook
 from tpcache.events.publisher import EventPublisher
@@ -168,7 +168,7 @@ def build_coordinator(
     ``ends`` opened for it. ``coordinator.close()`` stops them all."""
     publisher = ends.publisher
     mirror = config.cache.build(capacity, record_events=publisher is not None)
-    observers: list = []
+    observers: list[StepObserver] = []
     event_stats = None
     if publisher is not None:
         observers.append(EventsHook(publisher))

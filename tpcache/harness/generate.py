@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import zmq
@@ -37,6 +37,11 @@ import zmq
 from tpcache.harness.gen_loop import GenLoop, LoopConfig, LoopCounters
 from tpcache.harness.gen_wire import ClientResult, GenClient, GenerateError
 from tpcache.trace import TraceRequest, check_scale, scaled_output_length, scaled_prompt_tokens
+
+if TYPE_CHECKING:  # torch: imported when a run starts
+    from tpcache.coordinator.build import GroupConfig
+    from tpcache.coordinator.core import Coordinator
+    from tpcache.harness.engine import ModelEngine
 
 REFERENCE = "tpcache.workers.model:ReferenceRunner"
 
@@ -129,7 +134,7 @@ def needed_capacity(requests: list[GenRequest], page_size: int) -> int:
     return sum(-(-(r.prompt.size + r.max_new) // page_size) for r in requests) * page_size
 
 
-def group_config(opts: GenerateOptions, requests: list[GenRequest]):  # -> GroupConfig
+def group_config(opts: GenerateOptions, requests: list[GenRequest]) -> GroupConfig:
     from tpcache.coordinator.build import GroupConfig
     from tpcache.coordinator.core import CoordinatorConfig
     from tpcache.workers.spec import CacheSpec
@@ -181,7 +186,7 @@ def run_generate(
 
 
 def run_mode(
-    engine: Any,
+    engine: ModelEngine,
     requests: list[GenRequest],
     opts: GenerateOptions,
     cache: bool,
@@ -241,7 +246,7 @@ def _client(
 
 
 def mode_summary(
-    coord: Any, c: LoopCounters, results: list[ClientResult], e2e: float
+    coord: Coordinator, c: LoopCounters, results: list[ClientResult], e2e: float
 ) -> dict[str, Any]:
     coord.sync()
     digests = [int(d) for d in coord.ranks.call("digest")]
@@ -276,7 +281,7 @@ def mode_summary(
 def summarize(
     requests: list[GenRequest],
     opts: GenerateOptions,
-    config: Any,
+    config: GroupConfig,
     modes: dict[str, dict[str, Any]],
     want: dict[str, Any],
 ) -> dict[str, Any]:
@@ -311,7 +316,7 @@ def summarize(
     }
 
 
-def _warm_up(engine: Any) -> None:
+def _warm_up(engine: ModelEngine) -> None:
     """One small forward before anything is timed (first-call costs on every rank)."""
     from tpcache.harness.engine import Prefill
 
