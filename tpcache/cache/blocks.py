@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tpcache.cache.hashing import block_hashes
+from tpcache.cache.namespace import is_anchor
 from tpcache.cache.node import hash_pending
 
 
@@ -15,11 +16,12 @@ def cached_blocks(cache) -> dict[int, tuple[int | None, tuple[int, ...]]]:
     ps = cache.page_size
     hash_pending(cache.tree)
     out: dict[int, tuple[int | None, tuple[int, ...]]] = {}
-    root = cache.tree.root
     for node in cache.tree.walk():
+        if is_anchor(node):  # a namespace's anchor: no block of its own
+            continue
         hashes = block_hashes(node.states).tolist()
         parent = node.parent
-        prev = int(block_hashes(parent.states[-1:])[0]) if parent is not root else None
+        prev = int(block_hashes(parent.states[-1:])[0]) if parent.states.size else None
         tokens = node.key.tolist()
         for i, h in enumerate(hashes):
             out[h] = (prev, tuple(tokens[i * ps : (i + 1) * ps]))

@@ -63,3 +63,8 @@ class IntegrityError(CacheError, AssertionError):
 class HostTierError(CacheError, ValueError):
     """A host (CPU) tier that cannot be built: a host pool smaller than one page, a write
     policy it does not know, or a cache kind or eviction policy that has no host tier."""
+
+
+class InvalidNamespace(CacheError, ValueError):
+    """A cache namespace (LoRA adapter id or name, tenant cache salt) of a wrong type or
+    out of range, or one a cache kind cannot key (the host tier)."""

@@ -14,6 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from tpcache.cache.allocator import CACHED
+from tpcache.cache.anchors import drop_anchor, is_anchor
 from tpcache.cache.events import BlockRemoved
 from tpcache.cache.hashing import block_hashes
 from tpcache.cache.keys import join_pages
@@ -98,6 +99,9 @@ def delete(tree: RadixTree, node: Node, out: Freed) -> None:
                 BlockRemoved(block_hashes=block_hashes(node.states).tolist(), medium=tree.medium)
             )
         if parent is root or parent.children:
+            return
+        if is_anchor(parent):  # a namespace's anchor lost its last child: it goes too
+            drop_anchor(tree, parent)
             return
         if tree.window is None or tree.valid_end(parent):
             tree._queue(parent)

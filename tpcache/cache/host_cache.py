@@ -25,7 +25,13 @@ from typing import Any
 import numpy as np
 
 from tpcache.cache.allocator import HELD, LENT, PageAllocator
-from tpcache.cache.errors import HostTierError, IntegrityError, InvalidSlots, OutOfCapacity
+from tpcache.cache.errors import (
+    HostTierError,
+    IntegrityError,
+    InvalidNamespace,
+    InvalidSlots,
+    OutOfCapacity,
+)
 from tpcache.cache.host_config import HostAdmitResult, HostConfig, HostCopy, HostMatchResult
 from tpcache.cache.host_moves import to_device
 from tpcache.cache.host_tree import HostTree
@@ -38,6 +44,7 @@ from tpcache.cache.keys import (
     join_pages,
     slots_to_pages,
 )
+from tpcache.cache.namespace import as_namespace
 from tpcache.cache.node import pages_of
 from tpcache.cache.policies import policy_key
 from tpcache.cache.prefix import PrefixCache
@@ -53,6 +60,16 @@ from tpcache.cache.tree_check import check_cache
 from tpcache.errors import TpcacheError
 
 __all__ = ["HostCache", "HostConfig"]
+
+
+def no_namespaces(namespace: Any) -> None:
+    """Raise ``InvalidNamespace`` for any namespace but the default one: the host tier's
+    moves do not keep namespace anchors (yet)."""
+    if as_namespace(namespace) is not None:
+        raise InvalidNamespace(
+            "the host-tier cache keys no namespaces (LoRA adapter, cache salt); use the"
+            " device-only or the hybrid cache for namespaced requests"
+        )
 
 
 class HostCache(PrefixCache):
@@ -80,7 +97,8 @@ class HostCache(PrefixCache):
         super().__init__(config, alloc, tree)
 
     # ---- matches --------------------------------------------------------------------------
-    def admit_prefix_len(self, tokens: TokenLike) -> int:
+    def admit_prefix_len(self, tokens: TokenLike, namespace: Any = None) -> int:
+        no_namespaces(namespace)
         key = as_tokens(tokens)
         _, pos, _, common = self.tree.descend(
             key, (key.size - 1) // self.page_size * self.page_size
@@ -107,7 +125,9 @@ class HostCache(PrefixCache):
         *,
         evict: bool | Evictor = True,
         reserve: int = 0,
+        namespace: Any = None,
     ) -> HostAdmitResult:
+        no_namespaces(namespace)
         rid, key, prio, total, room = self._admission(rid, tokens, priority, reserve)
         ps = self.page_size
         tree = self.tree

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tpcache.cache.allocator import CACHED, HELD
+from tpcache.cache.anchors import namespace_of
 from tpcache.cache.errors import InvalidSlots
 from tpcache.cache.events import BlockStored
 from tpcache.cache.hashing import block_hashes
@@ -125,13 +126,16 @@ def add_leaf(
     defer_hash(tree, node, now=tree.record_events or tree.hooks is not None)
     if tree.record_events:
         parent_hash = int(block_hashes(parent.states[-1:])[0]) if parent.states.size else None
+        space = namespace_of(tree, parent)
         tree.events.append(
             BlockStored(
                 block_hashes=block_hashes(node.states).tolist(),
                 parent_block_hash=parent_hash,
                 token_ids=key.tolist(),
                 block_size=tree.ps,
+                lora_id=None if space is None else space.lora_id,
                 medium=tree.medium,
+                lora_name=None if space is None else space.lora_name,
             )
         )
     if tree.hooks is not None:

@@ -32,6 +32,12 @@ def page_terms(states: np.ndarray, pages: np.ndarray) -> int:
     return (int(states @ p) + _K * int(np.add.reduce(states))) & _MASK
 
 
+def seed_of(tree, node) -> int:
+    """The chain state the first blocks below ``node`` (the root, or a namespace's anchor:
+    ``anchors.py``) hash from."""
+    return ROOT_STATE if node is tree.root else tree.spaces[node.kb][1]
+
+
 def descend(node, ps: int, key: np.ndarray, n: int, pos: int):
     """The walk behind ``RadixTree.descend`` (``children`` keyed by first-page bytes,
     ``kb`` the node's token bytes): one dict probe and one byte comparison per node, a
@@ -154,7 +160,10 @@ def _hash_batch(tree, batch: list, sizes: list[int]) -> None:
     firsts = [0, *itertools.accumulate(sizes[:-1])]
     starts = np.array(firsts, dtype=np.int64)
     parents = np.array(
-        [int(n.parent.states[-1]) if n.parent.states.size else ROOT_STATE for n in batch],
+        [
+            int(n.parent.states[-1]) if n.parent.states.size else seed_of(tree, n.parent)
+            for n in batch
+        ],
         dtype=np.uint64,
     )
     key = np.frombuffer(b"".join(n.kb for n in batch), dtype=np.int32)
@@ -178,7 +187,7 @@ def hash_node(tree, node) -> None:
         node = node.parent
     for n in reversed(chain):
         parent = n.parent
-        parent_state = int(parent.states[-1]) if parent.states.size else ROOT_STATE
+        parent_state = int(parent.states[-1]) if parent.states.size else seed_of(tree, parent)
         if n.pages.size <= _FEW_PAGES:
             states = tree.hasher.chain_few(n.kb, parent_state)
             term = 0

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tpcache.cache.allocator import HELD, LENT
+from tpcache.cache.anchors import insert_start, match_in
 from tpcache.cache.errors import NoSwaPool, OutOfCapacity
 from tpcache.cache.events import AllBlocksCleared, KVEvent
 from tpcache.cache.evict import Freed
@@ -88,11 +89,10 @@ class PrefixCache:
         return self.tree.window
 
     # ---- tree-level operations (the contracts of every public method: ``protocol.Cache``) --
-    def admit_prefix_len(self, tokens: TokenLike) -> int:
+    def admit_prefix_len(self, tokens: TokenLike, namespace: Any = None) -> int:
         key = as_tokens(tokens)
-        _, pos, _, common = self.tree.match_walk(
-            key, (key.size - 1) // self.page_size * self.page_size
-        )
+        ps = self.page_size
+        _, pos, _, common = match_in(self.tree, key, (key.size - 1) // ps * ps, namespace)[1]
         return pos + common
 
     def match_prefix(self, tokens: TokenLike) -> MatchResult:
@@ -155,7 +155,8 @@ class PrefixCache:
         self, rid: RequestId, tokens: TokenLike, priority: int, reserve: int
     ) -> tuple[RequestId, np.ndarray, int, int, Any]:
         """An admit's inputs checked before anything changes (the id, its tokens, priority
-        and total length), and the room-maker with no eviction ask pending."""
+        and total length; its namespace is the caller's), and the room-maker with no
+        eviction ask pending."""
         rid = self.reqs.check_new(rid)
         key = as_tokens(tokens, copy=True, defer_sign=True)  # the row keeps it (if mutable)
         prio = as_priority(priority)
@@ -172,11 +173,14 @@ class PrefixCache:
         *,
         evict: bool | Evictor = True,
         reserve: int = 0,
+        namespace: Any = None,
     ) -> AdmitResult:
         rid, key, prio, total, room = self._admission(rid, tokens, priority, reserve)
         ps = self.page_size
         tree = self.tree
-        path, pos, partial, common = tree.match_walk(key, (key.size - 1) // ps * ps)
+        space, (path, pos, partial, common) = match_in(
+            tree, key, (key.size - 1) // ps * ps, namespace
+        )
         check_sign(key, pos + common)
         need = -(-total // ps) - (pos + common) // ps
         if need > self.alloc.num_free:
@@ -195,7 +199,7 @@ class PrefixCache:
             raise
         row = join_pages([*map(pages_of, path), pages])
         mark = 0 if top is None else tree.mark_of(top)
-        self.reqs.add(rid, key, row, total, pos // ps, node, prio, mark)
+        self.reqs.add(rid, key, row, total, pos // ps, node, prio, mark, space)
         return self._admit_result(pos, row, total)
 
     def extend(self, rid: RequestId, n: int, *, evict: bool | Evictor = True) -> np.ndarray:
@@ -225,7 +229,7 @@ class PrefixCache:
             key[:n],
             req.pages[: n // ps],
             req.priority,
-            start=req.node,
+            start=insert_start(tree, req.node, req.space, n > req.cached_pages * ps),
             start_pos=req.cached_pages * ps,
             trusted=True,
         )
@@ -245,7 +249,8 @@ class PrefixCache:
         ps = self.page_size
         tail, pages, n = finished_tail(req, out, ps)
         tree = self.tree
-        insert_key(tree, tail, pages, req.priority, start=req.node, trusted=True, want_pages=False)
+        start = insert_start(tree, req.node, req.space, tail.size > 0)
+        insert_key(tree, tail, pages, req.priority, start=start, trusted=True, want_pages=False)
         self.alloc.free(req.pages[n // ps :], HELD, checked=False)
         tree.unlock(req.node, tree.find_top(req.node, req.mark) if req.mark else None)
         self.reqs.remove(req.rid)

@@ -21,6 +21,7 @@ import numpy as np
 
 from tpcache.cache.events import KVEvent
 from tpcache.cache.keys import TokenLike
+from tpcache.cache.namespace import CacheNamespace
 from tpcache.cache.records import (
     AdmitResult,
     CacheSizes,
@@ -72,6 +73,7 @@ class Cache(Protocol):
         *,
         evict: EvictArg = True,
         reserve: int = 0,
+        namespace: CacheNamespace | None = None,
     ) -> AdmitResult:
         """Start request ``rid``: match its prompt (at most ``len - 1`` tokens, in whole
         pages; with a window, only where its last window has SWA KV), lock the match,
@@ -82,7 +84,12 @@ class Cache(Protocol):
         is released again. Otherwise raises before changing anything:
         ``DuplicateRequest``, ``InvalidTokens`` (empty, malformed, over the request limit
         with the reserve), ``OutOfCapacity``, ``CacheError`` (a bad id, priority or
-        reserve). With a window the result carries ``swa_pages`` from ``swa_start``."""
+        reserve), ``InvalidNamespace``. With a window the result carries ``swa_pages``
+        from ``swa_start``. ``namespace`` (``namespace.CacheNamespace``: a LoRA adapter,
+        a tenant's cache salt) keys the KV besides the tokens: the request matches, and
+        its finish and ``cache_unfinished`` cache, only in that namespace (equal tokens
+        in another never share KV; block hashes differ). ``None``: the default one.
+        The host-tier cache refuses any other (``InvalidNamespace``)."""
         ...
 
     def extend(self, rid: RequestId, n: int, *, evict: EvictArg = True) -> np.ndarray:
@@ -124,11 +131,12 @@ class Cache(Protocol):
         ...
 
     # ---- prefixes, handles, lent slots --------------------------------------------------
-    def admit_prefix_len(self, tokens: TokenLike) -> int:
+    def admit_prefix_len(self, tokens: TokenLike, namespace: CacheNamespace | None = None) -> int:
         """How many leading tokens of prompt ``tokens`` an ``admit`` would take from the
         cache now (at most ``len - 1``, in whole pages). Pure: no split, no access tick,
         so a scheduler may ask before it decides (the answer holds until the cache next
-        changes). Raises ``InvalidTokens``."""
+        changes), in ``namespace`` as ``admit``. Raises ``InvalidTokens``,
+        ``InvalidNamespace``."""
         ...
 
     def match_prefix(self, tokens: TokenLike) -> MatchResult:

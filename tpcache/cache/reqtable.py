@@ -22,9 +22,11 @@ from tpcache.cache.errors import (
     UnknownRequest,
 )
 from tpcache.cache.keys import joined_key, pages_to_slots, read_only
+from tpcache.cache.namespace import is_anchor
 from tpcache.cache.records import RequestRow
 
 if TYPE_CHECKING:
+    from tpcache.cache.namespace import CacheNamespace
     from tpcache.cache.tree import Node, RadixTree
 
 RequestId = int | str
@@ -44,6 +46,7 @@ class Req:
     node: Node  # the locked end of the cached prefix
     priority: int
     mark: int  # the boundary mark of its lock's window (tree.find_top); 0: no window
+    space: CacheNamespace | None = None  # its namespace (None: the default one)
 
 
 def finished_tail(req: Req, out: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -243,8 +246,11 @@ class ReqTable:
         node: Node,
         priority: int,
         mark: int,
+        space: CacheNamespace | None = None,
     ) -> None:
-        self._rows[rid] = Req(rid, tokens, pages, num_tokens, cached_pages, node, priority, mark)
+        self._rows[rid] = Req(
+            rid, tokens, pages, num_tokens, cached_pages, node, priority, mark, space
+        )
 
     def remove(self, rid: RequestId) -> None:
         del self._rows[rid]
@@ -262,10 +268,12 @@ class ReqTable:
                 raise IntegrityError(f"request {req.rid!r} holds an evicted or unlocked node")
             path_pages = []
             path_keys = []
-            while node is not tree.root:
+            while node is not tree.root and not is_anchor(node):
                 path_pages.append(node.pages)
                 path_keys.append(node.key)
                 node = node.parent  # type: ignore[assignment]
+            if node is not tree.root and tree.spaces[node.kb][0] != req.space:
+                raise IntegrityError(f"request {req.rid!r} is locked in another namespace")
             path = np.concatenate(path_pages[::-1]) if path_pages else np.zeros(0, np.int64)
             if path.size != req.cached_pages or not np.array_equal(path, req.pages[: path.size]):
                 raise IntegrityError(

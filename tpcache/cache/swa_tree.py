@@ -82,10 +82,10 @@ class SwaTree(RadixTree):
         self.swa_order = EvictionOrder(self.swa_key_fn)  # nodes with SWA KV, not SWA-locked
 
     # ---- matches ------------------------------------------------------------------------
-    def match_walk(self, key: np.ndarray, n: int) -> Match:
-        """The longest *window-valid* cached prefix of ``key[:n]`` (``node.window_cut``),
-        changing nothing."""
-        found = self.descend(key, n)
+    def match_walk(self, key: np.ndarray, n: int, start: SwaNode | None = None) -> Match:  # type: ignore[override]
+        """The longest *window-valid* cached prefix of ``key[:n]`` (``node.window_cut``)
+        from the root or an anchor ``start``, changing nothing."""
+        found = self.descend(key, n, start)
         return window_cut(*found, self.window) if self.tombstones else found  # type: ignore[arg-type]
 
     def valid_end(self, node: SwaNode, acc: int = 0) -> bool:  # type: ignore[override]

@@ -26,6 +26,7 @@ from tpcache.cache.errors import LockError
 from tpcache.cache.events import KVEvent
 from tpcache.cache.evict import Freed, evict
 from tpcache.cache.hashing import PageHasher
+from tpcache.cache.namespace import CacheNamespace
 from tpcache.cache.node import (
     _EMPTY_PAGES,
     _EMPTY_STATES,
@@ -95,6 +96,9 @@ class RadixTree:
         self.cached_pages = 0  # pages in the tree
         self.protected_pages = 0  # pages of nodes with lock > 0
         self.digest_sum = 0
+        # Namespaces with an anchor (``anchors.py``), by anchor key: the namespace and its
+        # chain seed. An anchor lives exactly while it has children.
+        self.spaces: dict[bytes, tuple[CacheNamespace, int]] = {}
         # Nodes whose block hashes are not computed yet (see ``ensure_hashed``).
         self._unhashed: list[Node] = []
         self.leaves = EvictionOrder(self.key_fn)  # the unlocked leaves
@@ -112,10 +116,11 @@ class RadixTree:
         """
         return descend(self.root if node is None else node, self.ps, key, n, pos)
 
-    def match_walk(self, key: np.ndarray, n: int) -> Match:
-        """``descend`` from the root, cut back to where a match may end (hook: every
-        point here; a window needs SWA KV before the end). Changes nothing."""
-        return descend(self.root, self.ps, key, n, 0)
+    def match_walk(self, key: np.ndarray, n: int, start: Node | None = None) -> Match:
+        """``descend`` from the root (or a namespace's anchor ``start``), cut back to where
+        a match may end (hook: every point here; a window needs SWA KV before the end).
+        Changes nothing."""
+        return descend(start or self.root, self.ps, key, n, 0)
 
     def split(self, child: Node, at: int) -> Node:
         """Cut ``child`` after ``at`` tokens (whole pages); returns the new upper node.

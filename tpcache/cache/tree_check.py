@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tpcache.cache.allocator import CACHED, FREE, HELD, LENT
+from tpcache.cache.anchors import BASE_LOCK, check_anchor, check_spaces, is_anchor
 from tpcache.cache.errors import CacheError, IntegrityError
-from tpcache.cache.hashing import ROOT_STATE
-from tpcache.cache.node import _MASK, page_terms
+from tpcache.cache.node import _MASK, page_terms, seed_of
 
 if TYPE_CHECKING:
     from tpcache.cache.node import Node
@@ -69,6 +69,9 @@ def check_tree(tree: RadixTree) -> None:
     all_pages = []
     digest = 0
     for node in nodes:
+        if is_anchor(node):
+            check_anchor(tree, node)
+            continue
         _check_node(tree, node)
         if node.lock == 0 and not node.children:
             k = leaves.key_of(node)
@@ -104,6 +107,7 @@ def check_tree(tree: RadixTree) -> None:
             raise IntegrityError("a page is referenced by two tree nodes")
         if (tree.alloc.tags_of(flat) != CACHED).any():
             raise IntegrityError("a tree page is not tagged cached in the allocator")
+    check_spaces(tree)
     if digest & _MASK != tree.digest_sum:
         raise IntegrityError(f"tree digest {tree.digest_sum:#x} != recomputed {digest & _MASK:#x}")
     if window is not None:
@@ -134,7 +138,7 @@ def _check_node(tree: RadixTree, node: Node) -> None:
     child_locks = sum(c.lock for c in node.children.values())
     if node.lock < child_locks:
         raise IntegrityError(f"node {node.id} lock {node.lock} < its children's {child_locks}")
-    parent_state = int(parent.states[-1]) if parent.states.size else ROOT_STATE
+    parent_state = int(parent.states[-1]) if parent.states.size else seed_of(tree, parent)
     if not np.array_equal(tree.hasher.chain(node.key, parent_state), node.states):
         raise IntegrityError(f"node {node.id}: block hash chain does not match its tokens")
 
@@ -162,7 +166,8 @@ def check_locks(tree: RadixTree, holders: list[Holder]) -> None:
     kinds = "(full, SWA)" if windowed else "(full)"
     for node in tree.walk():
         have = tree.locks_of(node)
-        want = (full.get(node.id, 0), swa.get(node.id, 0))[: len(have)]
+        base = BASE_LOCK if is_anchor(node) else 0
+        want = (full.get(node.id, 0) + base, swa.get(node.id, 0) + base)[: len(have)]
         if have != want:
             raise IntegrityError(
                 f"node {node.id} has locks {kinds} {have}, but requests and handles hold {want}"
