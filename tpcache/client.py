@@ -21,7 +21,7 @@ import itertools
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Unpack
 
 import zmq
 
@@ -57,8 +57,16 @@ class Batch:
         self.pending.append(Pending())
         return self.pending[-1]
 
-    def admit(self, rid: Any, tokens, priority: int = 0, reserve: int = 0) -> Pending:
-        return self._add(api.AdmitCall(rid, _ints(tokens), priority, reserve))
+    def admit(
+        self,
+        rid: Any,
+        tokens,
+        priority: int = 0,
+        reserve: int = 0,
+        **space: Unpack[api.NamespaceFields],
+    ) -> Pending:
+        """``space``: ``lora_id``, ``lora_name``, ``cache_salt`` (``api.AdmitCall``)."""
+        return self._add(api.AdmitCall(rid, _ints(tokens), priority, reserve, **space))
 
     def extend(self, rid: Any, n: int) -> Pending:
         return self._add(api.ExtendCall(rid, n))
@@ -138,8 +146,17 @@ class Client:
             for p, reply in zip(b.pending, self.send(b.calls), strict=True):
                 p._reply = reply
 
-    def admit(self, rid: Any, tokens, priority: int = 0, reserve: int = 0) -> api.AdmitReply:
-        r = self._one(api.AdmitCall(rid, _ints(tokens), priority, reserve))
+    def admit(
+        self,
+        rid: Any,
+        tokens,
+        priority: int = 0,
+        reserve: int = 0,
+        **space: Unpack[api.NamespaceFields],
+    ) -> api.AdmitReply:
+        """Admit ``rid``; ``space``: its cache namespace as ``lora_id``, ``lora_name``,
+        ``cache_salt`` (``api.AdmitCall``). Raises the coordinator's typed errors."""
+        r = self._one(api.AdmitCall(rid, _ints(tokens), priority, reserve, **space))
         assert isinstance(r, api.AdmitReply)
         return r
 

@@ -21,6 +21,7 @@ from typing import Any, TextIO
 from tpcache.cache.errors import HostTierError
 from tpcache.cache.host_cache import HostCache, HostConfig
 from tpcache.cache.keys import frozen_tokens
+from tpcache.cache.namespace import CacheNamespace, make_namespace
 from tpcache.cache.radix import CacheConfig, RadixCache
 from tpcache.cache.swa_cache import HybridCache
 from tpcache.cache.swa_config import HybridConfig
@@ -44,9 +45,18 @@ class ReplayOptions:
     host_capacity: int | None = None  # tokens; set: a host tier behind the device pool
     write_policy: str = "write_back"  # the host tier's (``HostConfig``)
     write_through_hits: int = 2
+    # One pass over the trace per salt, in one cache, each in the namespace of (lora_id,
+    # that salt); none: one pass in the namespace of lora_id alone (None: the default).
+    salts: tuple[str, ...] = ()
+    lora_id: int | None = None
 
     def __post_init__(self) -> None:
         check_scale(self.scale)
+        self.spaces()  # raises InvalidNamespace for a bad salt or LoRA id
+
+    def spaces(self) -> list[CacheNamespace | None]:
+        """The namespace of each pass over the trace."""
+        return [make_namespace(self.lora_id, None, s) for s in self.salts or (None,)]
 
 
 def infinite_capacity(requests: list[TraceRequest], page_size: int, scale: int = 1) -> int:
@@ -69,8 +79,12 @@ def replay(
     """Replay ``requests`` and return the summary (see ``tpcache replay --json``).
 
     ``progress(done, total)``, when given, is called every 100 requests and after the
-    last one, outside the timed calls."""
-    capacity = opts.capacity or infinite_capacity(requests, opts.page_size, opts.scale)
+    last one, outside the timed calls. With ``opts.salts``, the trace runs once per salt
+    in one cache (an infinite capacity holds every pass), and ``passes`` gives each
+    pass's figures."""
+    capacity = opts.capacity or len(opts.spaces()) * infinite_capacity(
+        requests, opts.page_size, opts.scale
+    )
     cache = make_cache(opts, capacity)
     run = _run(cache, requests, opts, progress)
     cache.check_integrity()
@@ -100,7 +114,22 @@ def replay(
             if opts.host_capacity is not None
             else {}
         ),
+        **({"passes": pass_summary(opts, run.passes)} if opts.salts else {}),
     }
+
+
+def pass_summary(opts: ReplayOptions, passes: list[tuple[int, int]]) -> list[dict[str, Any]]:
+    """Each salted pass's figures: its salt, prompt and matched tokens, hit rate."""
+    return [
+        {
+            "salt": salt,
+            "lora_id": opts.lora_id,
+            "prompt_tokens": prompt,
+            "matched_tokens": matched,
+            "hit_rate": matched / prompt if prompt else 0.0,
+        }
+        for salt, (prompt, matched) in zip(opts.salts, passes, strict=True)
+    ]
 
 
 @dataclass
@@ -113,6 +142,7 @@ class _Run:
     prompt_tokens: int
     matched: int
     host_hits: int  # of ``matched``, from the host tier
+    passes: list[tuple[int, int]]  # per pass (namespace): prompt tokens, matched
 
 
 def _run(
@@ -121,34 +151,43 @@ def _run(
     opts: ReplayOptions,
     progress: Callable[[int, int], None] | None,
 ) -> _Run:
-    """Admit and finish every request in order, timing each call alone."""
+    """Admit and finish every request in order, once per namespace of ``opts.spaces()``
+    (request ids of pass p: ``p * ids + index``), timing each call alone."""
     match_s: list[float] = []
     insert_s: list[float] = []
     prompt_total = matched = host_hits = 0
     tiered = opts.host_capacity is not None
     cpu_s = 0.0
     clock, cpu = time.perf_counter, time.process_time
-    for i, req in enumerate(requests):
-        # Immutable, as a prompt decoded from a frontend's message is: the cache keeps it
-        # without a copy.
-        prompt = frozen_tokens(scaled_prompt_tokens(req, opts.scale))
-        output = output_tokens(req)[: scaled_output_length(req, opts.scale)]
-        c0 = cpu()  # outside the wall-clock window, so it does not add to it
-        t0 = clock()
-        got = cache.admit(req.index, prompt, reserve=output.size)
-        t1 = clock()
-        cache.finish(req.index, output)
-        t2 = clock()
-        cpu_s += cpu() - c0
-        match_s.append(t1 - t0)
-        insert_s.append(t2 - t1)
-        prompt_total += prompt.size
-        matched += got.prefix_len
-        if tiered:
-            host_hits += got.host_hit_length  # type: ignore[union-attr]
-        if progress is not None and ((i + 1) % 100 == 0 or i + 1 == len(requests)):
-            progress(i + 1, len(requests))
-    return _Run(match_s, insert_s, cpu_s, prompt_total, matched, host_hits)
+    spaces = opts.spaces()
+    ids, total = max(r.index for r in requests) + 1, len(spaces) * len(requests)
+    passes: list[tuple[int, int]] = []
+    for p, space in enumerate(spaces):
+        before = (prompt_total, matched)
+        for i, req in enumerate(requests):
+            # Immutable, as a prompt decoded from a frontend's message is: the cache keeps
+            # it without a copy.
+            prompt = frozen_tokens(scaled_prompt_tokens(req, opts.scale))
+            output = output_tokens(req)[: scaled_output_length(req, opts.scale)]
+            rid = p * ids + req.index
+            c0 = cpu()  # outside the wall-clock window, so it does not add to it
+            t0 = clock()
+            got = cache.admit(rid, prompt, reserve=output.size, namespace=space)
+            t1 = clock()
+            cache.finish(rid, output)
+            t2 = clock()
+            cpu_s += cpu() - c0
+            match_s.append(t1 - t0)
+            insert_s.append(t2 - t1)
+            prompt_total += prompt.size
+            matched += got.prefix_len
+            if tiered:
+                host_hits += got.host_hit_length  # type: ignore[union-attr]
+            done = p * len(requests) + i + 1
+            if progress is not None and (done % 100 == 0 or done == total):
+                progress(done, total)
+        passes.append((prompt_total - before[0], matched - before[1]))
+    return _Run(match_s, insert_s, cpu_s, prompt_total, matched, host_hits, passes)
 
 
 def make_cache(opts: ReplayOptions, capacity: int) -> RadixCache | HybridCache | HostCache:

@@ -33,6 +33,16 @@ def add_replay_parser(sub) -> None:
     add_scale_option(p)
     add_swa_options(p)
     add_host_options(p)
+    p.add_argument(
+        "--salt",
+        action="append",
+        default=[],
+        help="replay the trace in the namespace of this tenant cache salt; given several "
+        "times, once per salt in one cache (equal prompts under two salts never share KV)",
+    )
+    p.add_argument(
+        "--lora-id", type=int, default=None, help="replay in this LoRA adapter's namespace"
+    )
     p.set_defaults(func=cmd_replay)
 
 
@@ -84,6 +94,7 @@ _AS_GIVEN = (
     "swa_window",
     "swa_capacity",
     "host_capacity",
+    "lora_id",
 )
 
 
@@ -104,12 +115,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
     mismatch = _mismatch(args)
     if mismatch is not None:
         return _fail(mismatch)
-    opts = ReplayOptions(
-        **picked(args, *_AS_GIVEN),
-        write_policy=args.write_policy or "write_back",
-        write_through_hits=args.write_through_hits or 2,
-    )
     try:
+        opts = ReplayOptions(
+            **picked(args, *_AS_GIVEN),
+            write_policy=args.write_policy or "write_back",
+            write_through_hits=args.write_through_hits or 2,
+            salts=tuple(args.salt),
+        )
         # Progress goes to stderr either way: stdout stays the summary alone.
         summary = replay(requests, opts, Progress(sys.stderr))
     except CacheError as exc:
@@ -161,5 +173,9 @@ def _print_summary(summary: dict, opts: ReplayOptions) -> None:
     if opts.host_capacity is not None:
         print(
             f"  host tier       {summary['host_capacity_tokens']:,} tokens, {summary['write_policy']}: device hits {summary['device_hit_tokens']:,}, host hits {summary['host_hit_tokens']:,}; loaded {summary['loaded_tokens']:,}, written {summary['written_back_tokens']:,}, dropped from the host {summary['host_evicted_tokens']:,}"
+        )
+    for one in summary.get("passes", []):
+        print(
+            f"  salt {one['salt']!r:<10} hit rate {one['hit_rate']:.4f}  ({one['matched_tokens']:,} of {one['prompt_tokens']:,})"
         )
     print(f"  peak RSS        {summary['peak_rss_mb']} MB   on {summary['machine']}")

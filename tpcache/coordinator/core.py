@@ -17,6 +17,7 @@ import numpy as np
 
 from tpcache.cache.errors import CacheError
 from tpcache.cache.keys import TokenLike, as_tokens
+from tpcache.cache.namespace import CacheNamespace
 from tpcache.cache.protocol import Cache
 from tpcache.cache.radix import AdmitResult
 from tpcache.cache.reqtable import check_count, check_request_id
@@ -143,18 +144,25 @@ class Coordinator:
 
     # ---- the frontend API ------------------------------------------------------------------
     def admit(
-        self, request_id: Any, tokens: TokenLike, priority: int = 0, reserve: int = 0
+        self,
+        request_id: Any,
+        tokens: TokenLike,
+        priority: int = 0,
+        reserve: int = 0,
+        namespace: CacheNamespace | None = None,
     ) -> Admission:
         """Admit a request; returns its cached prefix length and the slots of its prompt
-        and of ``reserve`` more tokens (see ``RadixCache.admit``).
+        and of ``reserve`` more tokens (see ``RadixCache.admit``), matched and later
+        cached in ``namespace`` (a LoRA adapter, a tenant's salt; ``None``: the default).
 
         Raises (before anything is logged) the cache's typed errors: DuplicateRequest,
-        InvalidTokens, OutOfCapacity, CacheError for a bad id, priority or reserve.
+        InvalidTokens, OutOfCapacity, InvalidNamespace, CacheError for a bad id, priority
+        or reserve.
         """
 
         def run() -> Admission:
             rid = check_request_id(request_id)
-            got, op, expected = logged_admit(self.mirror, rid, tokens, priority, reserve)
+            got, op, expected = logged_admit(self.mirror, rid, tokens, priority, reserve, namespace)
             self.steps.lost.forget(rid)
             self.steps.emit(op, expected)
             c = self.counters

@@ -7,6 +7,8 @@ error type, so a client raises the same typed error the coordinator raised.
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import msgspec
 
 from tpcache.cache import errors as cache_errors
@@ -20,11 +22,26 @@ class _Call(msgspec.Struct, tag_field="call", frozen=True, forbid_unknown_fields
     pass
 
 
+class NamespaceFields(TypedDict, total=False):
+    """A client's keyword arguments for an admit's cache namespace (``AdmitCall``)."""
+
+    lora_id: int | None
+    lora_name: str | None
+    cache_salt: str | None
+
+
 class AdmitCall(_Call, tag="admit"):
+    """``lora_id``, ``lora_name``, ``cache_salt``: the request's cache namespace (a LoRA
+    adapter, a tenant's salt; all ``None``: the default one). Equal tokens in different
+    namespaces never share KV (``cache.namespace``)."""
+
     request_id: RequestId
     tokens: list[int]
     priority: int = 0
     reserve: int = 0
+    lora_id: int | None = None
+    lora_name: str | None = None
+    cache_salt: str | None = None
 
 
 class ExtendCall(_Call, tag="extend"):

@@ -13,6 +13,7 @@ import numpy as np
 
 from tpcache.cache.errors import CacheError
 from tpcache.cache.keys import pages_to_slots
+from tpcache.cache.namespace import make_namespace
 from tpcache.coordinator.core import Coordinator
 from tpcache.frontend.api import (
     AbortCall,
@@ -46,7 +47,8 @@ def dispatch(coord: Coordinator, call: Call) -> Reply:
     try:
         match call:
             case AdmitCall(rid, tokens, priority, reserve):
-                got = coord.admit(rid, tokens, priority, reserve)
+                space = make_namespace(call.lora_id, call.lora_name, call.cache_salt)
+                got = coord.admit(rid, tokens, priority, reserve, space)
                 return AdmitReply(
                     got.prefix_len, got.slots.tolist(), *_swa(coord, rid, got.prefix_len)
                 )

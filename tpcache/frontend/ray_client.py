@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Unpack
 
 import numpy as np
 import ray
@@ -85,8 +85,16 @@ class Batch:
         self.pending.append(Pending(convert))
         return self.pending[-1]
 
-    def admit(self, request_id: Any, tokens: TokenLike, priority: int = 0, reserve: int = 0):
-        call = api.AdmitCall(request_id, _ints(tokens), priority, reserve)
+    def admit(
+        self,
+        request_id: Any,
+        tokens: TokenLike,
+        priority: int = 0,
+        reserve: int = 0,
+        **space: Unpack[api.NamespaceFields],
+    ) -> Pending:
+        """``space``: ``lora_id``, ``lora_name``, ``cache_salt`` (``api.AdmitCall``)."""
+        call = api.AdmitCall(request_id, _ints(tokens), priority, reserve, **space)
         return self._add(call, _admitted)
 
     def extend(self, request_id: Any, n: int) -> Pending:
@@ -154,9 +162,17 @@ class Client:
 
     # ---- requests --------------------------------------------------------------------------
     def admit(
-        self, request_id: Any, tokens: TokenLike, priority: int = 0, reserve: int = 0
+        self,
+        request_id: Any,
+        tokens: TokenLike,
+        priority: int = 0,
+        reserve: int = 0,
+        **space: Unpack[api.NamespaceFields],
     ) -> Admitted:
-        return _admitted(self._call(api.AdmitCall(request_id, _ints(tokens), priority, reserve)))
+        """Admit a request; ``space``: its cache namespace as ``lora_id``, ``lora_name``,
+        ``cache_salt`` (``api.AdmitCall``). Raises the coordinator's typed errors."""
+        call = api.AdmitCall(request_id, _ints(tokens), priority, reserve, **space)
+        return _admitted(self._call(call))
 
     def extend(self, request_id: Any, n: int) -> np.ndarray:
         return _slots(self._call(api.ExtendCall(request_id, n)))

@@ -41,7 +41,7 @@ from typing import Protocol
 from tpcache.errors import TpcacheError
 from tpcache.workers.errors import DivergenceError, LockstepError, RankFailure
 from tpcache.workers.group_spec import i64_to_u64, u64_to_i64
-from tpcache.workers.oplog import admit_result, evict_result, extend_result
+from tpcache.workers.oplog import admit_result, evict_result, extend_result, op_namespace
 from tpcache.workers.ops import (
     Abort,
     Admit,
@@ -124,7 +124,12 @@ def apply_op(cache, op: Op, evict_fn: EvictFn) -> OpResult:
         case Admit(rid, tokens, priority):
             evictor = _OpEvictor(op, evict_fn)
             got = cache.admit(
-                rid, unpack_tokens(tokens), priority, evict=evictor, reserve=op.reserve
+                rid,
+                unpack_tokens(tokens),
+                priority,
+                evict=evictor,
+                reserve=op.reserve,
+                namespace=op_namespace(op.namespace),
             )
             return admit_result(got, evictor.evicted)
         case Extend(rid, n):

@@ -11,8 +11,9 @@ from typing import Any
 import numpy as np
 
 from tpcache.cache.keys import TokenLike, int_sum
+from tpcache.cache.namespace import CacheNamespace, as_namespace
 from tpcache.cache.reqtable import check_request_id
-from tpcache.workers.ops import Admit, Extend, OpResult, pack_tokens
+from tpcache.workers.ops import Admit, Extend, OpNamespace, OpResult, pack_tokens
 
 RequestId = int | str
 
@@ -51,7 +52,12 @@ def _evicted(before: tuple[int, ...], after: tuple[int, ...]) -> tuple[int, ...]
 
 # ---- the mirror's side: a call, and the op every rank must repeat -------------------------
 def logged_admit(
-    mirror, rid: RequestId, tokens: TokenLike, priority: int = 0, reserve: int = 0
+    mirror,
+    rid: RequestId,
+    tokens: TokenLike,
+    priority: int = 0,
+    reserve: int = 0,
+    namespace: CacheNamespace | None = None,
 ) -> tuple[Any, Admit, OpResult]:
     """Admit on the coordinator's ``mirror`` (which validates and may evict); returns its
     result, the ``Admit`` op every rank applies, and the result each must report.
@@ -61,12 +67,19 @@ def logged_admit(
     """
     rid = check_request_id(rid)  # the plain id the op log carries
     marks = mirror.eviction_marks()
-    got = mirror.admit(rid, tokens, priority, reserve=reserve)
+    got = mirror.admit(rid, tokens, priority, reserve=reserve, namespace=namespace)
     # The mirror's checked int32 tokens (its copy, or the caller's immutable buffer).
     key = mirror.request_row(rid).tokens
     ask = _pair(mirror.eviction_ask)
-    op = Admit(rid, pack_tokens(key), priority, ask[0], ask[1], reserve)
+    space = as_namespace(namespace)  # valid: the mirror took it
+    ns = None if space is None else OpNamespace(space.lora_id, space.lora_name, space.salt)
+    op = Admit(rid, pack_tokens(key), priority, ask[0], ask[1], reserve, ns)
     return got, op, admit_result(got, _evicted(marks, mirror.eviction_marks()))
+
+
+def op_namespace(ns: OpNamespace | None) -> CacheNamespace | None:
+    """The cache's namespace of an ``Admit`` op (``None``: the default one)."""
+    return None if ns is None else CacheNamespace(ns.lora_id, ns.lora_name, ns.salt)
 
 
 def logged_extend(mirror, rid: RequestId, n: int) -> tuple[np.ndarray, Extend, OpResult]:

@@ -21,10 +21,20 @@ def unpack_tokens(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype="<i4")
 
 
+class OpNamespace(msgspec.Struct, array_like=True, frozen=True):
+    """An admit's cache namespace (``cache.namespace.CacheNamespace``), as the mirror
+    validated it: a LoRA adapter's id and name, a tenant's cache salt."""
+
+    lora_id: int | None
+    lora_name: str | None
+    salt: str | None
+
+
 class Admit(msgspec.Struct, tag=True, frozen=True):
     """``evict_pages`` / ``evict_swa_pages``: what the mirror's eviction for this admit was
     asked for (its shortfall in full and SWA pages, the cache's ``eviction_ask``), which
-    every rank asks too: the decision, not the counts it freed (see lockstep.py)."""
+    every rank asks too: the decision, not the counts it freed (see lockstep.py).
+    ``namespace``: ``None`` for the default one (an older op's meaning)."""
 
     rid: RequestId
     tokens: bytes
@@ -32,6 +42,7 @@ class Admit(msgspec.Struct, tag=True, frozen=True):
     evict_pages: int = 0
     evict_swa_pages: int = 0  # hybrid cache only
     reserve: int = 0  # slots past the prompt, allocated with it
+    namespace: OpNamespace | None = None
 
 
 class Extend(msgspec.Struct, tag=True, frozen=True):
