@@ -161,6 +161,15 @@ def add_tp_option(p: argparse.ArgumentParser) -> None:
     add_count_option(p, "--tp", 2, "tensor-parallel ranks")
 
 
+def add_namespace_options(p: argparse.ArgumentParser, salt_help: str) -> None:
+    """``--salt`` (repeatable; ``salt_help`` says what several mean) and ``--lora-id``: the
+    cache namespace of the requests (``tpcache.cache.namespace``)."""
+    p.add_argument("--salt", action="append", default=[], help=salt_help)
+    p.add_argument(
+        "--lora-id", type=int, default=None, help="run the requests in this LoRA id's namespace"
+    )
+
+
 def add_group_options(p: argparse.ArgumentParser) -> None:
     """The TP group's options, shared by ``demo`` and ``serve``."""
     add_tp_option(p)

@@ -10,6 +10,7 @@ import time
 
 from tpcache.cli.args import (
     add_count_option,
+    add_namespace_options,
     add_scale_option,
     add_tp_option,
     add_trace_options,
@@ -41,6 +42,7 @@ def add_generate_parser(sub) -> None:
     add_trace_options(p)
     add_scale_option(p)
     p.set_defaults(limit=1000, scale=128)
+    add_namespace_options(p, "every request in the namespace of this tenant cache salt (once)")
     add_tp_option(p)
     add_count_option(p, "--clients", 32, "concurrent clients")
     add_count_option(
@@ -76,7 +78,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             ),
             model=ModelSize(args.hidden, args.heads, args.ffn, args.layers, args.seed),
             timeout_s=args.timeout,
+            salt=args.salt[-1] if args.salt else None,
+            lora_id=args.lora_id,
         )
+        if len(args.salt) > 1:
+            raise GenerateError("--salt may be given once here")
     except GenerateError as exc:
         args.parser.error(str(exc))
     try:

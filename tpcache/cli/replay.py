@@ -8,6 +8,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from tpcache.cli.args import (
+    add_namespace_options,
     add_scale_option,
     add_trace_options,
     capacity_arg,
@@ -33,15 +34,10 @@ def add_replay_parser(sub) -> None:
     add_scale_option(p)
     add_swa_options(p)
     add_host_options(p)
-    p.add_argument(
-        "--salt",
-        action="append",
-        default=[],
-        help="replay the trace in the namespace of this tenant cache salt; given several "
-        "times, once per salt in one cache (equal prompts under two salts never share KV)",
-    )
-    p.add_argument(
-        "--lora-id", type=int, default=None, help="replay in this LoRA adapter's namespace"
+    add_namespace_options(
+        p,
+        "replay the trace in the namespace of this tenant cache salt; given several times, "
+        "once per salt in one cache (equal prompts under two salts never share KV)",
     )
     p.set_defaults(func=cmd_replay)
 

@@ -98,7 +98,7 @@ class ModelEngine:
         for w, rid, toks in checked:
             match w:
                 case Prefill():
-                    prefix[rid] = self._admit(rid, toks, w.priority)
+                    prefix[rid] = self._admit(rid, toks, w.priority, w.namespace)
                     toks = toks[prefix[rid] :]
                 case Chunk():
                     self.coord.cache_unfinished(rid, w.done)
@@ -140,8 +140,8 @@ class ModelEngine:
             out.append((w, rid, toks))
         return out
 
-    def _admit(self, rid: RequestId, toks: np.ndarray, priority: int) -> int:
-        got = self.coord.admit(rid, toks, priority)
+    def _admit(self, rid: RequestId, toks: np.ndarray, priority: int, space: Any = None) -> int:
+        got = self.coord.admit(rid, toks, priority, namespace=space)
         c = self.counters
         c.hit_tokens += got.prefix_len
         c.prefix_lens.append(got.prefix_len)

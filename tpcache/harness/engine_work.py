@@ -22,6 +22,7 @@ class Prefill:
     rid: Any
     tokens: TokenLike
     priority: int = 0
+    namespace: Any = None  # its cache namespace (``cache.namespace.CacheNamespace``)
 
 
 @dataclass(frozen=True)

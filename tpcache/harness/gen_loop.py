@@ -33,6 +33,7 @@ import msgspec
 import numpy as np
 import zmq
 
+from tpcache.cache.namespace import CacheNamespace
 from tpcache.harness.engine import Chunk, Compute, Decode, ForwardOut, ModelEngine, Prefill
 from tpcache.harness.gen_wire import (
     Done,
@@ -52,6 +53,7 @@ class LoopConfig:
     cache: bool = True  # False: the prefix cache off (nothing cached, every admit misses)
     step_tokens: int = 256  # token budget of one step: prefill chunks and decodes
     idle_timeout_s: float = 120.0  # no message while waiting for one this long: give up
+    namespace: CacheNamespace | None = None  # every request's (a tenant salt, a LoRA id)
 
     def __post_init__(self) -> None:
         if isinstance(self.step_tokens, bool) or not isinstance(self.step_tokens, int):
@@ -206,7 +208,8 @@ class GenLoop:
             if run is None:
                 break
             n = min(run.prompt.size - run.prefix_len, budget)
-            work.append(Prefill(run.seq, run.prompt[: run.prefix_len + n]))
+            prompt = run.prompt[: run.prefix_len + n]
+            work.append(Prefill(run.seq, prompt, namespace=self.config.namespace))
             parts.append((run, "admit"))
             budget -= n
         return work, parts
@@ -218,7 +221,7 @@ class GenLoop:
         ident, sub = self.arrived[seq]
         prompt = unpack(sub.prompt)
         mirror = self.coord.mirror
-        cached = mirror.admit_prefix_len(prompt)
+        cached = mirror.admit_prefix_len(prompt, self.config.namespace)
         if self.config.cache and self._would_match_more(prompt, cached):
             self.counters.waits += 1
             return None

@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import zmq
 
+from tpcache.cache.errors import InvalidNamespace
+from tpcache.cache.namespace import CacheNamespace, make_namespace
 from tpcache.harness.gen_loop import GenLoop, LoopConfig, LoopCounters
 from tpcache.harness.gen_wire import ClientResult, GenClient, GenerateError
 from tpcache.trace import TraceRequest, check_scale, scaled_output_length, scaled_prompt_tokens
@@ -91,6 +93,8 @@ class GenerateOptions:
     step_tokens: int = 256
     model: ModelSize = field(default_factory=ModelSize)
     timeout_s: float = 120.0  # a silent loop or client, a collective
+    salt: str | None = None  # every request's cache namespace: this salt and LoRA id
+    lora_id: int | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -110,6 +114,14 @@ class GenerateOptions:
             )
         if not self.timeout_s > 0:
             raise GenerateError(f"timeout_s must be > 0, got {self.timeout_s}")
+        try:
+            self.namespace()
+        except InvalidNamespace as exc:
+            raise GenerateError(str(exc)) from None
+
+    def namespace(self) -> CacheNamespace | None:
+        """The requests' cache namespace (``None``: the default one)."""
+        return make_namespace(self.lora_id, None, self.salt)
 
 
 @dataclass(frozen=True)
@@ -200,7 +212,8 @@ def run_mode(
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.bind(endpoint)
-        loop = GenLoop(engine, sock, LoopConfig(cache, opts.step_tokens, opts.timeout_s), progress)
+        config = LoopConfig(cache, opts.step_tokens, opts.timeout_s, opts.namespace())
+        loop = GenLoop(engine, sock, config, progress)
         results: list[ClientResult] = []
         errors: list[BaseException] = []
         threads = [
