@@ -5,22 +5,15 @@ Thread ranks over a real gloo group, a tiny reference model."""
 from __future__ import annotations
 
 import pytest
+from test_generate import TINY
 
 from tpcache.cache.namespace import CacheNamespace
 from tpcache.coordinator.local_ranks import start_local_group
 from tpcache.harness.engine import ModelEngine, Prefill
 from tpcache.harness.gen_wire import GenerateError
-from tpcache.harness.generate import (
-    GenerateOptions,
-    ModelSize,
-    group_config,
-    run_generate,
-    scaled_requests,
-)
+from tpcache.harness.generate import GenerateOptions, group_config, run_generate, scaled_requests
 from tpcache.replay import ReplayOptions, replay
 from tpcache.trace import DEFAULT_TRACE, load_trace
-
-TINY = ModelSize(hidden=32, heads=4, ffn=64, layers=1)
 
 
 def test_the_engine_prefills_in_its_requests_namespace() -> None:

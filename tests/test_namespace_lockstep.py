@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import random
 import threading
+from typing import Any
 
 import pytest
 from drill_worker import DrillWorker
 from group_helpers import group_config
+from test_lockstep_ray import apply_call
 from test_netfront import group, settled
 
 from tpcache.cache import errors
@@ -24,23 +26,28 @@ from tpcache.frontend.service import start_group
 SPACES = [None, CacheNamespace(salt="t1"), CacheNamespace(lora_id=5, lora_name="ad", salt="t1")]
 
 
-def namespaced_workload(seed: int, n: int = 150) -> list[tuple]:
-    """Admits of a few shared prompts under random namespaces; finishes, aborts, chunks."""
+def namespaced_workload(seed: int, n: int = 150) -> tuple[list[tuple], dict[int, int]]:
+    """Admits of a few shared prompts, finishes, aborts and chunks, as
+    ``test_lockstep_ray.apply_call`` takes them; and each request's index in ``SPACES``."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(1, 300) for _ in range(rng.randrange(8, 50))] for _ in range(8)]
     calls: list[tuple] = []
+    spaces: dict[int, int] = {}
     running: dict[int, list[int]] = {}
     for rid in range(n):
         if rng.random() < 0.5 or not running:
             prompt = rng.choice(prompts) + [rng.randrange(1, 300) for _ in range(rng.randrange(20))]
-            calls.append(("admit", rid, prompt, rng.randrange(len(SPACES))))
+            calls.append(("admit", rid, prompt, 0))
+            spaces[rid] = rng.randrange(len(SPACES))
             running[rid] = prompt
             continue
         old = rng.choice(sorted(running))
         r = rng.random()
         if r < 0.6:
-            calls.append(("finish", old, [rng.randrange(1, 300) for _ in range(2)]))
-            calls[-1:0] = [("extend", old, 2)]
+            calls += [
+                ("extend", old, 2),
+                ("finish", old, [rng.randrange(1, 300) for _ in range(2)]),
+            ]
         elif r < 0.8:
             calls.append(("abort", old))
         else:
@@ -48,25 +55,20 @@ def namespaced_workload(seed: int, n: int = 150) -> list[tuple]:
             continue
         del running[old]
     calls += [("finish", rid, []) for rid in sorted(running)]
-    return calls
+    return calls, spaces
 
 
-def apply_call(target, call: tuple) -> tuple:
-    kind, rid, *rest = call
-    try:
-        if kind == "admit":
-            got = target.admit(rid, rest[0], namespace=SPACES[rest[1]])
-            return ("admit", got.prefix_len, got.slots.tolist())
-        if kind == "extend":
-            return ("extend", target.extend(rid, rest[0]).tolist())
-        if kind == "finish":
-            return ("finish", target.finish(rid, rest[0]))
-        if kind == "cache_unfinished":
-            return ("cu", target.cache_unfinished(rid, rest[0]))
-        target.abort(rid)
-        return ("abort",)
-    except errors.CacheError as exc:
-        return ("error", type(exc).__name__)
+class InSpace:
+    """``target`` (a cache or a coordinator) whose admits go to each request's namespace."""
+
+    def __init__(self, target: Any, spaces: dict[int, int]) -> None:
+        self.target, self.spaces = target, spaces
+
+    def admit(self, rid: int, tokens: list[int], reserve: int = 0) -> Any:
+        return self.target.admit(rid, tokens, reserve=reserve, namespace=SPACES[self.spaces[rid]])
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.target, name)
 
 
 def test_ray_ranks_with_namespaced_requests_stay_equal(ray_cluster) -> None:
@@ -75,9 +77,10 @@ def test_ray_ranks_with_namespaced_requests_stay_equal(ray_cluster) -> None:
     coord = start_group(group_config(2), worker_cls=DrillWorker)
     try:
         local = RadixCache(coord.mirror.config)
-        for i, call in enumerate(namespaced_workload(seed)):
-            want = apply_call(local, call)
-            assert apply_call(coord, call) == want, f"call {i} {call[:2]}"
+        calls, spaces = namespaced_workload(seed)
+        for i, call in enumerate(calls):
+            want = apply_call(InSpace(local, spaces), call)
+            assert apply_call(InSpace(coord, spaces), call) == want, f"call {i} {call[:2]}"
         coord.sync()
         assert local.tree.evicted_pages > 0 and local.tree.spaces
         assert coord.ranks.call("digest") == [local.digest()] * 2
