@@ -172,17 +172,20 @@ def step_bytes(batch: int) -> bytes:
     return encode(Step(0, ops))
 
 
-def floor_samples(coord: Coordinator, n: int, payload: bytes = b"") -> list[float]:
+def floor_samples(
+    coord: Coordinator, n: int, payload: bytes = b"", collective: bool = True
+) -> list[float]:
     """``n`` timings of ``payload`` sent to every rank over the group's step path, each
-    rank doing one bare all-reduce of one element and answering."""
+    rank doing one bare all-reduce of one element (unless not ``collective``) and
+    answering."""
     ranks = coord.ranks
     out = []
     for _ in range(n):
         t = time.perf_counter()
         if ranks.transport == "ray":
-            ray.get([a.collective_ping.remote(payload) for a in ranks.actors])
+            ray.get([a.collective_ping.remote(payload, collective) for a in ranks.actors])
         else:
-            ranks.call("collective_ping", payload)
+            ranks.call("collective_ping", payload, collective)
         out.append(time.perf_counter() - t)
     return out
 
@@ -202,15 +205,17 @@ class Acc:
     pair_floor: list[float]
     pair_step: list[float]
     round_lat: list[float]  # per round, the median unpipelined step latency
+    ping: list[float]  # the floor's round trip without its all-reduce
 
     @classmethod
     def new(cls) -> Acc:
-        return cls([], [], [], [], [], [], [])
+        return cls([], [], [], [], [], [], [], [])
 
 
 def measure_round(cell: Cell, acc: Acc, batch: int, steps: int, r: int, tag: str) -> None:
     """One round of (floor, unpipelined, pipelined, paired) for one cell."""
     acc.floor += floor_samples(cell.coord, steps, step_bytes(batch))
+    acc.ping += floor_samples(cell.coord, steps, step_bytes(batch), collective=False)
     order: list[tuple[bool, int, list[Sample]]] = [
         (False, 1, acc.unp),
         (True, COALESCE, acc.pip),
@@ -251,6 +256,9 @@ def summarize(cell: Cell, acc: Acc, batch: int, tag: str) -> dict:
         "floor_ms": round(fl * 1e3, 3),
         "step_ms_unpipelined": round(lat * 1e3, 3),
         "overhead_vs_floor": round(lat / fl, 2),
+        # Against the round trip alone: a step that agrees nothing makes no collective.
+        "ping_ms": round(med(acc.ping) * 1e3, 3),
+        "overhead_vs_ping": round(lat / med(acc.ping), 2),
         # The same from the paired pass: each step right after its own floor ping.
         "floor_paired_ms": round(med(pair_floor) * 1e3, 3),
         "step_paired_ms": round(med(pair_step) * 1e3, 3),
@@ -369,7 +377,7 @@ def main() -> None:
     print(f"{args.steps} steps x {args.rounds} rounds per cell; medians; floor sampled each round")
     head = (
         f"{'tp':>2} {'path':>7} {'batch':>5} {'cache':>5} {'floor':>6} {'step':>6} {'xflr':>5} "
-        f"{'xflr_p':>6} {'vs_ray':>6} "
+        f"{'xflr_p':>6} {'ping':>5} {'xping':>5} {'vs_ray':>6} "
         f"{'xflr_w':>6} "
         f"{'mirror':>6} "
         f"{'rkops':>6} {'coll':>4} {'steps/s':>7} {'piped/s':>7} {'gain':>5} {'st/msg':>6} "
@@ -382,7 +390,8 @@ def main() -> None:
         print(
             f"{r['tp']:>2} {r['transport']:>7} {r['batch']:>5} {r['cache']:>5} {r['floor_ms']:>6.2f} "
             f"{r['step_ms_unpipelined']:>6.2f} {r['overhead_vs_floor']:>5.2f} "
-            f"{r['overhead_vs_floor_paired']:>6.2f} {vs} "
+            f"{r['overhead_vs_floor_paired']:>6.2f} {r['ping_ms']:>5.2f} "
+            f"{r['overhead_vs_ping']:>5.2f} {vs} "
             f"{r['overhead_beyond_work_vs_floor']:>6.2f} {r['mirror_ms']:>6.2f} "
             f"{r['rank_ops_ms']:>6.2f} {r['collectives_per_step']:>4.1f} "
             f"{r['steps_s_unpipelined']:>7.1f} {r['steps_s_pipelined']:>7.1f} {r['pipelining_gain']:>5.2f} "
@@ -396,7 +405,8 @@ def main() -> None:
         "vs_ray: the Ray path's unpipelined step latency over the channel's (median of "
         "per-round ratios); ms columns: floor, step (unpipelined latency), mirror (coordinator's calls before the "
         "send), rkops (slowest rank's ops + digest); xflr: step / floor; xflr_p: the same "
-        "from a pass that times each step right after its own floor ping; xflr_w: (step - "
+        "from a pass that times each step right after its own floor ping; ping: the same "
+        "bytes and answers without the all-reduce; xping: step / ping; xflr_w: (step - "
         "mirror - rkops) / floor, what lockstep adds beyond the step's own cache work; "
         "coll: collectives per rank per step; "
         "piped/s, gain, st/msg: pipelined with coalescing (steps per message); pip1/s, gain1: "

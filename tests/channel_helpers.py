@@ -27,6 +27,9 @@ class EchoWorker:
         self.seen.append(len(data))
         return len(data).to_bytes(8, "big") + hashlib.sha256(data).digest()[:8]
 
+    def apply_steps(self, steps: list[bytes]) -> list[bytes]:
+        return [self.apply(data) for data in steps]
+
     def echo(self, x: object) -> object:
         return (self.rank, x)
 

@@ -84,6 +84,7 @@ class ThreadRanks:
     def __init__(self, spec: WorkerSpec, worker_cls: type[RankWorker] = RankWorker) -> None:
         tp = spec.pool.tp
         self.world_size = tp
+        self.peer_check = True
         shared = ThreadGroup(tp)
         self.workers = [worker_cls(r, spec) for r in range(tp)]
         for r, w in enumerate(self.workers):

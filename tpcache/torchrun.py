@@ -56,6 +56,7 @@ class TorchrunRanks:
     def __init__(self, worker: RankWorker, capacity: int) -> None:
         self.worker = worker
         self.world_size = worker.spec.pool.tp
+        self.peer_check = True  # rank 0's result only: the ranks check each other
         self.capacity = capacity
         self._closed = False
 

@@ -68,6 +68,7 @@ class LocalRanks:
 
     def __init__(self, spec: WorkerSpec, worker_cls: type[RankWorker] = RankWorker) -> None:
         self.world_size = spec.pool.tp
+        self.peer_check = True
         self.spec = spec
         self.worker_cls = worker_cls
         self._store = dist.HashStore()

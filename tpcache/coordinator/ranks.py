@@ -63,6 +63,7 @@ class RayRanks:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         tp = spec.pool.tp
         self.world_size = tp
+        self.peer_check = transport != "channel"  # the channel fails a lagging rank
         self.spec = spec
         self.start_timeout_s = start_timeout_s
         self.transport = transport
@@ -103,7 +104,8 @@ class RayRanks:
         here = ray.get_runtime_context().get_node_id()
         remote = {r for r, node in enumerate(self.rank_nodes) if node != here}
         timeout = self.start_timeout_s
-        self.path = ChannelPath(self.actors, remote, node_ip() if remote else "", timeout)
+        host = node_ip() if remote else ""
+        self.path = ChannelPath(self.actors, remote, host, timeout, self.spec.timeout_s)
 
     def _close_path(self) -> None:
         if self.path is not None:

@@ -26,8 +26,13 @@ class ChannelPath:
     """The step channel to ``actors`` (rank order), the ranks in ``remote`` over CURVE TCP
     at ``host``, the others over IPC. Owns the hub and the loops' Ray references."""
 
-    def __init__(self, actors: list[Any], remote: set[int], host: str, timeout: float) -> None:
+    def __init__(
+        self, actors: list[Any], remote: set[int], host: str, timeout: float, lag_s: float
+    ) -> None:
         self.hub = StepHub(len(actors), remote, host)
+        # A rank this much behind its peers in answering a step is hung (``Step.peer_check``
+        # is off on this path: no collective of the step's own times such a rank out).
+        self.lag_s = lag_s
         self._last_check = 0.0
         try:
             self.loops = [a.serve_steps.remote(self.hub.attach[r]) for r, a in enumerate(actors)]
@@ -60,7 +65,7 @@ class ChannelPath:
 
     def collect(self, ticket: int, timeout: float) -> list[list[bytes]]:
         """Per step of the message, every rank's encoded result."""
-        per_rank = self._collect(ticket, timeout)
+        per_rank = self._collect(ticket, timeout, self.lag_s)
         return [list(outs) for outs in zip(*per_rank, strict=True)]
 
     def call(self, method: str, args: tuple, timeout: float, only: int | None = None) -> list[Any]:
@@ -71,9 +76,11 @@ class ChannelPath:
             raise RankCallError(exc.rank, exc, dead=exc.dead) from None
         return [pickle.loads(frames[0]) for frames in self._collect(ticket, timeout)]
 
-    def _collect(self, ticket: int, timeout: float) -> list[list[bytes]]:
+    def _collect(
+        self, ticket: int, timeout: float, lag_s: float | None = None
+    ) -> list[list[bytes]]:
         try:
-            return self.hub.collect(ticket, timeout, self.dead)
+            return self.hub.collect(ticket, timeout, self.dead, lag_s)
         except RankErrors as exc:
             raise first_cause([RankCallError(r, e) for r, e in exc.errors]) from None
         except ChannelError as exc:

@@ -44,6 +44,12 @@ class RankTransport(Protocol):
     """How the coordinator reaches its ranks (Ray actors, or anything with these calls)."""
 
     world_size: int
+    # Whether the ranks check each step's digest with each other (``Step.peer_check``, a
+    # collective per step). False only where ``collect`` returns every rank's result (the
+    # coordinator compares each with its mirror) and itself fails a rank that lags its
+    # peers by more than the collective timeout (a hung rank, which the check's timeout
+    # would have caught). torchrun returns rank 0's result only: there it must be True.
+    peer_check: bool
 
     def send(self, steps: list[bytes]) -> Any: ...  # one message: encoded steps, in order
 

@@ -144,7 +144,7 @@ class StepPipeline:
         self._pending = []
         step = self._next_step
         try:
-            data = encode(Step(step, ops))
+            data = encode(Step(step, ops, peer_check=self.ranks.peer_check))
         except Exception as exc:  # every input is validated first: this is a bug
             # The mirror took ops the ranks can never get: start over, as for a failure.
             self._break(RankFailure(step, f"step could not be encoded: {exc}"))

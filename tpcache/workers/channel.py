@@ -185,12 +185,18 @@ class StepHub:
         return all(ticket in q for q in self._replies)
 
     def collect(
-        self, ticket: int, timeout: float, dead: Callable[[], int | None]
+        self,
+        ticket: int,
+        timeout: float,
+        dead: Callable[[], int | None],
+        lag_s: float | None = None,
     ) -> list[list[bytes]]:
         """Every rank's reply to ``ticket``, by rank: the frames after the kind. Raises
         ``RankErrors`` with what the ranks raised for it, or ``ChannelError`` at the
-        timeout or for a rank that is gone (``dead()``)."""
+        timeout, for a rank that is gone (``dead()``), or for one that has not answered
+        ``lag_s`` seconds after a peer's answer was seen here."""
         deadline = time.monotonic() + timeout
+        first_seen: float | None = None
         while not self._all_answered(ticket):
             self._drain(min(0.05, max(0.0, deadline - time.monotonic())))
             if self._any_error(ticket):
@@ -205,6 +211,13 @@ class StepHub:
                         raise ChannelError(gone, "is gone (its process died)", dead=True)
                 break
             self._check(deadline, dead, f"did not answer message {ticket}", ticket)
+            if lag_s is not None and first_seen is None and self._any_answer(ticket):
+                first_seen = time.monotonic()
+            if first_seen is not None and time.monotonic() - first_seen > lag_s:
+                late = next(r for r in range(self.world_size) if ticket not in self._replies[r])
+                raise ChannelError(
+                    late, f"hung: no answer to message {ticket} {lag_s:g}s after a peer's"
+                )
         out: list[list[bytes]] = []
         errors: list[tuple[int, BaseException]] = []
         for r in range(self.world_size):
@@ -218,6 +231,9 @@ class StepHub:
         if errors:
             raise RankErrors(errors)
         return out
+
+    def _any_answer(self, ticket: int) -> bool:
+        return any(ticket in q for q in self._replies)
 
     def _any_error(self, ticket: int) -> bool:
         return any(q.get(ticket, (b"",))[0] == ERROR for q in self._replies)

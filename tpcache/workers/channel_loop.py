@@ -93,7 +93,7 @@ def serve(worker: Any, rank: int, attach: Attach, loop: RankLoop, poll_s: float 
 def _run(worker: Any, kind: bytes, frames: list[bytes]) -> list[bytes]:
     try:
         if kind == STEPS:
-            return [RESULTS, *(worker.apply(data) for data in frames)]
+            return [RESULTS, *worker.apply_steps(frames)]
         if kind == CALL:
             method, args, only = pickle.loads(frames[0])
             if method.startswith("_"):

@@ -81,8 +81,13 @@ Op = Admit | Extend | CacheUnfinished | Finish | Abort | Evict | Reset
 
 
 class Step(msgspec.Struct, frozen=True):
+    """One step of the op log. ``peer_check``: the ranks check their digests with each
+    other at the step's end (one all-reduce); False where the sender compares every
+    rank's digest with its own mirror (the coordinator), which also names the odd rank."""
+
     step: int
     ops: list[Op]
+    peer_check: bool = True
 
 
 class OpResult(msgspec.Struct, frozen=True):

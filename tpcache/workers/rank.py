@@ -20,6 +20,7 @@ from tpcache.cache.errors import CacheError
 from tpcache.cache.radix import RadixCache
 from tpcache.workers.channel import Attach, RankLoop
 from tpcache.workers.channel import serve as serve_channel
+from tpcache.workers.errors import LockstepError
 from tpcache.workers.group import TPGroup
 from tpcache.workers.group_spec import GroupSpec, free_port, node_ip
 from tpcache.workers.kvpool import (
@@ -28,7 +29,7 @@ from tpcache.workers.kvpool import (
     rank_device,
     slots_that_fit,
 )
-from tpcache.workers.lockstep import apply_step
+from tpcache.workers.lockstep import apply_step, fail_step
 from tpcache.workers.model import ModelConfigError, ModelSpec, ReferenceRunner
 from tpcache.workers.model_host import ModelHost
 from tpcache.workers.ops import Step, StepResult, decode_step, encode
@@ -58,6 +59,8 @@ class RankWorker:
         self.pool: KVPool | None = None
         self.cache: RadixCache | None = None
         self.last_step = -1
+        # Why this rank can apply no more steps (a step failed here) until it starts over.
+        self.failed: str | None = None
         # The model runner, its SWA pool and the forwards (workers/model_host.py). Owned here.
         self.models = ModelHost(rank, spec.pool.tp, self.device)
         if spec.runner is not None:
@@ -122,6 +125,7 @@ class RankWorker:
         self.pool = KVPool(self.spec.pool, capacity, self.device)
         self.cache = self.spec.cache.build(capacity)
         self.last_step = -1
+        self.failed = None
         return capacity
 
     def attach(self, group: TPGroup) -> None:
@@ -171,13 +175,17 @@ class RankWorker:
         ``RankFailure`` / ``DivergenceError`` on every rank together.
         """
         step = decode_step(data)
-        if step.step != self.last_step + 1:
-            raise RuntimeError(
-                f"rank {self.rank} expected step {self.last_step + 1}, got {step.step}"
-            )
-        result = self._apply_step(step)
-        self.last_step = step.step
-        return encode(result)
+        if self.failed is None and step.step != self.last_step + 1:
+            self.failed = f"expected step {self.last_step + 1}, got {step.step}"
+        elif self.failed is None:
+            try:
+                result = self._apply_step(step)
+            except LockstepError as exc:
+                self.failed = f"step {step.step}: {exc.detail}"
+                raise
+            self.last_step = step.step
+            return encode(result)
+        raise fail_step(self._cache(), self._group(), self.rank, step, self.failed)
 
     def _apply_step(self, step: Step) -> StepResult:
         # A method of its own so that a test worker (tests/drill_worker.py) can plant a
@@ -214,9 +222,19 @@ class RankWorker:
     def apply_steps(self, steps: list[bytes]) -> list[bytes]:
         """Apply encoded steps in order (one coalesced message); their results, in order.
 
-        A step that fails raises as ``apply`` does, and the later ones are not applied.
+        A step that fails raises as ``apply`` does, after the later ones have entered
+        their collectives as failed steps (``fail_step``): a peer may go on with them.
         """
-        return [self.apply(data) for data in steps]
+        out: list[bytes] = []
+        first: LockstepError | None = None
+        for data in steps:
+            try:
+                out.append(self.apply(data))
+            except LockstepError as exc:
+                first = first or exc
+        if first is not None:
+            raise first
+        return out
 
     # ---- KV data (the model's side; not part of the cache state) ------------------------
     def read_kv(self, layer: int, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -318,11 +336,12 @@ class RankWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def collective_ping(self, payload: bytes = b"") -> int:
+    def collective_ping(self, payload: bytes = b"", collective: bool = True) -> int:
         """One bare all-reduce of one element (collective): with a round trip carrying
-        ``payload`` (a step's bytes, unread), the floor of a step."""
+        ``payload`` (a step's bytes, unread), the floor of a step. ``collective`` False:
+        the round trip alone (what a step that agrees nothing cannot avoid)."""
         del payload
-        return self._group().agree_min([self.rank])[0]
+        return self._group().agree_min([self.rank])[0] if collective else self.rank
 
     def shutdown(self) -> None:
         """Leave the process group (tolerates a broken one). Idempotent."""
