@@ -45,7 +45,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from tpcache.errors import TpcacheError
-from tpcache.workers.errors import DivergenceError, LockstepError, RankFailure
+from tpcache.workers.errors import DivergenceError, LockstepError, RankFailure, WhereError
 from tpcache.workers.group_spec import i64_to_u64, u64_to_i64
 from tpcache.workers.oplog import admit_result, evict_result, extend_result, op_namespace
 from tpcache.workers.ops import (
@@ -269,16 +269,14 @@ def broadcast_step(group: Agreement, data: bytes | None, src: int = 0) -> Step:
 
 
 # ---- torchrun: rank 0 leads, the others follow ------------------------------------------------
-class PeerCallError(TpcacheError, RuntimeError):
+class PeerCallError(WhereError):
     """A ``RunCall`` failed on rank ``rank`` (its error text travels; not its type)."""
 
-    def __init__(self, rank: int, message: str) -> None:
-        super().__init__(f"rank {rank}: {message}")
-        self.rank = rank
-        self.detail = message
+    _fields = ("rank", "detail")
 
-    def __reduce__(self):
-        return (type(self), (self.rank, self.detail))
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(f"rank {rank}", message)
+        self.rank = rank
 
 
 def broadcast_command(group: Agreement, cmd: Command | None, src: int = 0) -> Command:
