@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from tpcache.cache.protocol import Cache
+from tpcache.closing import Closing
 from tpcache.errors import TpcacheError
 
 if TYPE_CHECKING:
@@ -90,7 +91,7 @@ class MetricsError(TpcacheError, RuntimeError):
     """The metrics endpoint could not be served (the message names the address)."""
 
 
-class CoordinatorMetrics:
+class CoordinatorMetrics(Closing):
     """A coordinator's metrics: ``serve(port, host)`` exposes them over HTTP (bound
     before the ranks start, so a taken port fails fast), ``attach(coord)`` feeds them."""
 
@@ -133,12 +134,6 @@ class CoordinatorMetrics:
             self.server.shutdown()
             self.server.server_close()
             self.server = None
-
-    def __enter__(self) -> CoordinatorMetrics:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     # ---- StepObserver ---------------------------------------------------------------------
     def step_sent(self, step: int, events: list) -> None:

@@ -32,6 +32,7 @@ from tpcache.cache.events import (
     KVEventBatch,
     encode_batch,
 )
+from tpcache.closing import Closing
 from tpcache.errors import TpcacheError
 from tpcache.events.event_config import EventConfig, EventConfigError
 from tpcache.events.replay_server import EventLog, ReplayServer, encode_seq
@@ -91,7 +92,7 @@ def _check_events(events: list[KVEvent]) -> None:
                 raise InvalidEventError(f"event {i}: not a KV event: {type(ev).__name__}")
 
 
-class EventPublisher:
+class EventPublisher(Closing):
     """A ZMQ PUB (and optional replay ROUTER) fed by a bounded queue and one thread.
 
     ``publish`` runs on the caller's thread and never waits for the network: it
@@ -279,12 +280,6 @@ class EventPublisher:
         self._release_zap()
         if self._own_ctx:
             self._ctx.term()
-
-    def __enter__(self) -> EventPublisher:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     # --- send thread -------------------------------------------------------------
 

@@ -17,6 +17,7 @@ import msgspec
 import zmq
 
 from tpcache.cache.events import KVEventBatch, decode_batch
+from tpcache.closing import Closing
 from tpcache.errors import TpcacheError
 from tpcache.events.block_index import BlockIndex, IndexProblem, ProblemKind, StoredBlock
 from tpcache.events.replay_server import BUSY_SEQ, END_SEQ, SNAPSHOT_REQUEST, decode_seq
@@ -55,7 +56,7 @@ def _decode(seq: int, payload: bytes) -> Received:
         raise EventSubscriberError(f"batch {seq}: undecodable payload: {exc}") from exc
 
 
-class EventSubscriber:
+class EventSubscriber(Closing):
     """SUB on ``endpoint`` (and a DEALER on ``replay_endpoint``), both connected.
 
     ``next_batch`` delivers live batches in sequence order without duplicates: a batch
@@ -232,12 +233,6 @@ class EventSubscriber:
             self._dealer.close(linger=0)
         if self._own_ctx and not self._ctx.closed:
             self._ctx.term()
-
-    def __enter__(self) -> EventSubscriber:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
 
 # --- tpcache events -------------------------------------------------------------------

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tpcache.closing import Closing
 from tpcache.errors import TpcacheError
 
 # safetensors dtype -> (numpy dtype holding its bytes, torch dtype); BF16 travels as u16.
@@ -92,7 +93,7 @@ def _check_entry(path: str, name: str, info: Any, data: int) -> tuple[int, int]:
     return offs[0], offs[1]
 
 
-class SafeFile:
+class SafeFile(Closing):
     """One safetensors file, mapped read-only. ``get(name, rows=, cols=)`` copies out a
     whole tensor or a slice of a 2-D one. Close it (or use ``with``) to unmap."""
 
@@ -139,12 +140,6 @@ class SafeFile:
         if self._map is not None:
             self._map.close()
             self._map = None
-
-    def __enter__(self) -> SafeFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def safetensors_files(path: str | os.PathLike) -> list[Path]:
