@@ -10,9 +10,16 @@ import pytest
 from cache_helpers import snapshot
 from ns_helpers import ns_view, run_in
 from swa_helpers import hybrid, pools
+from vllm_wire import VLLM_WIRE
 
-from tpcache.cache.errors import CacheError, IntegrityError, InvalidNamespace
-from tpcache.cache.events import BlockRemoved, BlockStored
+from tpcache.cache.errors import CacheError, IntegrityError, InvalidNamespace, InvalidSlots
+from tpcache.cache.events import (
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    decode_batch,
+    encode_batch,
+)
 from tpcache.cache.host_cache import HostCache
 from tpcache.cache.host_config import HostConfig
 from tpcache.cache.namespace import CacheNamespace, make_namespace
@@ -146,7 +153,13 @@ def test_the_host_tier_refuses_namespaces_and_changes_nothing() -> None:
     before = snapshot(c)
     with pytest.raises(InvalidNamespace, match="host-tier cache keys no namespaces"):
         c.admit(0, R(1, 9), namespace=A)
-    assert snapshot(c) == before and c.running_ids() == []
+    assert snapshot(c) == before
+    with pytest.raises(InvalidNamespace, match="host-tier cache keys no namespaces"):
+        c.match_prefix(R(1, 9), A)
+    with pytest.raises(InvalidNamespace, match="host-tier cache keys no namespaces"):
+        c.insert(R(1, 2), c.alloc_slots(2), namespace=B)
+    assert c.sizes().held == 2  # the lent slots, not cached
+    assert c.running_ids() == []
     assert c.admit(0, R(1, 9), namespace=CacheNamespace()).prefix_len == 0  # the default
 
 
@@ -235,3 +248,39 @@ def test_random_namespaced_ops_are_deterministic_and_isolated(kind: str) -> None
         drops += len(caches[0].tree.spaces) < had
     big.check_integrity()
     assert len(big.tree.spaces) == 3 and drops > 0
+
+
+@pytest.mark.parametrize("encoding", ["map", "array"])
+def test_namespaced_events_survive_both_wire_encodings(encoding: str) -> None:
+    c = _cache()
+    run_in(c, 0, R(1, 5), B)
+    events = c.take_events()
+    payload = encode_batch(KVEventBatch(1.0, events, None), encoding)
+    assert decode_batch(payload).events == events  # lora_id and lora_name come back
+    if encoding == "array":  # vLLM's subscriber layout: lora_id, no lora_name
+        (ev,) = VLLM_WIRE.decode(payload).events
+        assert (ev.lora_id, ev.block_hashes) == (3, events[0].block_hashes)
+
+
+@pytest.mark.parametrize("make", [_cache, lambda: hybrid(64, 64, window=4, page_size=2)])
+def test_match_prefix_and_insert_take_a_namespace(make) -> None:
+    c = make()
+    slots = c.alloc_slots(8)
+    assert c.insert(R(1, 8), slots, namespace=A) == 0
+    assert c.match_prefix(R(1, 9)).prefix_len == 0  # not in the default namespace
+    got = c.match_prefix(R(1, 9), A)
+    assert got.prefix_len == 8 and got.pages.tolist() == (slots[::2] // 2).tolist()
+    c.lock(got.handle)
+    assert c.evict(100).num_tokens == 0  # the handle keeps the path and the anchor
+    c.check_integrity()
+    c.unlock(got.handle)
+    # A refused insert (slots not lent) makes no anchor, takes no node id.
+    before = (snapshot(c), ns_view(c), c.tree._next_id)
+    with pytest.raises(InvalidSlots, match="cannot insert"):
+        c.insert(R(1, 4), [40, 41, 42, 43], namespace=B)
+    with pytest.raises(InvalidNamespace):
+        c.match_prefix(R(1, 9), "A")
+    assert (snapshot(c), ns_view(c), c.tree._next_id) == before
+    c.evict(100)
+    assert c.tree.spaces == {} and c.sizes().free == 64
+    c.check_integrity()

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tpcache.cache.errors import IntegrityError
+from tpcache.cache.allocator import LENT
+from tpcache.cache.errors import IntegrityError, InvalidSlots
 from tpcache.cache.namespace import CacheNamespace, as_namespace, is_anchor
 from tpcache.cache.node import _EMPTY_PAGES, _EMPTY_STATES
 
@@ -86,6 +87,25 @@ def insert_start(tree: RadixTree, node: Node, space: CacheNamespace | None, grow
         return node
     found = anchor_of(tree, space, create=grow)
     return tree.root if found is None else found
+
+
+def lent_insert_start(tree: RadixTree, namespace: Any, pages: np.ndarray) -> Node | None:
+    """Where a caller's insert of lent ``pages`` in ``namespace`` walks from: ``None`` (the
+    root) for the default namespace, else its anchor, made only once the pages are known
+    to be the caller's (without an anchor, the insert caches all of them as a new leaf),
+    so a refused insert leaves no anchor and takes no node id. Raises ``InvalidSlots``,
+    ``InvalidNamespace``."""
+    space = as_namespace(namespace)
+    if space is None:
+        return None
+    found = anchor_of(tree, space)
+    if found is None and pages.size:
+        try:
+            tree.alloc.check_owned(pages, LENT)
+        except Exception as exc:
+            raise InvalidSlots(f"cannot insert: {exc}") from None
+        found = anchor_of(tree, space, create=True)
+    return found
 
 
 def check_anchor(tree: RadixTree, node: Node) -> None:

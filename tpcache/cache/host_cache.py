@@ -105,7 +105,8 @@ class HostCache(PrefixCache):
         )
         return pos + common  # the host part too: an admit loads it
 
-    def match_prefix(self, tokens: TokenLike) -> HostMatchResult:
+    def match_prefix(self, tokens: TokenLike, namespace: Any = None) -> HostMatchResult:
+        no_namespaces(namespace)
         key = as_tokens(tokens, defer_sign=True)
         tree = self.tree
         found = tree.descend(key, key.size // self.page_size * self.page_size)
@@ -210,7 +211,10 @@ class HostCache(PrefixCache):
         except TpcacheError as exc:
             raise InvalidSlots(f"cannot insert: {exc}") from None
 
-    def insert(self, tokens: TokenLike, slots: TokenLike, priority: int = 0) -> int:
+    def insert(
+        self, tokens: TokenLike, slots: TokenLike, priority: int = 0, namespace: Any = None
+    ) -> int:
+        no_namespaces(namespace)
         key = as_tokens(tokens)
         slot_ids = as_slots(slots, key.size, self.alloc.num_pages * self.page_size)
         n = key.size // self.page_size * self.page_size

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tpcache.cache.allocator import HELD, LENT
-from tpcache.cache.anchors import insert_start, match_in
+from tpcache.cache.anchors import insert_start, lent_insert_start, match_in
 from tpcache.cache.errors import NoSwaPool, OutOfCapacity
 from tpcache.cache.events import AllBlocksCleared, KVEvent
 from tpcache.cache.evict import Freed
@@ -95,21 +95,25 @@ class PrefixCache:
         _, pos, _, common = match_in(self.tree, key, (key.size - 1) // ps * ps, namespace)[1]
         return pos + common
 
-    def match_prefix(self, tokens: TokenLike) -> MatchResult:
+    def match_prefix(self, tokens: TokenLike, namespace: Any = None) -> MatchResult:
         key = as_tokens(tokens, defer_sign=True)
         tree = self.tree
-        found = tree.match_walk(key, key.size // self.page_size * self.page_size)
+        _, found = match_in(tree, key, key.size // self.page_size * self.page_size, namespace)
         check_sign(key, found[1] + found[3])
         path, pos = tree.split_match(*found)
         tree.touch(path)
         return self._match_result(path, pos)
 
-    def insert(self, tokens: TokenLike, slots: TokenLike, priority: int = 0) -> int:
+    def insert(
+        self, tokens: TokenLike, slots: TokenLike, priority: int = 0, namespace: Any = None
+    ) -> int:
         key = as_tokens(tokens)
         slot_ids = as_slots(slots, key.size, self.alloc.num_pages * self.page_size)
         n = key.size // self.page_size * self.page_size
         pages = slots_to_pages(slot_ids[:n], self.page_size)
-        have, _, _ = insert_key(self.tree, key[:n], pages, as_priority(priority), owner=LENT)
+        prio = as_priority(priority)
+        start = lent_insert_start(self.tree, namespace, pages)
+        have, _, _ = insert_key(self.tree, key[:n], pages, prio, owner=LENT, start=start)
         return have
 
     def alloc_slots(self, num_tokens: int) -> np.ndarray:
@@ -155,8 +159,7 @@ class PrefixCache:
         self, rid: RequestId, tokens: TokenLike, priority: int, reserve: int
     ) -> tuple[RequestId, np.ndarray, int, int, Any]:
         """An admit's inputs checked before anything changes (the id, its tokens, priority
-        and total length; its namespace is the caller's), and the room-maker with no
-        eviction ask pending."""
+        and total length), and the room-maker with no eviction ask pending."""
         rid = self.reqs.check_new(rid)
         key = as_tokens(tokens, copy=True, defer_sign=True)  # the row keeps it (if mutable)
         prio = as_priority(priority)

@@ -139,10 +139,13 @@ class Cache(Protocol):
         ``InvalidNamespace``."""
         ...
 
-    def match_prefix(self, tokens: TokenLike) -> MatchResult:
-        """The longest cached prefix of ``tokens`` a match may end at, in whole pages, with
-        a handle to lock it. May split a node and advances the access clock; never
-        changes slot ownership. Raises ``InvalidTokens``."""
+    def match_prefix(
+        self, tokens: TokenLike, namespace: CacheNamespace | None = None
+    ) -> MatchResult:
+        """The longest cached prefix of ``tokens`` in ``namespace`` (as ``admit``) a match
+        may end at, in whole pages, with a handle to lock it. May split a node and
+        advances the access clock; never changes slot ownership. Raises
+        ``InvalidTokens``, ``InvalidNamespace``."""
         ...
 
     def lock(self, handle: Handle) -> None:
@@ -167,12 +170,18 @@ class Cache(Protocol):
         ``InvalidSlots`` or ``AllocatorError`` (nothing freed) for pages not lent."""
         ...
 
-    def insert(self, tokens: TokenLike, slots: TokenLike, priority: int = 0) -> int:
+    def insert(
+        self,
+        tokens: TokenLike,
+        slots: TokenLike,
+        priority: int = 0,
+        namespace: CacheNamespace | None = None,
+    ) -> int:
         """Cache the whole pages of ``tokens`` held at lent ``slots`` (the tree's own are
-        accepted for the cached part); returns the tokens already cached. Slots that
-        duplicate cached pages are freed (with a window they may revive a tombstone).
-        Raises ``InvalidSlots`` (nothing changed) for bad or foreign slots, or a part that
-        could never be matched."""
+        accepted for the cached part) in ``namespace`` (as ``admit``); returns the tokens
+        already cached. Slots that duplicate cached pages are freed (with a window they
+        may revive a tombstone). Raises ``InvalidSlots`` (nothing changed) for bad or
+        foreign slots, or a part that could never be matched; ``InvalidNamespace``."""
         ...
 
     # ---- SWA slots (a cache without an SWA pool answers None, 0 or NoSwaPool) -----------
