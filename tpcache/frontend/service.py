@@ -12,7 +12,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 
@@ -43,6 +43,8 @@ __all__ = [
 
 # What the service answers as a typed error (as the frontend does), not as Ray's.
 _REJECTED = (CacheError, CoordinatorUnavailable, RequestLost, LockstepError)
+
+_T = TypeVar("_T")
 
 
 class AlreadyServing(TpcacheError, RuntimeError):
@@ -127,21 +129,22 @@ class CoordinatorService:
             with self._lock, contextlib.suppress(Exception):  # errors reach frontends
                 self.coord.check_health()
 
-    def call(self, data: bytes) -> bytes:
+    def _locked(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)``, holding the lock (as every entry point does)."""
         with self._lock:
-            return handle(self.coord, data)
+            return fn(*args)
+
+    def call(self, data: bytes) -> bytes:
+        return self._locked(handle, self.coord, data)
 
     def calls(self, items: list[bytes]) -> list[bytes]:
-        with self._lock:
-            return handle_many(self.coord, items)
+        return self._locked(handle_many, self.coord, items)
 
     def sync(self) -> None:
-        with self._lock:
-            self.coord.sync()
+        self._locked(self.coord.sync)
 
     def flush(self) -> None:
-        with self._lock:
-            self.coord.flush()
+        self._locked(self.coord.flush)
 
     def evict(self, num_tokens: int, swa_tokens: int = 0) -> tuple[int | None, bytes | None]:
         """``Coordinator.evict``, answered as ``(tokens evicted, None)`` or ``(None, an
@@ -166,22 +169,18 @@ class CoordinatorService:
             return list(self.coord.ranks.call("digest"))
 
     def rank_pids(self) -> list[int]:
-        with self._lock:
-            return list(self.coord.ranks.call("pid"))
+        return list(self._locked(self.coord.ranks.call, "pid"))
 
     def stats(self) -> dict[str, Any]:
-        with self._lock:
-            return self.coord.stats()
+        return self._locked(self.coord.stats)
 
     def recover(self) -> None:
         """Rebuild the group now (by hand), and restart automatic recovery attempts."""
-        with self._lock:
-            self.coord.recover()
+        self._locked(self.coord.recover)
 
     def stop_recovery(self) -> None:
         """Stop automatic recovery attempts; the group stays down until ``recover``."""
-        with self._lock:
-            self.coord.stop_recovery()
+        self._locked(self.coord.stop_recovery)
 
     def shutdown(self) -> None:
         """Stop the health check, the ranks and the endpoints (the actor stays)."""
