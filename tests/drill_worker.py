@@ -71,7 +71,7 @@ class DrillWorker(RankWorker):
 
     def _apply_step(self, step: Step) -> StepResult:
         tamper = self._drill(step.step)
-        return apply_step(self._cache(), self._group(), self.rank, step, tamper)
+        return apply_step(self._cache(), self._group(), self.rank, step, tamper, self.copies)
 
     def _drill(self, step: int) -> Callable[[Op], Op] | None:
         fault = self._faults.pop(step, None)

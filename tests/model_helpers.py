@@ -9,6 +9,7 @@ across processes.
 
 from __future__ import annotations
 
+import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -154,3 +155,18 @@ def local_engine(
     coord = Coordinator(ranks, cache.build(ranks.capacity), config)
     ranks.call("load_model", model)
     return ModelEngine(coord)
+
+
+def host_script(seed: int, vocab: int) -> list:
+    """Three 32-token prefixes through a 96-token device pool: the first request's KV is
+    written back to the host by the next two, then a continuation of it loads it back
+    (and later waves hit the others' host and device copies)."""
+    print(f"seed={seed}")
+    rng = random.Random(seed)
+
+    def draw(n: int) -> list[int]:
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    p = [draw(32) for _ in range(3)]
+    return [[p[0] + draw(3)], [p[1] + draw(5)], [p[2] + draw(5)], [(0, draw(4))],
+            [p[1] + draw(2), p[2][:20] + draw(3)]]  # fmt: skip

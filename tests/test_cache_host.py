@@ -195,3 +195,40 @@ def test_integrity_check_fails_on_a_broken_host_state() -> None:
     node.lock = 1
     with pytest.raises(IntegrityError):
         c.check_integrity()
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+def test_deferred_copies_change_no_decision_and_gate_only_the_forward(ps: int) -> None:
+    c = make(ps, defer_copies=True, record_copies=True)
+    ref = make(ps)  # copies done as they start
+    for cache in (c, ref):
+        run(cache, 1, blocks(ps, 1, 2))
+    # B's admit writes A back (copy 0, still running): B's pages may be A's old ones.
+    got = c.admit(2, blocks(ps, 3, 4), reserve=1)
+    ref.admit(2, blocks(ps, 3, 4), reserve=1)
+    assert tiers(c) == tiers(ref) and got.ready_after == 1
+    assert c.copies_pending() == 1 and not c.request_ready(2)
+    (copy,) = c.take_copies()
+    assert (copy.id, copy.to_host, copy.device_pages.tolist(), copy.host_pages.tolist()) == (
+        0, True, [0, 1], [0, 1],
+    )  # fmt: skip
+    before = c.digest()
+    for bad in (2, -1, 1.0, True):
+        with pytest.raises(HostTierError, match="copies_done"):
+            c.copies_done(bad)  # type: ignore[arg-type]
+    assert c.digest() == before
+    c.copies_done(1)
+    assert c.request_ready(2) and c.copies_pending() == 0 and c.digest() != before
+    c.copies_done(0)  # what is known already changes nothing
+    c.finish(2)
+    ref.finish(2)
+    # B is written back (copy 1) to make room, then A loads (copy 2): C waits for both.
+    got = c.admit(3, blocks(ps, 1, 2, 5), reserve=1)
+    assert (got.host_hit_length, got.ready_after) == (2 * ps, 3)
+    assert [(k.id, k.to_host) for k in c.take_copies()] == [(1, True), (2, False)]
+    c.check_integrity()
+    c.copies_done(2)
+    assert not c.request_ready(3) and c.ready_after(3) == 3
+    c.abort(3)  # an aborted request waits for nothing
+    c.check_integrity()
+    assert c.copies_pending() == 1

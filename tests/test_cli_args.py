@@ -221,3 +221,26 @@ def test_demo_progress_short_run_silent_and_a_counter_on_a_terminal() -> None:
     assert tty.getvalue() == (
         "\r  8/16 requests, 0 steps verified, 0 s\r  16/16 requests, 2 steps verified, 0 s\n"
     )
+
+
+# ---- #19: the host tier on demo and serve -------------------------------------------------------
+@pytest.mark.parametrize("cmd", ["demo", "serve"])
+def test_host_tier_options_reach_the_group_config(cmd: str) -> None:
+    from tpcache.cache.errors import HostTierError
+
+    parser = build_parser()
+    args = parser.parse_args([cmd, "--host-capacity", "4096", "--write-policy",
+                              "write_through_selective", "--write-through-hits", "3"])  # fmt: skip
+    cache = group_config(args, 1024).cache
+    assert (cache.host_capacity_tokens, cache.write_policy, cache.write_through_hits) == (
+        4096, "write_through_selective", 3,
+    )  # fmt: skip
+    assert group_config(parser.parse_args([cmd]), 1024).cache.host_capacity_tokens is None
+    for bad, said in (
+        (["--write-policy", "write_back"], "need --host-capacity"),
+        (["--host-capacity", "64", "--write-through-hits", "2"], "needs --write-policy"),
+    ):
+        with pytest.raises(ValueError, match=said):
+            group_config(parser.parse_args([cmd, *bad]), 1024)
+    with pytest.raises(HostTierError, match="host_capacity_tokens must be"):
+        group_config(parser.parse_args([cmd, "--host-capacity", "8"]), 1024)  # page 16

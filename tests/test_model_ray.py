@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from drill_worker import DrillWorker
+from model_helpers import host_script
 
 from tpcache.coordinator.core import CoordinatorConfig
 from tpcache.frontend.service import GroupConfig, start_group
@@ -39,17 +40,19 @@ _NO_RECOVERY = (
 
 
 def group_config(tp: int, kind: str, dtype: str = "float32") -> GroupConfig:
-    hybrid = kind == "hybrid"
+    hybrid, host = kind == "hybrid", kind == "host"
     model = HYBRID if hybrid else MODEL
     cache = CacheSpec(
         page_size=PAGE,
         max_request_tokens=64,
         sliding_window=HYBRID.window if hybrid else None,
         swa_capacity_tokens=80 if hybrid else None,
+        host_capacity_tokens=256 if host else None,
     )
     return GroupConfig(
         tp=tp,
-        capacity_tokens=512 if hybrid else 192,  # base: 192 tokens, pressure by design
+        # base: 192 tokens, pressure by design; host: 96, most of it written back
+        capacity_tokens=512 if hybrid else 96 if host else 192,
         cache=cache,
         num_layers=len(model.full_layers) if hybrid else model.num_layers,
         kv_heads=model.heads,
@@ -165,6 +168,19 @@ def tombstone_script(seed: int) -> list:
     p = [rng.randrange(64) for _ in range(32)]
     filler = [rng.randrange(64) for _ in range(40)]
     return [[[*p, *[5] * 10]], [[*p, *[6] * 10]], [filler], [(1, [7] * 5)]]
+
+
+def test_kv_through_ray_ranks_host_tier_equals_full_recompute(engines):
+    """TP=2 Ray ranks (TP=1, 2, 4 on thread ranks: test_model_unit.py): KV written back to
+    each rank's host pool and loaded back by its copy engine gives full recompute's
+    logits, and none of it is computed again."""
+    eng = engines(2, "host")
+    rep = run_script(eng, MODEL, host_script(710, MODEL.vocab), tol=TOL)
+    assert rep.ok(TOL), rep
+    assert rep.prefix_lens[3] == 36 and eng.coord.mirror.host_counts()["loaded_pages"] >= 9
+    check_clean(eng)
+    started = eng.coord.mirror.host_counts()["copies_started"]
+    assert [i["copies"] for i in eng.coord.ranks.call("info")] == [[started] * 3] * 2
 
 
 def test_hybrid_cache_equals_windowed_full_recompute(engines):

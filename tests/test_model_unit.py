@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from drill_worker import DrillWorker
-from model_helpers import local_engine
+from model_helpers import host_script, local_engine
 
 from tpcache.harness.modelcheck import Workload, run_script, run_workload
 from tpcache.workers.context import ForwardError, build_forward, check_forward
@@ -126,6 +126,24 @@ def test_hybrid_through_lockstep_and_tombstones(tp):
     rep = run_workload(eng, HYBRID, wl, tol=TOL)
     assert rep.ok(TOL), rep
     assert rep.evicted_swa_pages > 0
+    eng.coord.sync()
+    assert eng.coord.ranks.call("digest") == [eng.coord.mirror.digest()] * tp
+    eng.coord.ranks.call("check_integrity")
+
+
+HOST_CACHE = CacheSpec(page_size=4, max_request_tokens=64, host_capacity_tokens=256)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_kv_through_the_host_tier_equals_full_recompute(tp):
+    """KV evicted to each rank's host pool and loaded back by its copy engine gives the
+    logits of full recompute, and no loaded token is computed again (``rep.ok``)."""
+    eng = local_engine(tp, MODEL, HOST_CACHE, 96)
+    rep = run_script(eng, MODEL, host_script(700, MODEL.vocab), tol=TOL)
+    assert rep.ok(TOL), rep
+    counts = eng.coord.mirror.host_counts()
+    assert counts["written_pages"] > 0 and counts["loaded_pages"] >= 9  # A's 36 tokens
+    assert rep.prefix_lens[3] == 36  # the continuation got A back from the host
     eng.coord.sync()
     assert eng.coord.ranks.call("digest") == [eng.coord.mirror.digest()] * tp
     eng.coord.ranks.call("check_integrity")

@@ -14,6 +14,23 @@ untouched and pays nothing for it. What changes with the tier:
   gives them the request's device pages first, top-down, so the device tier stays
   closed under parents; the rest is the base insert.
 
+Copies and their completion. Every move between the tiers starts a copy in the copy
+log (``take_copies`` hands them to whoever runs them, in id order); the cache's own
+decisions never wait for one, so its state, hit rates and slot ids are the same however
+fast copies run. What waits is the KV data's reader: a request's forward. A page can be
+touched by a copy that is not done in two ways: a write-back still reads the device
+pages an eviction just freed (and an admit or extend may hand them out at once), and a
+load still writes the device pages of the prefix it brings back. Copies run one at a
+time in id order (``workers/hostcopy.py``), so copy-after-copy hazards (a host page
+freed and written again, a load of a node still being written) are ordered by the ids
+alone; copy-versus-forward hazards are closed by readiness: an admit or extend made
+while copies are not done records ``ready_after`` = the copies started by its end, and
+the request's forward may run only once ``copies_done`` has reached it
+(``request_ready``; the ranks refuse the forward before, the coordinator waits for it).
+That is conservative (it also waits for copies that touch none of the request's
+pages) and never makes an admit fail or wait for a copy. Without ``defer_copies`` every
+copy is done as it starts, so nothing ever waits (a replay).
+
 The hybrid (SWA) cache has no host tier: ``HostConfig`` is a one-pool configuration.
 The contracts of every method: ``protocol.Cache``.
 """
@@ -92,9 +109,12 @@ class HostCache(PrefixCache):
             config.through_hits,
             record_events=config.record_events,
             record_copies=config.record_copies,
+            defer_copies=config.defer_copies,
             medium=config.medium,
         )
         super().__init__(config, alloc, tree)
+        # Owned here: per running request, the copies its forward waits for (absent: none).
+        self._ready: dict[RequestId, int] = {}
 
     # ---- matches --------------------------------------------------------------------------
     def admit_prefix_len(self, tokens: TokenLike, namespace: Any = None) -> int:
@@ -160,7 +180,21 @@ class HostCache(PrefixCache):
         row = join_pages([*map(pages_of, path), pages[loaded // ps :]])
         tree.touch(path, queue=False)
         self.reqs.add(rid, key, row, total, (pos + loaded) // ps, node, prio, 0)
-        return HostAdmitResult(pos + loaded, row, total, ps, loaded)
+        return HostAdmitResult(pos + loaded, row, total, ps, loaded, self._wait_copies(rid))
+
+    def extend(self, rid: RequestId, n: int, *, evict: bool | Evictor = True) -> np.ndarray:
+        slots = super().extend(rid, n, evict=evict)
+        self._wait_copies(rid)
+        return slots
+
+    def _wait_copies(self, rid: RequestId) -> int:
+        """Record that ``rid``'s forward waits for every copy started so far (if any is
+        not done): its pages may be ones a write-back still reads, or a load still
+        writes. Returns what it waits for (0: nothing)."""
+        c = self.tree.copies
+        if c.started > c.completed:
+            self._ready[rid] = c.started
+        return self._ready.get(rid, 0)
 
     def _load(self, hosts: list[Any], pages: np.ndarray) -> int:
         """Load host-only ``hosts`` (top-down) into the first of ``pages``; their tokens."""
@@ -258,7 +292,49 @@ class HostCache(PrefixCache):
         self.alloc.free(req.pages[n // ps :], HELD, checked=False)
         tree.unlock(req.node)
         self.reqs.remove(req.rid)
+        self._ready.pop(req.rid, None)
         return n
+
+    def abort(self, rid: RequestId) -> None:
+        super().abort(rid)
+        self._ready.pop(rid, None)
+
+    def reset(self) -> None:
+        super().reset()
+        self._ready.clear()
+
+    # ---- copy completion --------------------------------------------------------------------
+    def copies_pending(self) -> int:
+        """Copies started and not yet known done (always 0 without ``defer_copies``). Pure."""
+        c = self.tree.copies
+        return c.started - c.completed
+
+    def copies_completed(self) -> int:
+        """How many copies of the copy log are known done. Pure."""
+        return self.tree.copies.completed
+
+    def copies_done(self, n: int) -> None:
+        """The first ``n`` copies of the copy log are done (in a lockstep: on every rank,
+        as agreed by MIN). Requests whose ``ready_after`` is reached may run their
+        forward. ``n`` at or below the known count changes nothing. Raises
+        ``HostTierError`` (nothing changed) for an ``n`` that is not an int >= 0 or is
+        more than the copies started."""
+        c = self.tree.copies
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= c.started:
+            raise HostTierError(f"copies_done({n!r}): {c.started} copies were started")
+        if n > c.completed:
+            c.done(n)
+            self._ready = {r: k for r, k in self._ready.items() if k > n}
+
+    def ready_after(self, rid: RequestId) -> int:
+        """How many copies must be done before running request ``rid``'s forward may read
+        or write its row (0: none). Raises ``UnknownRequest``. Pure."""
+        self.reqs.get(rid)
+        return self._ready.get(rid, 0)
+
+    def request_ready(self, rid: RequestId) -> bool:
+        """Whether ``rid``'s forward may run: every copy it waits for is done. Pure."""
+        return self.ready_after(rid) <= self.tree.copies.completed
 
     # ---- the host pool ----------------------------------------------------------------------
     def host_sizes(self) -> CacheSizes:
@@ -296,3 +372,10 @@ class HostCache(PrefixCache):
                 f"host pool: free {s.free} + evictable {s.evictable} + protected {s.protected}"
                 f" + held {s.held} = {total} != capacity {s.capacity}"
             )
+        started = self.tree.copies.started
+        for rid, k in self._ready.items():
+            if rid not in self.reqs or not 0 < k <= started:
+                raise IntegrityError(
+                    f"request {rid!r} waits for {k} copies ({started} started, running: "
+                    f"{rid in self.reqs})"
+                )

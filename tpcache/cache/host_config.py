@@ -29,13 +29,16 @@ class HostConfig(CacheConfig):
     ``write_through_selective`` copies a node once ``write_through_hits`` matches used it
     and keeps the copy when it is loaded back (a device node evicted without a copy is
     dropped). ``record_copies`` keeps every started copy for ``take_copies`` (a rank
-    runs them); a replay leaves it off and keeps counters only.
+    runs them); a replay leaves it off and keeps counters only. ``defer_copies``: copies
+    complete only when ``copies_done`` says so (a lockstep: the ranks agree how many are
+    done); off, each completes as it starts (one process, a replay).
     """
 
     host_capacity_tokens: int = 0
     write_policy: str = WRITE_BACK
     write_through_hits: int = 2
     record_copies: bool = False
+    defer_copies: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -81,9 +84,12 @@ class HostMatchResult(MatchResult):
 class HostAdmitResult(AdmitResult):
     """An ``AdmitResult`` whose ``prefix_len`` counts every cached token the request got,
     and ``host_hit_length``: how many of them (the last ones of the prefix) were loaded
-    from the host (their copies are in the cache's copy log)."""
+    from the host (their copies are in the cache's copy log), and ``ready_after``: how
+    many copies of the copy log must be done before the request's forward may read or
+    write its row (0: at once; see ``HostCache.request_ready``)."""
 
     host_hit_length: int = 0
+    ready_after: int = 0
 
 
 @dataclass(frozen=True, slots=True)

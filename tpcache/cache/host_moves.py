@@ -112,8 +112,8 @@ def _leave_device(tree: HostTree, node: Any, out: Freed, freed: list[np.ndarray]
     elif tree.through is None:  # write-back: copy it, unless the host has no room
         host = _take_host(tree, n)
         if host is not None:
-            # The copy completes at once in one process, so the node never counts as a
-            # copy (``copy_pages``) here: it goes straight to host-only.
+            # The node goes straight to host-only (never counted in ``copy_pages``): its
+            # device pages leave it now, and whoever gets them next waits for the copy.
             _started_write(tree, node, host)
     if node.host.size:
         _announce(tree, node, tree.medium, stored=False)
@@ -137,7 +137,6 @@ def _started_write(tree: HostTree, node: Any, host: np.ndarray) -> None:
     node.host = host
     tree.host_pages += n
     tree.copies.start(True, node.pages, host)
-    tree.copies.completed = tree.copies.started  # one process: done as started
     tree.written_pages += n
     if tree.record_events:
         _announce(tree, node, HOST, stored=True)
@@ -230,7 +229,6 @@ def to_device(tree: HostTree, node: Any, pages: np.ndarray, owner: int, load: bo
     tree.alloc.retag(pages, owner, CACHED, checked=False)
     if load:
         tree.copies.start(False, pages, node.host)
-        tree.copies.completed = tree.copies.started
         tree.loaded_pages += n
     _retier(tree, node, pages)
     node.dev = True

@@ -15,10 +15,13 @@ no device child: what an eviction moves off the device) and ``host_leaves`` (hos
 nodes with no child: what a full host pool drops). The moves are in ``host_moves.py``,
 the full walk of ``check_integrity`` in ``host_check.py``.
 
-Copies: every move between the tiers is a copy started in ``copies`` (ids in order). In
-one process a copy completes as it starts: the state change (device pages freed after a
-write, host pages freed after an exclusive load) is applied in the same call. The
-lockstep's agreed completion will defer exactly those changes.
+Copies: every move between the tiers is a copy started in ``copies`` (ids in order).
+The tree's decisions never wait for a copy: a page leaves a node (is freed, or given to
+another node or request) in the call that moves it, and what makes that safe is the
+order copies run in and who may touch a page before they are done (``host_cache.py``:
+a request's forward waits until the copies started before its admit or extend are
+done). In one process a copy completes as it starts; in a lockstep (``defer``) the
+completed count moves only by ``done(n)``, with the count the ranks agreed.
 """
 
 from __future__ import annotations
@@ -52,20 +55,32 @@ class HostNode(Node):
 
 class CopyLog:
     """The copies a cache started, numbered from 0. Counters always; the records only
-    when ``keep`` (a rank runs them; a replay has no use for them)."""
+    when ``keep`` (a rank runs them; a replay has no use for them). ``defer``: the
+    completed prefix moves only by ``done`` (else every copy completes as it starts)."""
 
-    def __init__(self, keep: bool) -> None:
+    def __init__(self, keep: bool, defer: bool = False) -> None:
         self.keep = keep
+        self.defer = defer
         self.started = 0  # copies started (ids 0 .. started - 1)
-        self.completed = 0  # their completed prefix (all of them in one process)
+        self.completed = 0  # their completed prefix (agreed, in a lockstep)
         self.records: list[HostCopy] = []  # owned here; taken by ``take``
 
     def start(self, to_host: bool, device: np.ndarray, host: np.ndarray) -> int:
         cid = self.started
         self.started = cid + 1
+        if not self.defer:
+            self.completed = cid + 1
         if self.keep:
             self.records.append(HostCopy(cid, to_host, device.copy(), host.copy()))
         return cid
+
+    def done(self, n: int) -> bool:
+        """The first ``n`` copies are done; False (nothing changed) unless
+        ``completed <= n <= started``."""
+        if isinstance(n, bool) or not isinstance(n, int) or not self.completed <= n <= self.started:
+            return False
+        self.completed = n
+        return True
 
     def take(self) -> list[HostCopy]:
         out, self.records = self.records, []
@@ -91,12 +106,13 @@ class HostTree(RadixTree):
         *,
         record_events: bool = False,
         record_copies: bool = False,
+        defer_copies: bool = False,
         medium: str = "GPU",
     ) -> None:
         self.host_alloc = host_alloc
         self.through = through
         self.offset = alloc.num_pages  # host-only nodes' pages: host id + offset
-        self.copies = CopyLog(record_copies)
+        self.copies = CopyLog(record_copies, defer_copies)
         # Statistics since creation (reset included): pages written, loaded, and dropped
         # from the host pool by its eviction.
         self.written_pages = self.loaded_pages = self.host_evicted_pages = 0

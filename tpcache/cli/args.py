@@ -156,6 +156,39 @@ def add_trace_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def add_host_options(p: argparse.ArgumentParser) -> None:
+    """The host (CPU) tier options of ``replay``, ``demo`` and ``serve``."""
+    p.add_argument(
+        "--host-capacity",
+        type=positive_arg,
+        default=None,
+        help="host tier size in tokens (per rank): evicted or hot pages are kept there and "
+        "loaded back",
+    )
+    p.add_argument(
+        "--write-policy",
+        choices=("write_back", "write_through_selective"),
+        default=None,
+        help="what goes to the host: pages evicted from the device (write_back, default), "
+        "or nodes hit --write-through-hits times (write_through_selective)",
+    )
+    p.add_argument(
+        "--write-through-hits",
+        type=positive_arg,
+        default=None,
+        help="hits that copy a node to the host under write_through_selective (default 2)",
+    )
+
+
+def host_args_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with the host tier options together, or None."""
+    if args.host_capacity is None and (args.write_policy or args.write_through_hits):
+        return "--write-policy and --write-through-hits need --host-capacity"
+    if args.write_through_hits is not None and args.write_policy != "write_through_selective":
+        return "--write-through-hits needs --write-policy write_through_selective"
+    return None
+
+
 def add_tp_option(p: argparse.ArgumentParser) -> None:
     """``--tp``, shared by the group options and ``generate``."""
     add_count_option(p, "--tp", 2, "tensor-parallel ranks")
@@ -238,12 +271,21 @@ def _add_placement_options(g: argparse._ArgumentGroup) -> None:
 
 
 def group_config(args: argparse.Namespace, capacity: int | None) -> GroupConfig:
-    """The ``GroupConfig`` the group options ask for. Raises ``ValueError`` naming what
-    does not fit (e.g. 3 resource groups for 2 ranks)."""
+    """The ``GroupConfig`` the group and host tier options ask for. Raises ``ValueError``
+    naming what does not fit (e.g. 3 resource groups for 2 ranks; ``HostTierError`` is
+    one, for a host tier the cache cannot have)."""
     from tpcache.coordinator.build import GroupConfig
     from tpcache.workers.spec import CacheSpec
 
-    cache = CacheSpec(page_size=args.page_size, policy=args.policy)
+    if (err := host_args_error(args)) is not None:
+        raise ValueError(err)
+    cache = CacheSpec(
+        page_size=args.page_size,
+        policy=args.policy,
+        host_capacity_tokens=args.host_capacity,
+        write_policy=args.write_policy or "write_back",
+        write_through_hits=args.write_through_hits or 2,
+    )
     # A thin pool (one KV head per rank, 4 dims, fp16) keeps a CPU demo's memory small;
     # the index and the lockstep are what the demo exercises.
     bytes_per_slot = 2 * args.layers * 1 * args.head_dim * 2

@@ -12,6 +12,7 @@ from typing import TextIO
 from tpcache.cli.args import (
     add_count_option,
     add_group_options,
+    add_host_options,
     add_trace_options,
     group_config,
     machine,
@@ -31,6 +32,7 @@ def add_demo_parser(sub) -> None:
     )
     add_trace_options(p)
     add_group_options(p)
+    add_host_options(p)
     add_count_option(p, "--batch", 8, "requests per step")
     p.set_defaults(func=cmd_demo, parser=p)
 

@@ -8,10 +8,12 @@ import sys
 from typing import TYPE_CHECKING
 
 from tpcache.cli.args import (
+    add_host_options,
     add_namespace_options,
     add_scale_option,
     add_trace_options,
     capacity_arg,
+    host_args_error,
     machine,
     picked,
     positive_arg,
@@ -55,29 +57,6 @@ def add_swa_options(p: argparse.ArgumentParser) -> None:
         type=capacity_arg,
         default=None,
         help="SWA pool size in tokens (default: as large as the full pool)",
-    )
-
-
-def add_host_options(p: argparse.ArgumentParser) -> None:
-    """The host (CPU) tier options of ``replay``."""
-    p.add_argument(
-        "--host-capacity",
-        type=positive_arg,
-        default=None,
-        help="host tier size in tokens: evicted or hot pages are kept there and loaded back",
-    )
-    p.add_argument(
-        "--write-policy",
-        choices=("write_back", "write_through_selective"),
-        default=None,
-        help="what goes to the host: pages evicted from the device (write_back, default), "
-        "or nodes hit --write-through-hits times (write_through_selective)",
-    )
-    p.add_argument(
-        "--write-through-hits",
-        type=positive_arg,
-        default=None,
-        help="hits that copy a node to the host under write_through_selective (default 2)",
     )
 
 
@@ -139,11 +118,7 @@ def _mismatch(args: argparse.Namespace) -> str | None:
     """Which options were given without the one they need, or None."""
     if args.swa_capacity is not None and args.swa_window is None:
         return "--swa-capacity needs --swa-window"
-    if args.host_capacity is None and (args.write_policy or args.write_through_hits):
-        return "--write-policy and --write-through-hits need --host-capacity"
-    if args.write_through_hits is not None and args.write_policy != "write_through_selective":
-        return "--write-through-hits needs --write-policy write_through_selective"
-    return None
+    return host_args_error(args)
 
 
 def _print_summary(summary: dict, opts: ReplayOptions) -> None:

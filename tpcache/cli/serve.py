@@ -12,6 +12,7 @@ import time
 from tpcache.cli.args import (
     add_cache_options,
     add_group_options,
+    add_host_options,
     group_config,
     picked,
     positive_arg,
@@ -21,6 +22,7 @@ from tpcache.cli.args import (
 def add_serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a TP group's coordinator as a named Ray actor")
     add_group_options(p)
+    add_host_options(p)
     add_cache_options(
         p,
         1 << 20,

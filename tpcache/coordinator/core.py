@@ -21,6 +21,7 @@ from tpcache.cache.namespace import CacheNamespace
 from tpcache.cache.protocol import Cache
 from tpcache.cache.radix import AdmitResult
 from tpcache.cache.reqtable import check_count, check_request_id
+from tpcache.coordinator.copy_agree import wait_ready
 from tpcache.coordinator.step_types import (
     CoordinatorConfig,
     RankCallError,
@@ -135,6 +136,14 @@ class Coordinator:
 
     def recover(self) -> None:
         self.steps.recover()
+
+    def wait_ready(self, request_ids: list[Any], timeout: float = 60.0) -> None:
+        """Return once every one of the running ``request_ids`` may run its forward: with
+        a host tier, once the copies it waits for (its prefix loading, or write-backs of
+        the pages it was given) are agreed done on every rank and the ranks know it.
+        Returns at once without a host tier. Raises ``CopiesNotDone`` after ``timeout``
+        (nothing changed), or a failed step's error (a failed copy fails the group)."""
+        wait_ready(self.steps, [check_request_id(r) for r in request_ids], timeout)
 
     def stop_recovery(self) -> None:
         self.steps.stop_recovery()

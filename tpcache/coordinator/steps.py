@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from typing import TypeVar
 
 from tpcache.cache.protocol import Cache
+from tpcache.coordinator.copy_agree import CopyCompletion
 from tpcache.coordinator.errors import CoordinatorUnavailable
 from tpcache.coordinator.lost import LostRequests
 from tpcache.coordinator.step_types import (
@@ -82,6 +83,7 @@ class StepPipeline:
         self.broken: LockstepError | None = None
         self.recovery = Recovery()
         self.lost = LostRequests()  # owned here: what a failure or a recovery lost
+        self.copies = CopyCompletion()  # the host tier's agreed copy completion
 
     @property
     def steps_sent(self) -> int:
@@ -125,6 +127,7 @@ class StepPipeline:
         """Run a call (``fn`` applies it to the mirror and emits its ops); its step is
         closed unless a ``batch()`` is open."""
         self._check_usable()
+        self._pending += self.copies.completion(self.mirror)
         result = fn()
         if self._batch_depth == 0 or len(self._pending) >= self.config.max_batch_ops:
             self._send()
@@ -139,6 +142,8 @@ class StepPipeline:
         """Close the pending step and send it, or let it wait (see coalescing)."""
         if not self._pending:
             return
+        self._pending += self.copies.completion(self.mirror)
+        self._pending += self.copies.sync_op(self.mirror, self._pending)
         ops = [op for op, _ in self._pending]
         expected = [r for _, r in self._pending]
         self._pending = []
@@ -198,11 +203,13 @@ class StepPipeline:
                 obs.step_done(s.step, latency)
             odd = []
             ops_s = 0.0
-            for out in outs:
-                got = decode_result(out)
+            got_all = [decode_result(out) for out in outs]
+            for got in got_all:
                 ops_s = max(ops_s, got.ops_us * 1e-6)
                 if got.digest != s.digest or got.results != s.expected:
                     odd.append(got.rank)
+            if not odd and (bad := self.copies.note(got_all)) is not None:
+                odd.append(bad)
             c.rank_ops_s.append(ops_s)
             if odd:
                 c.divergences += 1
@@ -291,7 +298,8 @@ class StepPipeline:
         self._pending = []
         capacity = self.ranks.restart(self.config.probe_s)
         old = self.mirror
-        if capacity == old.sizes().capacity:
+        # A host tier's copy log starts over on the ranks' new caches: so must the mirror's.
+        if capacity == old.sizes().capacity and not hasattr(old, "copies_done"):
             old.reset()
         else:
             self.mirror = type(old)(dataclasses.replace(old.config, capacity_tokens=capacity))
@@ -302,6 +310,7 @@ class StepPipeline:
         for obs in self.observers:
             obs.step_sent(-1, events)
         self._next_step = 0
+        self.copies.restart()
         self.broken = None
         self.recovery.consecutive = 0
         self.recovery.last_error = None

@@ -14,6 +14,7 @@ import numpy as np
 from tpcache.cache.errors import CacheError
 from tpcache.cache.keys import pages_to_slots
 from tpcache.cache.namespace import make_namespace
+from tpcache.coordinator.copy_agree import CopiesNotDone
 from tpcache.coordinator.core import Coordinator
 from tpcache.frontend.api import (
     AbortCall,
@@ -39,7 +40,22 @@ from tpcache.frontend.api import (
 from tpcache.frontend.netfront import FrontendConfig, NetFrontend
 from tpcache.workers.lockstep import LockstepError
 
-_REJECTED = (CacheError, CoordinatorUnavailable, RequestLost, LockstepError)
+_REJECTED = (CacheError, CoordinatorUnavailable, RequestLost, LockstepError, CopiesNotDone)
+
+
+def _wait_ready(coord: Coordinator, rid) -> None:
+    """A frontend's engine runs its forward as soon as it has the slots, so with a host
+    tier an admit or extend replies only once the copies the request waits for (its
+    prefix loading, write-backs of the pages it got) are done on every rank. If they
+    are not within the step timeout (a rank's copies are stuck), the request is aborted
+    and the reply is ``CopiesNotDone``."""
+    if getattr(coord.mirror, "request_ready", None) is None:
+        return
+    try:
+        coord.wait_ready([rid], coord.config.step_timeout_s)
+    except CopiesNotDone as exc:
+        coord.abort(rid)
+        raise CopiesNotDone(f"request {rid!r} aborted: {exc}") from None
 
 
 def dispatch(coord: Coordinator, call: Call) -> Reply:
@@ -49,11 +65,13 @@ def dispatch(coord: Coordinator, call: Call) -> Reply:
             case AdmitCall(rid, tokens, priority, reserve):
                 space = make_namespace(call.lora_id, call.lora_name, call.cache_salt)
                 got = coord.admit(rid, tokens, priority, reserve, space)
+                _wait_ready(coord, rid)
                 return AdmitReply(
                     got.prefix_len, got.slots.tolist(), *_swa(coord, rid, got.prefix_len)
                 )
             case ExtendCall(rid, n):
                 slots = coord.extend(rid, n)
+                _wait_ready(coord, rid)
                 start = coord.mirror.request_row(rid).num_tokens - slots.size
                 return SlotsReply(slots.tolist(), *_swa(coord, rid, start))
             case CacheUnfinishedCall(rid, tokens):

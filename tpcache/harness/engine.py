@@ -199,6 +199,7 @@ class ModelEngine:
         all_logits: bool,
         prefix: dict[RequestId, int],
     ) -> list[ForwardOut]:
+        self.coord.wait_ready([rid for rid, _ in pairs], self.timeout_s)  # a host tier's copies
         cmd = build_forward_batch(self.coord.mirror, pairs, all_logits)
         self.coord.flush()  # the steps that gave the slots must reach the ranks first
         outs = self.coord.ranks.call("forward_batch", encode(cmd), timeout=self.timeout_s)

@@ -53,6 +53,12 @@ def build_forward(cache, rid, tokens: TokenLike, all_logits: bool = True) -> For
         slots = row_slots(cache, rid)
     except CacheError as exc:
         raise ForwardError(f"request {rid!r}: {type(exc).__name__}: {exc}") from None
+    ready = getattr(cache, "request_ready", None)  # a host tier: copies it waits for
+    if ready is not None and not ready(rid):
+        raise ForwardError(
+            f"request {rid!r} waits for {cache.ready_after(rid)} host copies to be done, "
+            f"{cache.copies_completed()} are (wait_ready first)"
+        )
     start = slots.size - toks.size
     if start < 0:
         raise ForwardError(

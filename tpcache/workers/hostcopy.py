@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -73,7 +74,10 @@ class CopyEngine:
         self.failed: set[int] = set()
         self.copied_bytes = 0
         self._lock = threading.Lock()
-        self._jobs: queue.Queue[CopyJob | None] = queue.Queue()
+        # Each job with, on CUDA, an event of the submitter's stream: the copy stream
+        # waits for it, so a copy never reads KV that a forward queued before it has not
+        # written yet.
+        self._jobs: queue.Queue[tuple[CopyJob, Any] | None] = queue.Queue()
         cuda = device.device.type == "cuda"
         self._stream = torch.cuda.Stream(device.device) if cuda else None
         self._thread = threading.Thread(target=self._run, name="tpcache-copies", daemon=True)
@@ -85,7 +89,11 @@ class CopyEngine:
             if job.id != self._next:
                 raise ValueError(f"copy job {job.id} submitted, expected {self._next}")
             self._next += 1
-        self._jobs.put(job)
+        ready = None
+        if self._stream is not None:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device.device))
+        self._jobs.put((job, ready))
 
     def done(self) -> int:
         """How many jobs have finished (ids ``0 .. done() - 1``), failed ones included."""
@@ -106,13 +114,16 @@ class CopyEngine:
         self._thread.join(30.0)
 
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
+        while (item := self._jobs.get()) is not None:
+            job, ready = item
             ok = False
             try:
                 if self.delay_s:
                     time.sleep(self.delay_s)
                 if job.id in self.fail:
                     raise RuntimeError(f"copy {job.id} failed (fault drill)")
+                if ready is not None:
+                    self._stream.wait_event(ready)  # type: ignore[union-attr]
                 self._copy(job)
                 ok = True
             except Exception:

@@ -12,7 +12,10 @@ What is agreed by MIN, in this order, by every rank, always:
      never the counts it freed: a hybrid SWA-only ask frees full pages too, and replaying
      those counts would run the full order and delete other nodes); a rank that already
      failed sends -1;
-  2. after the whole batch, if the step says so (``Step.peer_check``), one
+  2. for each ``CopySync`` op (in a step closed while the host tier's copies are
+     pending), one ``agree_min([done copies])`` (``copysync.py``; -1 fails the step on
+     every rank);
+  3. after the whole batch, if the step says so (``Step.peer_check``), one
      ``digest_check(digest)`` (``None`` from a rank that failed): a failure anywhere
      makes every rank raise ``RankFailure``; digests that differ make every rank raise
      ``DivergenceError`` (NCCL compares all 64 bits by MIN and MAX; gloo a 31-bit fold in
@@ -45,6 +48,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from tpcache.errors import TpcacheError
+from tpcache.workers.copysync import RankCopies, sync_copies
 from tpcache.workers.errors import DivergenceError, LockstepError, RankFailure, WhereError
 from tpcache.workers.group_spec import i64_to_u64, u64_to_i64
 from tpcache.workers.oplog import admit_result, evict_result, extend_result, op_namespace
@@ -54,6 +58,8 @@ from tpcache.workers.ops import (
     CacheUnfinished,
     CallReply,
     Command,
+    CopiesDone,
+    CopySync,
     Evict,
     Extend,
     Finish,
@@ -157,6 +163,9 @@ def apply_op(cache, op: Op, evict_fn: EvictFn) -> OpResult:
         case Reset():
             cache.reset()
             return OpResult()
+        case CopiesDone(n):
+            cache.copies_done(n)
+            return OpResult()
     raise TypeError(f"unknown op {op!r}")
 
 
@@ -166,17 +175,27 @@ def apply_step(
     rank: int,
     step: Step,
     tamper: Callable[[Op], Op] | None = None,
+    copies: RankCopies | None = None,
 ) -> StepResult:
     """Apply ``step`` on this rank in lockstep with its peers (see the module docstring).
 
     ``tamper`` (tests and fault drills only) may replace an op before it is applied.
+    ``copies``: this rank's host tier, which runs the copies each op starts.
     Raises ``RankFailure`` or ``DivergenceError`` on every rank together.
     """
     started = time.perf_counter()
     results: list[OpResult] = []
     failure: str | None = None  # this rank's own failure
     peer_failed_at: int | None = None  # the op whose agreement carried a peer's failure
+    agreed_copies = -1
     for i, op in enumerate(step.ops):
+        if isinstance(op, CopySync):  # one collective, entered by every rank
+            agreed_copies = sync_copies(group, copies, failure is None and peer_failed_at is None)
+            results.append(OpResult())
+            if agreed_copies < 0 and failure is None and peer_failed_at is None:
+                where = "here" if copies and copies.local_done() < 0 else "on another rank"
+                failure = f"op {i} (CopySync): a host copy failed {where}"
+            continue
         entered = [False]
 
         def agreed_evict(asks: tuple[int, ...], _entered: list[bool] = entered) -> tuple:
@@ -189,6 +208,8 @@ def apply_step(
         if failure is None and peer_failed_at is None:
             try:
                 results.append(apply_op(cache, tamper(op) if tamper else op, agreed_evict))
+                if copies is not None:
+                    copies.submit(cache.take_copies())
             except _PeerFailed:  # stop here: a peer failed before this agreement
                 peer_failed_at = i
                 results.append(OpResult())
@@ -209,9 +230,8 @@ def apply_step(
         agree_digest(group, step.step, rank, digest, failure, peer_failed_at)
     elif failure is not None or peer_failed_at is not None:
         raise _step_failure(step.step, rank, failure, peer_failed_at)
-    return StepResult(
-        step.step, rank, digest, results, (time.perf_counter() - started) * 1e6, ops_us
-    )
+    apply_us = (time.perf_counter() - started) * 1e6
+    return StepResult(step.step, rank, digest, results, apply_us, ops_us, agreed_copies)
 
 
 def agree_digest(
@@ -258,6 +278,8 @@ def fail_step(cache, group: Agreement, rank: int, step: Step, why: str) -> RankF
     for op in step.ops:
         if op_may_evict(op):
             group.agree_min([-1] * pools)
+        elif isinstance(op, CopySync):
+            group.agree_min([-1])
     if step.peer_check:
         group.digest_check(None)
     return RankFailure(step.step, f"rank {rank} failed: {why}", local=True)

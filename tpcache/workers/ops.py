@@ -77,7 +77,21 @@ class Reset(msgspec.Struct, tag=True, frozen=True):
     pass
 
 
-Op = Admit | Extend | CacheUnfinished | Finish | Abort | Evict | Reset
+class CopySync(msgspec.Struct, tag=True, frozen=True):
+    """Agree how many copies of the host tier's copy log are done on every rank (one
+    MIN all-reduce of each rank's done count, -1 from a rank where a copy failed). Changes
+    no cache state: the agreed count travels back in ``StepResult.copies_done`` and comes
+    back as a ``CopiesDone`` (``workers/copysync.py``)."""
+
+
+class CopiesDone(msgspec.Struct, tag=True, frozen=True):
+    """The first ``n`` copies are done everywhere (a count a ``CopySync`` agreed): every
+    rank and the mirror apply ``cache.copies_done(n)`` at this point of the op log."""
+
+    n: int
+
+
+Op = Admit | Extend | CacheUnfinished | Finish | Abort | Evict | Reset | CopySync | CopiesDone
 
 
 class Step(msgspec.Struct, frozen=True):
@@ -109,6 +123,7 @@ class StepResult(msgspec.Struct, frozen=True):
     results: list[OpResult]
     apply_us: float = 0.0
     ops_us: float = 0.0  # of apply_us: the ops and the digest, before the step's collective
+    copies_done: int = -1  # the count the step's last CopySync agreed (-1: none ran)
 
 
 # ---- the model (tpcache.workers.model): the same structs under Ray and torchrun --------------

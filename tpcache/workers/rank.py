@@ -20,6 +20,7 @@ from tpcache.cache.errors import CacheError
 from tpcache.cache.radix import RadixCache
 from tpcache.workers.channel import Attach, RankLoop
 from tpcache.workers.channel import serve as serve_channel
+from tpcache.workers.copysync import RankCopies, agree_pools
 from tpcache.workers.errors import LockstepError
 from tpcache.workers.group import TPGroup
 from tpcache.workers.group_spec import GroupSpec, free_port, node_ip
@@ -58,6 +59,7 @@ class RankWorker:
         self.group: TPGroup | None = None
         self.pool: KVPool | None = None
         self.cache: RadixCache | None = None
+        self.copies: RankCopies | None = None  # the host tier's pool and copy engine
         self.last_step = -1
         # Why this rank can apply no more steps (a step failed here) until it starts over.
         self.failed: str | None = None
@@ -116,17 +118,30 @@ class RankWorker:
         fit = slots_that_fit(self.spec.pool, budget)
         if self.spec.capacity_tokens is not None:
             fit = min(fit, self.spec.capacity_tokens)
-        fit = fit // ps * ps
-        capacity = group.all_min([fit])[0]
+        capacity, host = agree_pools(group, self.spec.cache, self.spec.pool, fit // ps * ps)
         if capacity < ps:
             raise CacheError(
                 f"the KV pool holds {capacity} slots on the smallest rank, less than a page of {ps}"
             )
+        self._close_copies()
         self.pool = KVPool(self.spec.pool, capacity, self.device)
-        self.cache = self.spec.cache.build(capacity)
+        self.cache = self.spec.cache.build(capacity, rank=True)
+        self.copies = RankCopies(self.pool, host, ps) if host is not None else None
         self.last_step = -1
         self.failed = None
         return capacity
+
+    def copy_drill(self, delay_s: float = 0.0, fail: list[int] | None = None) -> None:
+        """Fault drill: this rank's later host copies take ``delay_s`` more each, and the
+        ones with ids in ``fail`` fail. Raises RuntimeError without a host tier."""
+        if self.copies is None:
+            raise RuntimeError(f"rank {self.rank} has no host tier")
+        self.copies.drill(delay_s, list(fail or []))
+
+    def _close_copies(self) -> None:
+        if self.copies is not None:
+            self.copies.close()
+            self.copies = None
 
     def attach(self, group: TPGroup) -> None:
         """Use ``group`` (``TPGroup.attach`` of a process group the caller owns) as this
@@ -190,7 +205,7 @@ class RankWorker:
     def _apply_step(self, step: Step) -> StepResult:
         # A method of its own so that a test worker (tests/drill_worker.py) can plant a
         # fault in one step without a copy of ``apply``'s order check.
-        return apply_step(self._cache(), self._group(), self.rank, step)
+        return apply_step(self._cache(), self._group(), self.rank, step, copies=self.copies)
 
     # ---- the step channel (workers/channel.py) -----------------------------------------
     def serve_steps(self, attach: Attach) -> int:
@@ -211,11 +226,10 @@ class RankWorker:
         return loop.done.wait(timeout)
 
     def health(self) -> tuple[int, float, bool]:
-        """(rank, seconds the channel loop has been busy with the message in hand (0 when
-        idle), whether a group join is in hand). Answered on a thread of its own under
-        Ray even while the loop or a join is busy: a rank stuck in a step shows as busy,
-        and one still joining a group that a failed recovery formed must be replaced (a
-        join cannot be called off)."""
+        """(rank, seconds the channel loop has been busy with its message (0 when idle),
+        whether a group join is in hand). Answered on a thread of its own under Ray: a
+        rank stuck in a step shows as busy; one still joining a failed recovery's group
+        must be replaced (a join cannot be called off)."""
         busy = self._loop.busy_s() if self._loop is not None else 0.0
         return self.rank, busy, self._joining_since is not None
 
@@ -253,13 +267,9 @@ class RankWorker:
 
     def load_model(self, spec: ModelSpec) -> dict[str, Any]:
         """Install the built-in checking model ``spec`` (``ReferenceRunner``) on this
-        rank's device, in the pool's dtype. Not a collective.
-
-        Raises ``ModelConfigError`` (the current runner kept) unless the pool holds the
-        model's KV: ``kv_heads == heads``, same ``head_dim``, one pool layer per
-        full-attention layer (with a hybrid cache; per layer otherwise), and a model
-        window equal to the hybrid cache's.
-        """
+        rank's device, in the pool's dtype. Not a collective. Raises ``ModelConfigError``
+        (the current runner kept) unless the pool holds the model's KV (heads, head_dim,
+        one pool layer per full-attention layer, the hybrid cache's window)."""
         runner = ReferenceRunner.of(spec, self.spec.pool.dtype)
         try:
             return self.models.install(runner, self.spec.pool, self.spec.cache.sliding_window)
@@ -328,6 +338,8 @@ class RankWorker:
             "pool_bytes": self._pool().nbytes,
             "tokens_computed": self.tokens_computed,
             "collectives": self.group.collectives if self.group else 0,
+            # The host tier: copies started, agreed done, and done by this rank's engine.
+            "copies": self.copies.state(cache) if self.copies is not None else None,
         }
 
     def ping(self) -> int:
@@ -345,6 +357,7 @@ class RankWorker:
 
     def shutdown(self) -> None:
         """Leave the process group (tolerates a broken one). Idempotent."""
+        self._close_copies()
         self._leave_group()
         self._drop_store_dir()
 

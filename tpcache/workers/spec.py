@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tpcache.cache.errors import CacheError
+from tpcache.cache.errors import CacheError, HostTierError
+from tpcache.cache.host_cache import HostCache, HostConfig
 from tpcache.cache.radix import CacheConfig, RadixCache
 from tpcache.cache.swa_cache import HybridCache
 from tpcache.cache.swa_config import HybridConfig
@@ -22,6 +23,9 @@ class CacheSpec:
 
     ``sliding_window`` set: the hybrid cache (full + SWA pools, ``HybridCache``) with an
     SWA pool of ``swa_capacity_tokens`` (None: as large as the full pool; never larger).
+    ``host_capacity_tokens`` set: the cache with a host tier (``HostCache``) of that many
+    tokens per rank, ``write_policy`` and ``write_through_hits`` as in ``HostConfig``;
+    its copies complete when the ranks agree they are done (``workers/copysync.py``).
     """
 
     page_size: int = 16
@@ -29,13 +33,34 @@ class CacheSpec:
     max_request_tokens: int | None = None
     sliding_window: int | None = None
     swa_capacity_tokens: int | None = None
+    host_capacity_tokens: int | None = None
+    write_policy: str = "write_back"
+    write_through_hits: int = 2
 
     def __post_init__(self) -> None:
         CacheConfig(capacity_tokens=self.page_size, page_size=self.page_size, policy=self.policy)
+        if self.host_capacity_tokens is not None:
+            if self.sliding_window is not None:
+                raise HostTierError("the hybrid (SWA) cache has no host tier")
+            self._host_config(self.page_size, False, False)
         if self.sliding_window is not None:
             self._hybrid_config(max(self.swa_capacity_tokens or 0, self.page_size), False)
         elif self.swa_capacity_tokens is not None:
             raise CacheError("swa_capacity_tokens needs a sliding_window (the hybrid cache)")
+
+    def _host_config(self, capacity_tokens: int, record_events: bool, rank: bool) -> HostConfig:
+        return HostConfig(
+            capacity_tokens=capacity_tokens,
+            page_size=self.page_size,
+            policy=self.policy,
+            record_events=record_events,
+            max_request_tokens=self.max_request_tokens,
+            host_capacity_tokens=self.host_capacity_tokens,  # type: ignore[arg-type]
+            write_policy=self.write_policy,
+            write_through_hits=self.write_through_hits,
+            record_copies=rank,
+            defer_copies=True,
+        )
 
     def _hybrid_config(self, capacity_tokens: int, record_events: bool) -> HybridConfig:
         swa = self.swa_capacity_tokens or capacity_tokens
@@ -49,7 +74,13 @@ class CacheSpec:
             max_request_tokens=self.max_request_tokens,
         )
 
-    def build(self, capacity_tokens: int, record_events: bool = False) -> RadixCache:
+    def build(
+        self, capacity_tokens: int, record_events: bool = False, rank: bool = False
+    ) -> RadixCache:
+        """The cache of ``capacity_tokens``; ``rank``: a rank's, which keeps the copies it
+        must run (a mirror only counts them)."""
+        if self.host_capacity_tokens is not None:
+            return HostCache(self._host_config(capacity_tokens, record_events, rank))  # type: ignore[return-value]
         if self.sliding_window is not None:
             return HybridCache(self._hybrid_config(capacity_tokens, record_events))  # type: ignore[return-value]
         return RadixCache(

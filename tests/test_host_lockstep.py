@@ -1,0 +1,150 @@
+"""The host tier across TP ranks (#19): Ray ranks on the step channel, each with its own
+host pool shard and copy engine, agree how many copies are done by MIN; the completion
+enters the op log as an op, so every rank and the mirror change at the same step (the
+coordinator compares every rank's digest with the mirror's after every step)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from group_helpers import group_config
+
+from tpcache.cache.errors import HostTierError
+from tpcache.coordinator.copy_agree import CopiesNotDone
+from tpcache.frontend.api import AdmitCall, AdmitReply, CachedReply, FinishCall
+from tpcache.frontend.frontend import dispatch
+from tpcache.frontend.service import start_group
+from tpcache.workers.context import ForwardError, build_forward
+from tpcache.workers.lockstep import RankFailure
+from tpcache.workers.rank import CacheSpec
+
+PAGE = 4
+
+
+def host_config(**kw):
+    spec = dict(page_size=PAGE, policy="lru", max_request_tokens=256, host_capacity_tokens=256)
+    spec.update(kw)
+    return group_config(2, capacity_tokens=64, cache=CacheSpec(**spec))
+
+
+@pytest.fixture(scope="module")
+def group(ray_cluster):
+    coord = start_group(host_config())
+    yield coord
+    coord.close()
+
+
+def prompts(seed: int, n: int) -> list[list[int]]:
+    """Prompts over a few shared prefixes, more than the 64-token device pool holds."""
+    print("seed", seed)
+    rng = random.Random(seed)
+    heads = [[rng.randrange(1, 500) for _ in range(24)] for _ in range(5)]
+    return [rng.choice(heads) + [rng.randrange(1, 500) for _ in range(5)] for _ in range(n)]
+
+
+def copies(coord) -> list[list[int]]:
+    """Per rank: copies started, agreed done, done by its own engine."""
+    return [info["copies"] for info in coord.ranks.call("info")]
+
+
+def test_a_slow_rank_holds_back_completion_at_the_same_step_everywhere(group) -> None:
+    coord = group
+    coord.ranks.call_on(1, "copy_drill", 0.02, [])
+    held_back = loaded = 0
+    for i, p in enumerate(prompts(7, 24)):
+        got = coord.admit(i, p)
+        loaded += got.host_hit_length
+        coord.sync()  # every step so far checked: each rank's digest == the mirror's
+        mirror = coord.mirror
+        per_rank = copies(coord)
+        # Every rank knows exactly what the mirror knows: the same started and agreed.
+        assert {(s, a) for s, a, _ in per_rank} == {
+            (mirror.host_counts()["copies_started"], mirror.copies_completed())
+        }
+        # Rank 0 (fast) has done copies the group has not agreed yet: rank 1 holds it back.
+        held_back += per_rank[0][2] > per_rank[0][1] and per_rank[1][2] < per_rank[0][2]
+        if not mirror.request_ready(i):
+            with pytest.raises(ForwardError, match="waits for"):
+                build_forward(mirror, i, p[-1:])
+        coord.wait_ready([i], 20.0)
+        assert mirror.request_ready(i)
+        build_forward(mirror, i, p[-1:])  # now it may run
+        coord.finish(i)
+    coord.sync()
+    assert loaded > 0 and held_back > 0
+    assert coord.stats()["divergences"] == 0 and coord.stats()["rank_failures"] == 0
+    coord.ranks.call("check_integrity")
+    coord.mirror.check_integrity()
+    # A frontend's engine runs its forward when it gets the slots: the reply waits.
+    for j, p in enumerate(prompts(17, 6)):
+        reply = dispatch(coord, AdmitCall(1000 + j, p))
+        assert isinstance(reply, AdmitReply) and coord.mirror.request_ready(1000 + j)
+        assert isinstance(dispatch(coord, FinishCall(1000 + j, [])), CachedReply)
+    coord.ranks.call_on(1, "copy_drill", 0.0, [])
+
+
+def test_a_copy_that_fails_on_one_rank_fails_everywhere_and_nothing_leaks(group) -> None:
+    coord = group
+    coord.reset()
+    coord.sync()
+    started = coord.mirror.host_counts()["copies_started"]
+    coord.ranks.call_on(1, "copy_drill", 0.0, [started + 2])
+    failures = []
+    for i, p in enumerate(prompts(8, 16)):
+        try:
+            coord.admit(100 + i, p)
+            coord.wait_ready([100 + i], 20.0)
+            coord.finish(100 + i)
+        except RankFailure as exc:
+            failures.append(str(exc))
+    assert len(failures) == 1 and "host copy failed" in failures[0], failures
+    stats = coord.stats()
+    assert stats["recoveries"] == 1 and stats["divergences"] == 0
+    coord.sync()
+    # Recovered: every rank and the mirror start over with a fresh copy log and engine,
+    # and the pools account for every page (device and host conservation).
+    mirror = coord.mirror
+    coord.wait_ready(mirror.running_ids(), 20.0)
+    assert {tuple(c) for c in copies(coord)} == {(mirror.host_counts()["copies_started"],) * 3}
+    coord.ranks.call("check_integrity")
+    mirror.check_integrity()
+    assert [i["digest"] for i in coord.ranks.call("info")] == [mirror.digest()] * 2
+
+
+def test_a_forward_that_waits_too_long_is_refused_in_time(group) -> None:
+    coord = group
+    coord.reset()
+    coord.sync()
+    ps = prompts(9, 6)
+    for i, p in enumerate(ps[:5]):  # fills the device pool: the next admit evicts
+        coord.admit(200 + i, p)
+        coord.wait_ready([200 + i], 20.0)
+        coord.finish(200 + i)
+    coord.sync()
+    coord.ranks.call_on(0, "copy_drill", 1.0, [])
+    failures = coord.stats()["rank_failures"]
+    got = coord.admit(205, ps[5])
+    assert got.ready_after > coord.mirror.copies_completed()  # its pages are being copied
+    with pytest.raises(CopiesNotDone, match="waits for"):
+        coord.wait_ready([205], 0.05)
+    assert coord.stats()["rank_failures"] == failures and coord.mirror.running_ids() == [205]
+    assert not coord.mirror.request_ready(205)
+    coord.ranks.call_on(0, "copy_drill", 0.0, [])
+    coord.wait_ready([205], 30.0)
+    coord.finish(205)
+    coord.sync()
+
+
+@pytest.mark.parametrize(
+    "kw, what",
+    [
+        (dict(host_capacity_tokens=PAGE - 1), "host_capacity_tokens must be"),
+        (dict(host_capacity_tokens=64, sliding_window=8), "no host tier"),
+        (dict(host_capacity_tokens=64, policy="resight"), "has no host tier"),
+        (dict(host_capacity_tokens=64, write_policy="write_around"), "unknown write policy"),
+    ],
+)
+def test_bad_host_tier_is_refused_before_any_rank_starts(kw, what) -> None:
+    with pytest.raises(HostTierError, match=what):
+        host_config(**kw)

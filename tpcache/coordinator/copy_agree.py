@@ -1,0 +1,94 @@
+"""The coordinator's side of the host tier's agreed copy completion (the protocol:
+``workers/copysync.py``).
+
+While its mirror has copies not known done, every step the coordinator closes ends with
+a ``CopySync`` op (the ranks agree their done count by MIN there). The count comes back
+in each rank's step result; once it exceeds what the mirror knows, the next call, or
+the next step closed, first applies it to the mirror (``copies_done``) and logs a
+``CopiesDone`` op, so the ranks apply it at the same point of the op log. It is never
+applied while a closed step waits for its digest, nor in the middle of a call.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tpcache.errors import TpcacheError
+from tpcache.workers.ops import CopiesDone, CopySync, Op, OpResult, StepResult
+
+
+class CopiesNotDone(TpcacheError, TimeoutError):
+    """A forward waited longer than its timeout for the copies its requests wait for
+    (a rank's copies are slow or stuck). Retryable: nothing changed."""
+
+
+class CopyCompletion:
+    """What the ranks agreed (``agreed``: the highest count a ``CopySync`` returned since
+    the group last started; owned here) and the ops that bring it to every rank."""
+
+    def __init__(self) -> None:
+        self.agreed = 0
+
+    def restart(self) -> None:
+        """The group started over (a fresh copy log on every rank)."""
+        self.agreed = 0
+
+    def note(self, results: list[StepResult]) -> int | None:
+        """Take one step's results from every rank; the ranks whose agreed count differs
+        from rank 0's (a MIN gives every rank the same), else None."""
+        counts = [r.copies_done for r in results]
+        odd = [r.rank for r in results if r.copies_done != counts[0]]
+        if odd:
+            return odd[0]
+        self.agreed = max(self.agreed, counts[0])
+        return None
+
+    def completion(self, mirror: Any) -> list[tuple[Op, OpResult]]:
+        """Apply a newly agreed count to ``mirror``; the ``CopiesDone`` op for the ranks
+        (none when the mirror knows it already or has no host tier)."""
+        pending = getattr(mirror, "copies_pending", None)
+        if pending is None or not pending():
+            return []
+        if self.agreed <= mirror.copies_completed():
+            return []
+        mirror.copies_done(self.agreed)
+        return [(CopiesDone(self.agreed), OpResult())]
+
+    @staticmethod
+    def sync_op(mirror: Any, ops: list[tuple[Op, OpResult]]) -> list[tuple[Op, OpResult]]:
+        """The ``CopySync`` that ends a closing step whose mirror has copies pending."""
+        pending = getattr(mirror, "copies_pending", None)
+        if pending is None or not pending() or (ops and isinstance(ops[-1][0], CopySync)):
+            return []
+        return [(CopySync(), OpResult())]
+
+
+def unready(mirror: Any, rids: list[Any]) -> int:
+    """The copy count the first of ``rids`` that may not run its forward yet waits for
+    (0: all may). Pure."""
+    ready_after = getattr(mirror, "ready_after", None)
+    if ready_after is None:
+        return 0
+    done = mirror.copies_completed()
+    return next((k for k in map(ready_after, rids) if k > done), 0)
+
+
+def wait_ready(steps: Any, rids: list, timeout: float) -> None:
+    """Until every running request of ``rids`` may run its forward (the copies it waits
+    for are agreed done, and the ranks know it): steps of one ``CopySync`` go out through
+    the pipeline ``steps`` until then. Raises ``CopiesNotDone`` after ``timeout`` seconds,
+    or what a failed step raises (a failed copy fails the group)."""
+    deadline = time.monotonic() + timeout
+    while waits := unready(steps.mirror, rids):
+        if time.monotonic() > deadline:
+            raise CopiesNotDone(
+                f"a request waits for {waits} copies to be done; after {timeout:g}s "
+                f"the ranks agree {steps.copies.agreed}"
+            )
+        steps.run(lambda: steps.emit(CopySync(), OpResult()))
+        steps.sync()
+        steps.run(lambda: None)  # apply what was agreed (a ``CopiesDone``) and send it
+
+
+__all__ = ["CopiesNotDone", "CopyCompletion", "unready", "wait_ready"]

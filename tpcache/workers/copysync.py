@@ -1,0 +1,120 @@
+"""The host tier in the lockstep: each rank runs its copies, and the group agrees how many
+are done.
+
+Copies. Every rank's cache starts the same copies in the same order (they come from the
+same ops), so the copy log numbers them identically everywhere. After each op a rank
+hands the copies the op started to its ``CopyEngine`` (``RankCopies.submit``), which
+runs them off the step path, one at a time in id order, between the rank's device pool
+shard and its host pool shard. A rank's done count is a local fact.
+
+Agreement. Which collectives a step enters depends only on its batch: the coordinator
+puts a ``CopySync`` op into every step it closes while its mirror has copies that are
+not known done. At that op every rank enters one MIN all-reduce of its engine's done
+count (-1 if any of its copies failed, or if the rank failed earlier in the step); the
+MIN is a completed prefix of the log on every rank, since each engine's done jobs are a
+prefix. The agreed count changes no state there: it travels back in the step's result
+(``StepResult.copies_done``), and the coordinator, when it checks that result, applies
+``copies_done(n)`` to its mirror and logs a ``CopiesDone(n)`` op in the step it is
+building, so every rank applies the change at that same point of the op log as the
+mirror did. Why this way round and not the ranks applying the agreed count at the
+``CopySync`` itself: the mirror builds later steps from its own state while earlier
+ones are still in flight (pipelined steps), so it cannot know at ``CopySync`` time what
+the ranks will agree; a ``CopiesDone`` that it logs itself puts the change at a point of
+the log it knows. The cost is latency: a completion is known one collected step later
+(measured in the module's tests and ``scripts/bench_host.py``), and one small
+all-reduce per step while copies are pending.
+
+What waits for the agreement is only a forward (``HostCache.request_ready``): the cache's
+own decisions never do, so a slow rank holds back the group's forwards, never its
+state. A failed copy (on any rank) makes the MIN -1: every rank fails that step
+together, as for a failed op, and the coordinator recovers the group (an empty cache on
+every rank, a fresh copy engine), so a half-copied page is never read and nothing leaks.
+"""
+
+from __future__ import annotations
+
+import os
+
+from tpcache.cache.errors import HostTierError
+from tpcache.cache.host_config import HostCopy
+from tpcache.cache.keys import pages_to_slots
+from tpcache.workers.hostcopy import TO_DEVICE, TO_HOST, CopyEngine, CopyJob, host_pool
+from tpcache.workers.kvpool import KVPool
+
+
+class RankCopies:
+    """One rank's host tier at run time: its host pool shard (``host_slots`` slots, the
+    device pool's spec) and the engine that copies between it and ``device``. Owns the
+    engine's thread: ``close`` stops it."""
+
+    def __init__(self, device: KVPool, host_slots: int, page_size: int) -> None:
+        self.host = host_pool(device, host_slots)
+        self.engine = CopyEngine(device, self.host)
+        self.page_size = page_size
+
+    def submit(self, copies: list[HostCopy]) -> None:
+        """Queue ``copies`` (page ids, from the cache's copy log, in id order)."""
+        ps = self.page_size
+        for c in copies:
+            dev = pages_to_slots(c.device_pages, ps)
+            host = pages_to_slots(c.host_pages, ps)
+            if c.to_host:
+                self.engine.submit(CopyJob(c.id, TO_HOST, dev, host))
+            else:
+                self.engine.submit(CopyJob(c.id, TO_DEVICE, host, dev))
+
+    def local_done(self) -> int:
+        """This rank's done count, or -1 if a copy failed here."""
+        engine = self.engine
+        return -1 if engine.failed else engine.done()
+
+    def state(self, cache) -> list[int]:
+        """Copies started (``cache``'s log), agreed done, and done by this engine."""
+        return [cache.host_counts()["copies_started"], cache.copies_completed(), self.engine.done()]
+
+    def drill(self, delay_s: float, fail: list[int]) -> None:
+        """Fault drill: every later copy takes ``delay_s`` more; copies ``fail`` fail."""
+        self.engine.delay_s = float(delay_s)
+        self.engine.fail = set(fail)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def sync_copies(group, copies: RankCopies | None, healthy: bool) -> int:
+    """A ``CopySync``'s one collective: MIN over ranks of each one's done count (-1 from
+    a rank that is not ``healthy`` or whose copy failed). A rank without a host tier
+    sends 0."""
+    mine = copies.local_done() if copies is not None and healthy else (0 if healthy else -1)
+    return group.agree_min([mine])[0]
+
+
+def agree_pools(group, cache_spec, pool_spec, fit: int) -> tuple[int, int | None]:
+    """Start-up (collective, one MIN all-reduce): the device pool's capacity (``fit``, this
+    rank's whole pages) and, with a host tier, the host pool's (the configured tokens in
+    whole pages, less on a rank whose free memory holds fewer), agreed over the ranks.
+    Returns (device tokens, host tokens or None). Raises ``HostTierError`` on every rank
+    when the smallest rank cannot hold the configured host pool (the mirror is built with
+    it, so it cannot shrink) and ``CacheError`` when the device pool holds less than a
+    page; before anything is allocated."""
+    ps = cache_spec.page_size
+    want = cache_spec.host_capacity_tokens
+    if want is None:
+        return group.all_min([fit])[0], None
+    room = _free_memory_bytes() // max(1, pool_spec.bytes_per_slot)
+    device, host = group.all_min([fit, min(want, room) // ps * ps])
+    if host < want // ps * ps:
+        raise HostTierError(
+            f"the host pool holds {host} tokens on the smallest rank, {want // ps * ps} configured"
+        )
+    return device, host
+
+
+def _free_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):  # not on this system: trust the configuration
+        return 1 << 62
+
+
+__all__ = ["RankCopies", "agree_pools", "sync_copies"]
