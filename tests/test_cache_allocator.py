@@ -151,3 +151,30 @@ def test_integrity_catches_corrupted_fifo_and_counters() -> None:
     a._counts[HELD] += 1
     with pytest.raises(IntegrityError, match="tag counts"):
         a.check_integrity()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_recycle_is_free_then_alloc(seed: int) -> None:
+    """``recycle`` hands out the pages, and leaves the FIFO, tags and fingerprint, that a
+    free followed by an alloc does (the ring wrapping, with and without free pages)."""
+    print("seed", seed)
+    rng = np.random.default_rng(seed)
+    a, b = PageAllocator(12, 1), PageAllocator(12, 1)
+    every = np.arange(12)
+    recycled = 0
+    for _ in range(60):
+        k = int(rng.integers(0, a.num_free + 1))
+        assert a.alloc(k, CACHED).tolist() == b.alloc(k, CACHED).tolist()
+        cached = np.flatnonzero(a.tags_of(every) == CACHED)
+        if cached.size == 0:
+            continue
+        group = rng.permutation(cached)[: int(rng.integers(1, cached.size + 1))]
+        n = int(rng.integers(0, group.size + a.num_free + 1))
+        recycled += a.num_free == 0 and group.size > n
+        got = a.recycle(group.copy(), CACHED, n, CACHED)
+        b.free(group.copy(), CACHED, checked=False)
+        assert got.tolist() == b.alloc(n, CACHED).tolist()
+        assert a.fingerprint() == b.fingerprint()
+        assert a.tags_of(every).tolist() == b.tags_of(every).tolist()
+        a.check_integrity()
+    assert recycled > 0  # the fused path (nothing else free) ran

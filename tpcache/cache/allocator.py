@@ -165,6 +165,28 @@ class PageAllocator:
         self._set(pages, owner, FREE)
         self._free_log = log_free(self._free_log, pages)
 
+    def recycle(self, pages: np.ndarray, owner: int, n: int, tag: int) -> np.ndarray:
+        """``free(pages, owner, checked=False)`` then ``alloc(n, tag)``, in one: the same
+        pages handed out, the same FIFO and fingerprint after, fewer steps when nothing
+        else is free (a full pool that drops some pages to take others: the host tier).
+        Raises ``OutOfCapacity`` as ``alloc`` does (the pages are freed then)."""
+        counts = self._counts
+        if counts[FREE] or pages.size <= max(n, 1):
+            self.free(pages, owner, checked=False)
+            return self.alloc(n, tag)
+        if pages.dtype is not _INT64 and pages.dtype != _INT64:
+            pages = pages.astype(np.int64)
+        pages = np.sort(pages, kind="stable")
+        self._free_log = log_free(self._free_log, pages)
+        # The FIFO is empty: the group goes in at the head and its first n come out again.
+        take, rest = pages[:n], pages[n:]
+        self._head = (self._head + n) % self.num_pages
+        ring_put(self._fifo, self._head, rest)
+        self._set(rest, owner, FREE)
+        if tag != owner:
+            self._set(take, owner, tag)
+        return take
+
     def _free_one(self, page: int, owner: int) -> None:
         # A request's partial last page, most often: Python ints, no numpy call.
         counts = self._counts

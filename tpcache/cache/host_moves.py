@@ -4,7 +4,7 @@ load or an insert brings back.
 - ``evict_device``: device candidates (``HostTree.leaves``) in policy order. A node with
   a host copy becomes host-only; under write-back one without is written to the host
   first; one that finds no host room is deleted with its host-only subtree.
-- ``make_host_room``: host-only leaves (``HostTree.host_leaves``) in policy order are
+- ``_drop_host_leaves``: host-only leaves (``HostTree.host_leaves``) in policy order are
   deleted until the pages fit (pinned ones, being loaded, are skipped).
 - ``to_device``: a host-only node gets device pages (a load, or the pages of a request
   that computed the same tokens: an insert over it); write-back frees the host copy
@@ -127,9 +127,14 @@ def _leave_device(tree: HostTree, node: Any, out: Freed, freed: list[np.ndarray]
 
 
 def _take_host(tree: HostTree, n: int) -> np.ndarray | None:
-    if not make_host_room(tree, n):
+    """``n`` host pages for a copy, by host eviction if needed; None if they cannot be had."""
+    alloc = tree.host_alloc
+    if alloc.num_free >= n:
+        return alloc.alloc(n, CACHED)
+    freed = _drop_host_leaves(tree, n)
+    if freed is None:
         return None
-    return tree.host_alloc.alloc(n, CACHED)
+    return alloc.recycle(freed, CACHED, n, CACHED)
 
 
 def _started_write(tree: HostTree, node: Any, host: np.ndarray) -> None:
@@ -180,16 +185,14 @@ def _delete(tree: HostTree, node: Any) -> None:
 
 
 # ---- the host pool ----------------------------------------------------------------------
-def make_host_room(tree: HostTree, n: int) -> bool:
-    """Free host pages until ``n`` are free, deleting host-only leaves in policy order
-    (their pages go back in one free group); False if they cannot be freed (what was
-    deleted stays deleted, as in any eviction)."""
+def _drop_host_leaves(tree: HostTree, n: int) -> np.ndarray | None:
+    """Delete host-only leaves in policy order until ``n`` host pages would be free; the
+    pages they held (the caller frees them, one group), or None if ``n`` cannot be freed
+    (nothing deleted then). Pinned leaves (being loaded) are skipped."""
     alloc = tree.host_alloc
     have = alloc.num_free
-    if have >= n:
-        return True
     if n > have + tree.host_only_pages():
-        return False
+        return None
     pop = tree.host_leaves.pop
     skipped = []
     freed = []
@@ -209,14 +212,17 @@ def make_host_room(tree: HostTree, n: int) -> bool:
         parent = node.parent
         if not (parent.dev or parent.children):
             tree.host_leaves.push(parent)
-    if freed:
-        pages = freed[0] if len(freed) == 1 else join_pages(freed)
-        alloc.free(pages, CACHED, checked=False)
-        tree.host_pages -= pages.size
-        tree.host_evicted_pages += pages.size
     for node in skipped:
         tree.host_leaves.push(node)
-    return have >= n
+    if not freed:
+        return None if have < n else np.zeros(0, np.int64)
+    pages = freed[0] if len(freed) == 1 else join_pages(freed)
+    tree.host_pages -= pages.size
+    tree.host_evicted_pages += pages.size
+    if have < n:  # what was deleted stays deleted, as in any eviction
+        alloc.free(pages, CACHED, checked=False)
+        return None
+    return pages
 
 
 # ---- host -> device ---------------------------------------------------------------------
