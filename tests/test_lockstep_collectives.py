@@ -1,6 +1,7 @@
-"""Every rank enters the same collectives in the same order: one per step for the status
-and digest, plus one MIN agreement per op whose eviction the log asks for (real Ray
-ranks, real gloo), and the result equals one in-process cache's."""
+"""Every rank enters the same collectives in the same order: one MIN agreement per op
+whose eviction the log asks for, plus, on the Ray actor path, one per step for the status
+and digest (the step channel leaves that check to the coordinator: ``Step.peer_check``)
+(real Ray ranks, real gloo), and the result equals one in-process cache's."""
 
 from __future__ import annotations
 
@@ -27,15 +28,23 @@ def requests(seed: int, n: int) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_collectives_per_step_are_one_plus_the_evicting_ops(ray_cluster, tp: int) -> None:
+@pytest.mark.parametrize(("tp", "transport"), [(2, "channel"), (4, "channel"), (2, "ray")])
+def test_collectives_per_step_are_the_evicting_ops_and_the_check(
+    ray_cluster, tp: int, transport: str
+) -> None:
     seed = 70 + tp
     print(f"seed={seed}")
     coord = start_group(
         group_config(
-            tp, capacity_tokens=24 * PAGE, cache=SPEC, num_layers=1, cpu_budget_bytes=1 << 22
+            tp,
+            capacity_tokens=24 * PAGE,
+            cache=SPEC,
+            num_layers=1,
+            cpu_budget_bytes=1 << 22,
+            transport=transport,
         )
     )
+    checks = 1 if transport == "ray" else 0  # the ranks' own digest check, per step
     ref = SPEC.build(24 * PAGE)
     try:
         before = [info["collectives"] for info in coord.ranks.call("info")]
@@ -60,7 +69,7 @@ def test_collectives_per_step_are_one_plus_the_evicting_ops(ray_cluster, tp: int
             most = max(most, in_step)
         assert most >= 3, "the workload must put several evictions in one step"
         after = [info["collectives"] for info in coord.ranks.call("info")]
-        assert after == [b + steps + evicting for b in before]  # the same on every rank
+        assert after == [b + checks * steps + evicting for b in before]  # on every rank
         # each collected step reports the slowest rank's time on its ops (before the
         # collective), and some of it was spent
         ops_s = list(coord.counters.rank_ops_s)[-steps:]
