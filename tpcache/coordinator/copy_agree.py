@@ -17,6 +17,8 @@ from typing import Any
 from tpcache.errors import TpcacheError
 from tpcache.workers.ops import CopiesDone, CopySync, Op, OpResult, StepResult
 
+_SYNC_WAIT_S = 0.05  # how long ranks wait for a forward's copies before a CopySync agrees
+
 
 class CopiesNotDone(TpcacheError, TimeoutError):
     """A forward waited longer than its timeout for the copies its requests wait for
@@ -86,7 +88,10 @@ def wait_ready(steps: Any, rids: list, timeout: float) -> None:
                 f"a request waits for {waits} copies to be done; after {timeout:g}s "
                 f"the ranks agree {steps.copies.agreed}"
             )
-        steps.run(lambda: steps.emit(CopySync(), OpResult()))
+        # The ranks wait a moment for the copies before they agree: one round, not many.
+        wait_s = min(_SYNC_WAIT_S, max(0.0, deadline - time.monotonic()))
+        sync = CopySync(waits, wait_s)
+        steps.run(lambda op=sync: steps.emit(op, OpResult()))
         steps.sync()
         steps.run(lambda: None)  # apply what was agreed (a ``CopiesDone``) and send it
 

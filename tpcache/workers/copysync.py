@@ -40,6 +40,7 @@ from tpcache.cache.host_config import HostCopy
 from tpcache.cache.keys import pages_to_slots
 from tpcache.workers.hostcopy import TO_DEVICE, TO_HOST, CopyEngine, CopyJob, host_pool
 from tpcache.workers.kvpool import KVPool
+from tpcache.workers.ops import CopySync
 
 
 class RankCopies:
@@ -81,10 +82,13 @@ class RankCopies:
         self.engine.close()
 
 
-def sync_copies(group, copies: RankCopies | None, healthy: bool) -> int:
+def sync_copies(group, copies: RankCopies | None, healthy: bool, op: CopySync) -> int:
     """A ``CopySync``'s one collective: MIN over ranks of each one's done count (-1 from
-    a rank that is not ``healthy`` or whose copy failed). A rank without a host tier
-    sends 0."""
+    a rank that is not ``healthy`` or whose copy failed), after waiting up to
+    ``op.wait_s`` for ``op.want`` copies here (a local wait: no collective depends on
+    it). A rank without a host tier sends 0."""
+    if copies is not None and healthy and op.want:
+        copies.engine.wait(op.want, op.wait_s)
     mine = copies.local_done() if copies is not None and healthy else (0 if healthy else -1)
     return group.agree_min([mine])[0]
 

@@ -190,7 +190,9 @@ def apply_step(
     agreed_copies = -1
     for i, op in enumerate(step.ops):
         if isinstance(op, CopySync):  # one collective, entered by every rank
-            agreed_copies = sync_copies(group, copies, failure is None and peer_failed_at is None)
+            agreed_copies = sync_copies(
+                group, copies, failure is None and peer_failed_at is None, op
+            )
             results.append(OpResult())
             if agreed_copies < 0 and failure is None and peer_failed_at is None:
                 where = "here" if copies and copies.local_done() < 0 else "on another rank"

@@ -81,7 +81,12 @@ class CopySync(msgspec.Struct, tag=True, frozen=True):
     """Agree how many copies of the host tier's copy log are done on every rank (one
     MIN all-reduce of each rank's done count, -1 from a rank where a copy failed). Changes
     no cache state: the agreed count travels back in ``StepResult.copies_done`` and comes
-    back as a ``CopiesDone`` (``workers/copysync.py``)."""
+    back as a ``CopiesDone`` (``workers/copysync.py``). ``want``/``wait_s``: a rank first
+    waits up to ``wait_s`` seconds for its first ``want`` copies (a forward waits for
+    them), so one round usually settles it instead of many."""
+
+    want: int = 0
+    wait_s: float = 0.0
 
 
 class CopiesDone(msgspec.Struct, tag=True, frozen=True):
