@@ -5,8 +5,15 @@ the floor of what the engine does). On CUDA the device pool is on the GPU and th
 pool pinned, and the bare figure is the measured device-to-host / host-to-device
 bandwidth; here it is a CPU-to-CPU copy.
 
+``--lockstep N``: also what agreeing copy completion costs a TP group
+(``workers/copysync.py``): N admit/finish rounds through TP=2 rank threads over a real
+gloo group (``start_local_group``), with a host tier and without one at the same device
+capacity. Each round admits a request over shared 512-token prefixes that overflow the
+device pool, waits until it may run its forward (``wait_ready``, as an engine does: where
+a copy's latency and the agreement's rounds show), and finishes it.
+
     .venv/bin/python scripts/bench_host.py [--slots 65536] [--page 16] [--pages 512]
-        [--rounds 5] [--json]
+        [--rounds 5] [--lockstep 300] [--json]
 """
 
 from __future__ import annotations
@@ -15,14 +22,18 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import time
 
 import numpy as np
 import torch
 
+from tpcache.coordinator.build import GroupConfig
+from tpcache.coordinator.local_ranks import start_local_group
 from tpcache.workers.hostcopy import TO_DEVICE, TO_HOST, CopyEngine, CopyJob, host_pool
 from tpcache.workers.kvpool import KVPool, PoolSpec
+from tpcache.workers.spec import CacheSpec
 
 
 def main() -> None:
@@ -34,6 +45,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=8, help="KV heads on this rank")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--lockstep", type=int, default=0, help="admit/finish rounds at TP=2")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     spec = PoolSpec(args.layers, args.heads, args.head_dim, 1, "bfloat16")
@@ -78,11 +90,51 @@ def main() -> None:
         "bare_torch_GBps": {k: round(v, 3) for k, v in bare.items()},
         "engine_over_bare": {k: round(gbps[k] / bare[k], 2) for k in gbps},
     }
+    if args.lockstep:
+        device_only = lockstep_run(None, args.lockstep, 0)
+        tiered = lockstep_run(1 << 16, args.lockstep, 0)
+        out["lockstep_device_only"] = device_only
+        out["lockstep_host_tier"] = tiered
+        out["lockstep_calls_ratio"] = round(tiered["calls_per_s"] / device_only["calls_per_s"], 2)
     if args.json:
         print(json.dumps(out))
         return
     for k, v in out.items():
         print(f"{k:>18}: {v}")
+
+
+def lockstep_run(host: int | None, requests: int, seed: int) -> dict:
+    """One TP=2 group of rank threads (``--lockstep``): admit, wait_ready, finish."""
+    cache = CacheSpec(page_size=16, max_request_tokens=4096, host_capacity_tokens=host)
+    cfg = GroupConfig(tp=2, capacity_tokens=4096, cache=cache, num_layers=2, kv_heads=4,
+                      head_dim=64, dtype="float16", cpu_budget_bytes=1 << 28)  # fmt: skip
+    coord = start_local_group(cfg)
+    rng = random.Random(seed)
+    heads = [[rng.randrange(1, 30000) for _ in range(512)] for _ in range(24)]
+    waited = steps_behind = 0.0
+    try:
+        started = time.perf_counter()
+        for i in range(requests):
+            prompt = rng.choice(heads) + [rng.randrange(1, 30000) for _ in range(32)]
+            coord.admit(i, prompt)
+            t = time.perf_counter()
+            sent = coord.steps.steps_sent
+            coord.wait_ready([i], 60.0)
+            waited += time.perf_counter() - t
+            steps_behind += coord.steps.steps_sent - sent
+            coord.finish(i)
+        coord.sync()
+        elapsed = time.perf_counter() - started
+        counts = coord.mirror.host_counts() if host else {}
+        return {
+            "calls_per_s": round(2 * requests / elapsed, 1),
+            "wait_ready_ms_mean": round(waited / requests * 1e3, 3),
+            "extra_steps_per_request": round(steps_behind / requests, 2),
+            "steps": coord.steps.steps_sent,
+            "copies": counts.get("copies_started", 0),
+        }
+    finally:
+        coord.close()
 
 
 if __name__ == "__main__":
