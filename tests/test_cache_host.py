@@ -229,6 +229,10 @@ def test_deferred_copies_change_no_decision_and_gate_only_the_forward(ps: int) -
     c.check_integrity()
     c.copies_done(2)
     assert not c.request_ready(3) and c.ready_after(3) == 3
+    c._waits.waits[99] = 3  # a request that is not running cannot wait
+    with pytest.raises(IntegrityError, match="request 99 waits for 3 copies"):
+        c.check_integrity()
+    del c._waits.waits[99]
     c.abort(3)  # an aborted request waits for nothing
     c.check_integrity()
     assert c.copies_pending() == 1

@@ -52,6 +52,7 @@ from tpcache.cache.errors import (
 from tpcache.cache.host_config import HostAdmitResult, HostConfig, HostCopy, HostMatchResult
 from tpcache.cache.host_moves import to_device
 from tpcache.cache.host_tree import HostTree
+from tpcache.cache.host_waits import CopyWaits
 from tpcache.cache.insert import insert_key
 from tpcache.cache.keys import (
     TokenLike,
@@ -113,8 +114,7 @@ class HostCache(PrefixCache):
             medium=config.medium,
         )
         super().__init__(config, alloc, tree)
-        # Owned here: per running request, the copies its forward waits for (absent: none).
-        self._ready: dict[RequestId, int] = {}
+        self._waits = CopyWaits(tree.copies)  # owned here: whose forward waits for copies
 
     # ---- matches --------------------------------------------------------------------------
     def admit_prefix_len(self, tokens: TokenLike, namespace: Any = None) -> int:
@@ -180,21 +180,12 @@ class HostCache(PrefixCache):
         row = join_pages([*map(pages_of, path), pages[loaded // ps :]])
         tree.touch(path, queue=False)
         self.reqs.add(rid, key, row, total, (pos + loaded) // ps, node, prio, 0)
-        return HostAdmitResult(pos + loaded, row, total, ps, loaded, self._wait_copies(rid))
+        return HostAdmitResult(pos + loaded, row, total, ps, loaded, self._waits.record(rid))
 
     def extend(self, rid: RequestId, n: int, *, evict: bool | Evictor = True) -> np.ndarray:
         slots = super().extend(rid, n, evict=evict)
-        self._wait_copies(rid)
+        self._waits.record(rid)  # its new pages may be ones a write-back still reads
         return slots
-
-    def _wait_copies(self, rid: RequestId) -> int:
-        """Record that ``rid``'s forward waits for every copy started so far (if any is
-        not done): its pages may be ones a write-back still reads, or a load still
-        writes. Returns what it waits for (0: nothing)."""
-        c = self.tree.copies
-        if c.started > c.completed:
-            self._ready[rid] = c.started
-        return self._ready.get(rid, 0)
 
     def _load(self, hosts: list[Any], pages: np.ndarray) -> int:
         """Load host-only ``hosts`` (top-down) into the first of ``pages``; their tokens."""
@@ -292,16 +283,16 @@ class HostCache(PrefixCache):
         self.alloc.free(req.pages[n // ps :], HELD, checked=False)
         tree.unlock(req.node)
         self.reqs.remove(req.rid)
-        self._ready.pop(req.rid, None)
+        self._waits.forget(req.rid)
         return n
 
     def abort(self, rid: RequestId) -> None:
         super().abort(rid)
-        self._ready.pop(rid, None)
+        self._waits.forget(rid)
 
     def reset(self) -> None:
         super().reset()
-        self._ready.clear()
+        self._waits.waits.clear()
 
     # ---- copy completion --------------------------------------------------------------------
     def copies_pending(self) -> int:
@@ -319,18 +310,13 @@ class HostCache(PrefixCache):
         forward. ``n`` at or below the known count changes nothing. Raises
         ``HostTierError`` (nothing changed) for an ``n`` that is not an int >= 0 or is
         more than the copies started."""
-        c = self.tree.copies
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= c.started:
-            raise HostTierError(f"copies_done({n!r}): {c.started} copies were started")
-        if n > c.completed:
-            c.done(n)
-            self._ready = {r: k for r, k in self._ready.items() if k > n}
+        self._waits.done(n)
 
     def ready_after(self, rid: RequestId) -> int:
         """How many copies must be done before running request ``rid``'s forward may read
         or write its row (0: none). Raises ``UnknownRequest``. Pure."""
         self.reqs.get(rid)
-        return self._ready.get(rid, 0)
+        return self._waits.waits.get(rid, 0)
 
     def request_ready(self, rid: RequestId) -> bool:
         """Whether ``rid``'s forward may run: every copy it waits for is done. Pure."""
@@ -372,10 +358,4 @@ class HostCache(PrefixCache):
                 f"host pool: free {s.free} + evictable {s.evictable} + protected {s.protected}"
                 f" + held {s.held} = {total} != capacity {s.capacity}"
             )
-        started = self.tree.copies.started
-        for rid, k in self._ready.items():
-            if rid not in self.reqs or not 0 < k <= started:
-                raise IntegrityError(
-                    f"request {rid!r} waits for {k} copies ({started} started, running: "
-                    f"{rid in self.reqs})"
-                )
+        self._waits.check(self.reqs)
