@@ -55,6 +55,9 @@ from tpcache.workers.netsec import (
     release_clients,
 )
 
+# Plain ints: pyzmq's enum flags cost an Enum call per use on the per-step path.
+_POLLIN, _EVENTS, _NOBLOCK = int(zmq.POLLIN), int(zmq.EVENTS), int(zmq.NOBLOCK)
+
 # The protocol's names, for the hub's users and the ranks alike.
 __all__ = [
     "CALL",
@@ -97,6 +100,9 @@ class StepHub:
             self._sockets["tcp" if r in remote_ranks else "ipc"] for r in range(world_size)
         ]
         self._replies: list[dict[int, list[bytes]]] = [{} for _ in range(world_size)]
+        self._poller = zmq.Poller()  # made once: a socket's poll() builds one per call
+        for sock in self._sockets.values():
+            self._poller.register(sock, _POLLIN)
         self._sent = 0
         self._hello: set[int] = set()
 
@@ -163,7 +169,7 @@ class StepHub:
             try:
                 # Copied, not zero-copy: steps are small, and zero-copy sends start
                 # pyzmq's garbage-collector thread, seen in a hang at interpreter exit.
-                sock.send_multipart(msg, zmq.NOBLOCK)
+                sock.send_multipart(msg, _NOBLOCK)
                 return
             except zmq.Again:  # its queue is full: it stopped reading
                 if time.monotonic() > deadline:
@@ -242,21 +248,11 @@ class StepHub:
         return self._replies[rank].pop(ticket, None)
 
     def _drain(self, wait_s: float) -> None:
-        socks = list(self._sockets.values())
-        if len(socks) == 1:
-            ready = [socks[0]] if socks[0].poll(int(wait_s * 1000)) else []
-        else:
-            poller = zmq.Poller()
-            for s in socks:
-                poller.register(s, zmq.POLLIN)
-            ready = [s for s, _ in poller.poll(int(wait_s * 1000))]
-        for sock in ready:
-            while True:
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self._take_in(frames)
+        for sock, _ in self._poller.poll(int(wait_s * 1000)):
+            # Asked, not tried: a recv that finds nothing raises zmq.Again, and building
+            # that exception cost more than a small step's reply (results/group_timings.md).
+            while sock.getsockopt(_EVENTS) & _POLLIN:
+                self._take_in(sock.recv_multipart(_NOBLOCK))
 
     def _take_in(self, frames: list[bytes]) -> None:
         rank = self._rank_of.get(frames[0])
