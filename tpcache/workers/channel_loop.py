@@ -70,8 +70,11 @@ def serve(worker: Any, rank: int, attach: Attach, loop: RankLoop, poll_s: float 
             make_client(sock, attach.server_key, attach.keypair)
         sock.connect(attach.endpoint)
         sock.send_multipart([HELLO, str(rank).encode()])
+        poller = zmq.Poller()  # made once: a socket's poll() builds one per call
+        poller.register(sock, zmq.POLLIN)
+        wait_ms = int(poll_s * 1000)
         while not loop.stop.is_set():
-            if not sock.poll(int(poll_s * 1000)):
+            if not poller.poll(wait_ms):
                 continue
             frames = sock.recv_multipart()
             if frames[0] == STOP:
