@@ -27,8 +27,8 @@ from tpcache.harness.modelcheck import Workload, run_workload
 from tpcache.torchrun import TorchrunRanks, coordinator
 from tpcache.workers.group import TPGroup
 from tpcache.workers.group_spec import GroupError
+from tpcache.workers.lead import follow
 from tpcache.workers.llama import LlamaReference, LlamaSpec
-from tpcache.workers.lockstep import follow
 from tpcache.workers.rank import RankWorker
 from tpcache.workers.runner_spec import RunnerSpec, runner_pool
 from tpcache.workers.spec import CacheSpec, WorkerSpec

@@ -5,8 +5,8 @@
 Every rank builds its ``RankWorker``, joins the group at torchrun's ``MASTER_ADDR`` /
 ``MASTER_PORT`` (gloo on CPUs, NCCL on GPUs), agrees the pool capacity and loads the
 model. Rank 0 is also the coordinator: a ``Coordinator`` over ``TorchrunRanks``, which
-broadcasts every step and every rank call as a ``Command`` (``lockstep.lead_command``);
-the other ranks run ``lockstep.follow`` until rank 0 sends ``Stop``. Steps are applied
+broadcasts every step and every rank call as a ``Command`` (``lead.lead_command``);
+the other ranks run ``lead.follow`` until rank 0 sends ``Stop``. Steps are applied
 by ``apply_step`` with the same MIN agreements and digest checks as under Ray.
 
 ``check`` runs the model checks (``harness.modelcheck``) on the group and prints one
@@ -33,11 +33,7 @@ from tpcache.coordinator.core import Coordinator, CoordinatorConfig
 from tpcache.coordinator.step_types import RankCallError
 from tpcache.harness.torchrun_check import RunConfig, run_checks
 from tpcache.workers.kvpool import PoolSpec
-from tpcache.workers.lockstep import (
-    PeerCallError,
-    follow,
-    lead_command,
-)
+from tpcache.workers.lead import PeerCallError, follow, lead_command
 from tpcache.workers.model import ModelSpec
 from tpcache.workers.ops import RunCall, RunStep, Stop
 from tpcache.workers.rank import RankWorker

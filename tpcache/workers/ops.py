@@ -190,7 +190,7 @@ def unpack_slots(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype="<i8")
 
 
-# ---- torchrun: what rank 0 broadcasts to every rank (see lockstep.follow) -------------------
+# ---- torchrun: what rank 0 broadcasts to every rank (see lead.follow) -------------------
 class RunStep(msgspec.Struct, tag=True, frozen=True):
     """Apply an encoded ``Step`` (the same bytes a Ray rank gets in ``apply``)."""
 
