@@ -47,7 +47,7 @@ def insert_key(
     own request rows), every page is validated first and ``InvalidSlots`` is raised
     before anything changes (also for a new leaf that could never be matched).
     """
-    # One function on purpose (~70 lines): every check must come before every change,
+    # One function on purpose (82 lines with its docstring): every check must come before every change,
     # and both work on the same walk; split, the halves would pass eight values along.
     ps = tree.ps
     n = key.size

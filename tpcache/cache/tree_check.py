@@ -50,6 +50,20 @@ def check_cache(cache: PrefixCache) -> None:
     check_locks(tree, [(r.node, r.mark, 1) for r in running] + cache.handles.holders())
 
 
+def _check_pages(tree: RadixTree, all_pages: list[np.ndarray], pages_total: int) -> None:
+    """The tree's pages against the allocator: as many cached, each once, each tagged."""
+    if tree.alloc.count(CACHED) != pages_total:
+        raise IntegrityError(
+            f"allocator has {tree.alloc.count(CACHED)} cached pages, tree {pages_total}"
+        )
+    if all_pages:
+        flat = np.concatenate(all_pages)
+        if np.unique(flat).size != flat.size:
+            raise IntegrityError("a page is referenced by two tree nodes")
+        if (tree.alloc.tags_of(flat) != CACHED).any():
+            raise IntegrityError("a tree page is not tagged cached in the allocator")
+
+
 def check_tree(tree: RadixTree) -> None:
     """Walk the whole tree and recount; raise ``IntegrityError`` naming what broke.
 
@@ -97,16 +111,7 @@ def check_tree(tree: RadixTree) -> None:
         raise IntegrityError(
             f"tree recount ({', '.join(names)}) = {recount}, counters say {counters}"
         )
-    if tree.alloc.count(CACHED) != pages_total:
-        raise IntegrityError(
-            f"allocator has {tree.alloc.count(CACHED)} cached pages, tree {pages_total}"
-        )
-    if all_pages:
-        flat = np.concatenate(all_pages)
-        if np.unique(flat).size != flat.size:
-            raise IntegrityError("a page is referenced by two tree nodes")
-        if (tree.alloc.tags_of(flat) != CACHED).any():
-            raise IntegrityError("a tree page is not tagged cached in the allocator")
+    _check_pages(tree, all_pages, pages_total)
     check_spaces(tree)
     if digest & _MASK != tree.digest_sum:
         raise IntegrityError(f"tree digest {tree.digest_sum:#x} != recomputed {digest & _MASK:#x}")

@@ -169,6 +169,8 @@ def apply_step(
     ``copies``: this rank's host tier, which runs the copies each op starts.
     Raises ``RankFailure`` or ``DivergenceError`` on every rank together.
     """
+    # One function on purpose (65 lines): which collectives a step enters, in which order
+    # and with which sentinel, is the protocol; it reads top to bottom here, in one loop.
     started = time.perf_counter()
     results: list[OpResult] = []
     failure: str | None = None  # this rank's own failure
