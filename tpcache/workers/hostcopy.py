@@ -27,6 +27,7 @@ import torch
 from tpcache.workers.kvpool import KVPool
 
 TO_HOST, TO_DEVICE = "d2h", "h2d"
+_MOST_TAKEN = 256  # jobs taken off the queue at once (bounds a group's size)
 
 
 @dataclass(frozen=True)
@@ -114,24 +115,73 @@ class CopyEngine:
         self._thread.join(30.0)
 
     def _run(self) -> None:
-        while (item := self._jobs.get()) is not None:
-            job, ready = item
-            ok = False
+        while True:
+            items, stop = self._take()
+            for group, ready in self._groups(items):
+                self._run_group(group, ready)
+            if stop:
+                return
+
+    def _take(self) -> tuple[list[tuple[CopyJob, Any]], bool]:
+        """The jobs queued now, in order (waits for one); and whether ``close`` came."""
+        items = []
+        item = self._jobs.get()
+        while item is not None:
+            items.append(item)
+            if len(items) >= _MOST_TAKEN:
+                return items, False
             try:
-                if self.delay_s:
-                    time.sleep(self.delay_s)
-                if job.id in self.fail:
-                    raise RuntimeError(f"copy {job.id} failed (fault drill)")
-                if ready is not None:
-                    self._stream.wait_event(ready)  # type: ignore[union-attr]
-                self._copy(job)
-                ok = True
-            except Exception:
-                pass  # counted below: every rank learns of it through the agreement
-            with self._lock:
-                if not ok:
-                    self.failed.add(job.id)
-                self._done += 1
+                item = self._jobs.get_nowait()
+            except queue.Empty:
+                return items, False
+        return items, True
+
+    def _groups(self, items: list[tuple[CopyJob, Any]]) -> list[tuple[list[CopyJob], Any]]:
+        """Consecutive jobs of one kind run as one copy (a job's fixed cost, ~0.1 ms on CPU,
+        is most of a small page's copy). Safe in id order: a group reads one pool and
+        writes the other, so it reads nothing it writes; a job whose targets overlap the
+        group's starts a new group (the later write must win). Drilled jobs (a delay, or a
+        planted failure) run alone, as the drills describe them."""
+        groups: list[tuple[list[CopyJob], Any]] = []
+        targets: set[int] = set()
+        for job, ready in items:
+            alone = self.delay_s > 0 or job.id in self.fail
+            if groups and not alone:
+                last, _ = groups[-1]
+                dst = job.dst.tolist()
+                fits = last[0].kind == job.kind and last[0].id not in self.fail
+                if fits and self.delay_s == 0 and targets.isdisjoint(dst):
+                    last.append(job)
+                    targets.update(dst)
+                    groups[-1] = (last, ready)  # the latest job's event covers the earlier
+                    continue
+            groups.append(([job], ready))
+            targets = set(job.dst.tolist())
+        return groups
+
+    def _run_group(self, jobs: list[CopyJob], ready: Any) -> None:
+        ok = False
+        try:
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            if jobs[0].id in self.fail:
+                raise RuntimeError(f"copy {jobs[0].id} failed (fault drill)")
+            if ready is not None:
+                self._stream.wait_event(ready)  # type: ignore[union-attr]
+            if len(jobs) == 1:
+                self._copy(jobs[0])
+            else:
+                src = np.concatenate([j.src for j in jobs])
+                self._copy(
+                    CopyJob(jobs[0].id, jobs[0].kind, src, np.concatenate([j.dst for j in jobs]))
+                )
+            ok = True
+        except Exception:
+            pass  # counted below: every rank learns of it through the agreement
+        with self._lock:
+            if not ok:
+                self.failed.update(j.id for j in jobs)
+            self._done += len(jobs)
 
     def _copy(self, job: CopyJob) -> None:
         src_pool, dst_pool = (
