@@ -52,6 +52,24 @@ def test_kinds_differ_by_data() -> None:
 
 
 @pytest.mark.parametrize("make", [_base, lambda: hybrid(64, 64, 8, 4)], ids=["base", "hybrid"])
+def test_a_cache_without_a_copy_log_has_nothing_to_wait_for(make) -> None:
+    """What the coordinator and the ranks ask every cache (a host tier answers more)."""
+    c = make()
+    c.admit("a", R(1, 9))
+    digest = c.digest()
+    assert (c.copies_pending(), c.copies_completed(), c.take_copies()) == (0, 0, [])
+    assert c.ready_after("a") == 0 and c.request_ready("a")
+    c.copies_done(0)
+    with pytest.raises(CacheError, match="starts no copies"):
+        c.copies_done(1)
+    with pytest.raises(UnknownRequest):
+        c.ready_after("b")
+    with pytest.raises(UnknownRequest):
+        c.request_ready("b")
+    assert c.digest() == digest
+
+
+@pytest.mark.parametrize("make", [_base, lambda: hybrid(64, 64, 8, 4)], ids=["base", "hybrid"])
 def test_is_running_never_raises(make) -> None:
     c = make()
     c.admit("a", R(1, 9))

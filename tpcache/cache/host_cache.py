@@ -318,10 +318,6 @@ class HostCache(PrefixCache):
         self.reqs.get(rid)
         return self._waits.waits.get(rid, 0)
 
-    def request_ready(self, rid: RequestId) -> bool:
-        """Whether ``rid``'s forward may run: every copy it waits for is done. Pure."""
-        return self.ready_after(rid) <= self.tree.copies.completed
-
     # ---- the host pool ----------------------------------------------------------------------
     def host_sizes(self) -> CacheSizes:
         """Token counts of the host pool: host-only pages are evictable, copies of

@@ -21,7 +21,7 @@ import numpy as np
 
 from tpcache.cache.allocator import HELD, LENT
 from tpcache.cache.anchors import insert_start, lent_insert_start, match_in
-from tpcache.cache.errors import NoSwaPool, OutOfCapacity
+from tpcache.cache.errors import CacheError, NoSwaPool, OutOfCapacity
 from tpcache.cache.events import AllBlocksCleared, KVEvent
 from tpcache.cache.evict import Freed
 from tpcache.cache.handles import HandleLocks
@@ -295,6 +295,27 @@ class PrefixCache:
 
     def sizes(self) -> CacheSizes:
         return self.pool_sizes()[0]
+
+    # No copy log here (a host tier has one): nothing pending, every forward may run.
+    def copies_pending(self) -> int:
+        return 0
+
+    def copies_completed(self) -> int:
+        return 0
+
+    def copies_done(self, n: int) -> None:
+        if n != 0:
+            raise CacheError(f"this cache starts no copies: {n!r} cannot be done")
+
+    def ready_after(self, rid: RequestId) -> int:
+        self.reqs.get(rid)
+        return 0
+
+    def request_ready(self, rid: RequestId) -> bool:
+        return self.ready_after(rid) <= self.copies_completed()
+
+    def take_copies(self) -> list[Any]:
+        return []
 
     # ---- whole-cache ------------------------------------------------------------------------
     def reset(self) -> None:

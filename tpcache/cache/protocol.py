@@ -267,6 +267,33 @@ class Cache(Protocol):
         nothing after); announce ``AllBlocksCleared`` if recording events."""
         ...
 
+    # ---- the copy log (a host tier's; a cache without one has nothing pending) ----------
+    def copies_pending(self) -> int:
+        """Copies started and not yet known done. Pure."""
+        ...
+
+    def copies_completed(self) -> int:
+        """How many copies of the copy log are known done. Pure."""
+        ...
+
+    def copies_done(self, n: int) -> None:
+        """The first ``n`` copies of the copy log are done (on every rank, agreed by MIN);
+        a typed error, nothing changed, for an ``n`` the log cannot have."""
+        ...
+
+    def ready_after(self, rid: RequestId) -> int:
+        """How many copies must be done before ``rid``'s forward may read or write its row
+        (0: none). Raises ``UnknownRequest``. Pure."""
+        ...
+
+    def request_ready(self, rid: RequestId) -> bool:
+        """Whether ``rid``'s forward may run: every copy it waits for is done. Pure."""
+        ...
+
+    def take_copies(self) -> list[Any]:
+        """The copies started since the last call, in id order: what a rank runs."""
+        ...
+
     def take_events(self) -> list[KVEvent]:
         """KV events since the last call, in order (empty unless ``record_events``)."""
         ...

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from tpcache.cache.protocol import Cache
 from tpcache.errors import TpcacheError
 from tpcache.workers.ops import CopiesDone, CopySync, Op, OpResult, StepResult
 
@@ -46,34 +47,27 @@ class CopyCompletion:
         self.agreed = max(self.agreed, counts[0])
         return None
 
-    def completion(self, mirror: Any) -> list[tuple[Op, OpResult]]:
+    def completion(self, mirror: Cache) -> list[tuple[Op, OpResult]]:
         """Apply a newly agreed count to ``mirror``; the ``CopiesDone`` op for the ranks
         (none when the mirror knows it already or has no host tier)."""
-        pending = getattr(mirror, "copies_pending", None)
-        if pending is None or not pending():
-            return []
-        if self.agreed <= mirror.copies_completed():
+        if not mirror.copies_pending() or self.agreed <= mirror.copies_completed():
             return []
         mirror.copies_done(self.agreed)
         return [(CopiesDone(self.agreed), OpResult())]
 
     @staticmethod
-    def sync_op(mirror: Any, ops: list[tuple[Op, OpResult]]) -> list[tuple[Op, OpResult]]:
+    def sync_op(mirror: Cache, ops: list[tuple[Op, OpResult]]) -> list[tuple[Op, OpResult]]:
         """The ``CopySync`` that ends a closing step whose mirror has copies pending."""
-        pending = getattr(mirror, "copies_pending", None)
-        if pending is None or not pending() or (ops and isinstance(ops[-1][0], CopySync)):
+        if not mirror.copies_pending() or (ops and isinstance(ops[-1][0], CopySync)):
             return []
         return [(CopySync(), OpResult())]
 
 
-def unready(mirror: Any, rids: list[Any]) -> int:
+def unready(mirror: Cache, rids: list[Any]) -> int:
     """The copy count the first of ``rids`` that may not run its forward yet waits for
     (0: all may). Pure."""
-    ready_after = getattr(mirror, "ready_after", None)
-    if ready_after is None:
-        return 0
     done = mirror.copies_completed()
-    return next((k for k in map(ready_after, rids) if k > done), 0)
+    return next((k for k in map(mirror.ready_after, rids) if k > done), 0)
 
 
 def wait_ready(steps: Any, rids: list, timeout: float) -> None:

@@ -299,7 +299,8 @@ class StepPipeline:
         capacity = self.ranks.restart(self.config.probe_s)
         old = self.mirror
         # A host tier's copy log starts over on the ranks' new caches: so must the mirror's.
-        if capacity == old.sizes().capacity and not hasattr(old, "copies_done"):
+        fresh_log = old.copies_completed() == 0 and not old.copies_pending()
+        if capacity == old.sizes().capacity and fresh_log:
             old.reset()
         else:
             self.mirror = type(old)(dataclasses.replace(old.config, capacity_tokens=capacity))

@@ -49,7 +49,7 @@ def _wait_ready(coord: Coordinator, rid) -> None:
     prefix loading, write-backs of the pages it got) are done on every rank. If they
     are not within the step timeout (a rank's copies are stuck), the request is aborted
     and the reply is ``CopiesNotDone``."""
-    if getattr(coord.mirror, "request_ready", None) is None:
+    if coord.mirror.request_ready(rid):
         return
     try:
         coord.wait_ready([rid], coord.config.step_timeout_s)

@@ -53,8 +53,7 @@ def build_forward(cache, rid, tokens: TokenLike, all_logits: bool = True) -> For
         slots = row_slots(cache, rid)
     except CacheError as exc:
         raise ForwardError(f"request {rid!r}: {type(exc).__name__}: {exc}") from None
-    ready = getattr(cache, "request_ready", None)  # a host tier: copies it waits for
-    if ready is not None and not ready(rid):
+    if not cache.request_ready(rid):  # a host tier's copies it waits for
         raise ForwardError(
             f"request {rid!r} waits for {cache.ready_after(rid)} host copies to be done, "
             f"{cache.copies_completed()} are (wait_ready first)"
