@@ -85,8 +85,9 @@ def insert_start(tree: RadixTree, node: Node, space: CacheNamespace | None, grow
     now if the insert will ``grow`` the tree (so no anchor is ever left childless)."""
     if space is None or node is not tree.root or not grow:
         return node
-    found = anchor_of(tree, space, create=grow)
-    return tree.root if found is None else found
+    anchor = anchor_of(tree, space, create=True)
+    assert anchor is not None  # made if missing
+    return anchor
 
 
 def lent_insert_start(tree: RadixTree, namespace: Any, pages: np.ndarray) -> Node | None:
