@@ -55,7 +55,7 @@ class Replay:
         assert self.rank.digest() == self.mirror.digest(), op
 
     def admit(self, rid: int, tokens: list[int], priority: int = 0) -> None:
-        _, op, expected = logged_admit(self.mirror, rid, tokens, priority)
+        _, op, expected = logged_admit(self.mirror, rid, tokens, priority, 0, None)
         self.count(op, expected)
         self.step(op, expected)
 

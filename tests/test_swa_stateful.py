@@ -113,7 +113,9 @@ class HybridMachine(RuleBasedStateMachine):
         mirror, rank = self.caches
         try:
             if name == "admit":
-                got, op, expected = logged_admit(mirror, *args)
+                got, op, expected = logged_admit(
+                    mirror, *args, 0, 0, None
+                )  # priority, reserve, namespace
             elif name == "extend":
                 got, op, expected = logged_extend(mirror, *args)
             elif name == "evict":

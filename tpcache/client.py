@@ -21,67 +21,16 @@ import itertools
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Unpack
+from typing import Any
 
 import zmq
 
 from tpcache.frontend import api
+from tpcache.frontend.calls import Batch, Pending, RequestCalls, checked
 from tpcache.workers.netsec import make_client
 
 
-class Pending:
-    """A call made inside ``Client.batch()``: its reply once the batch is sent."""
-
-    def __init__(self) -> None:
-        self._reply: api.Reply | None = None
-
-    def result(self) -> api.Reply:
-        """The reply; raises the call's typed error if it failed."""
-        if self._reply is None:
-            raise RuntimeError("the batch has not been sent yet")
-        if isinstance(self._reply, api.ErrorReply):
-            api.raise_reply_error(self._reply)
-        return self._reply
-
-
-class Batch:
-    """Calls collected by ``Client.batch()``; the same methods, each returning a
-    ``Pending``."""
-
-    def __init__(self) -> None:
-        self.calls: list[api.Call] = []
-        self.pending: list[Pending] = []
-
-    def _add(self, call: api.Call) -> Pending:
-        self.calls.append(call)
-        self.pending.append(Pending())
-        return self.pending[-1]
-
-    def admit(
-        self,
-        rid: Any,
-        tokens,
-        priority: int = 0,
-        reserve: int = 0,
-        **space: Unpack[api.NamespaceFields],
-    ) -> Pending:
-        """``space``: ``lora_id``, ``lora_name``, ``cache_salt`` (``api.AdmitCall``)."""
-        return self._add(api.AdmitCall(rid, _ints(tokens), priority, reserve, **space))
-
-    def extend(self, rid: Any, n: int) -> Pending:
-        return self._add(api.ExtendCall(rid, n))
-
-    def cache_unfinished(self, rid: Any, tokens) -> Pending:
-        return self._add(api.CacheUnfinishedCall(rid, _ints(tokens)))
-
-    def finish(self, rid: Any, output_tokens=()) -> Pending:
-        return self._add(api.FinishCall(rid, _ints(output_tokens)))
-
-    def abort(self, rid: Any) -> Pending:
-        return self._add(api.AbortCall(rid))
-
-
-class Client:
+class Client(RequestCalls[api.AdmitReply, api.SlotsReply, api.CachedReply, None]):
     """A DEALER socket to the network frontend at ``endpoint``. Not thread-safe: one per
     thread (they are cheap). ``timeout_s`` bounds each round trip: no reply in time is
     ``CoordinatorUnavailable`` (retryable)."""
@@ -131,64 +80,27 @@ class Client:
             if got_id == rid:  # an earlier request's late reply is dropped
                 return api.decode_replies(body)
 
-    def _one(self, call: api.Call) -> api.Reply:
+    def _send(self, call: api.Call, reply_type: type[api.Reply] | None) -> Any:
         (reply,) = self.send([call])
-        if isinstance(reply, api.ErrorReply):
-            api.raise_reply_error(reply)
-        return reply
+        return _done(reply, reply_type)
 
     @contextmanager
     def batch(self) -> Iterator[Batch]:
         """Calls made on the yielded ``Batch`` go as one request when the block ends."""
-        b = Batch()
+        b = Batch(checked)
         yield b
         if b.calls:
-            for p, reply in zip(b.pending, self.send(b.calls), strict=True):
-                p._reply = reply
-
-    def admit(
-        self,
-        rid: Any,
-        tokens,
-        priority: int = 0,
-        reserve: int = 0,
-        **space: Unpack[api.NamespaceFields],
-    ) -> api.AdmitReply:
-        """Admit ``rid``; ``space``: its cache namespace as ``lora_id``, ``lora_name``,
-        ``cache_salt`` (``api.AdmitCall``). Raises the coordinator's typed errors."""
-        r = self._one(api.AdmitCall(rid, _ints(tokens), priority, reserve, **space))
-        assert isinstance(r, api.AdmitReply)
-        return r
-
-    def extend(self, rid: Any, n: int) -> api.SlotsReply:
-        r = self._one(api.ExtendCall(rid, n))
-        assert isinstance(r, api.SlotsReply)
-        return r
-
-    def cache_unfinished(self, rid: Any, tokens) -> api.CachedReply:
-        r = self._one(api.CacheUnfinishedCall(rid, _ints(tokens)))
-        assert isinstance(r, api.CachedReply)
-        return r
-
-    def finish(self, rid: Any, output_tokens=()) -> api.CachedReply:
-        r = self._one(api.FinishCall(rid, _ints(output_tokens)))
-        assert isinstance(r, api.CachedReply)
-        return r
-
-    def abort(self, rid: Any) -> None:
-        self._one(api.AbortCall(rid))
+            b.settle(self.send(b.calls))
 
     def stats(self) -> dict[str, Any]:
-        r = self._one(api.StatsCall())
-        assert isinstance(r, api.StatsReply)
+        r = self._send(api.StatsCall(), api.StatsReply)
         return dict(r.stats)
 
 
-def _ints(tokens) -> list[int]:
-    if isinstance(tokens, list):
-        return tokens
-    tolist = getattr(tokens, "tolist", None)
-    return tolist() if tolist is not None else list(tokens)
+def _done(reply: api.Reply, reply_type: type[api.Reply] | None) -> Any:
+    if isinstance(reply, api.ErrorReply):
+        api.raise_reply_error(reply)
+    return checked(reply, reply_type)
 
 
 __all__ = ["Batch", "Client", "Pending"]

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from tpcache.cli import seconds_arg
+from tpcache.cli.args import add_count_option, seconds_arg
 from tpcache.coordinator.core import Coordinator, CoordinatorConfig
 from tpcache.coordinator.step_types import RankCallError
 from tpcache.harness.torchrun_check import RunConfig, run_checks
@@ -220,12 +220,9 @@ def _add_model_options(c: argparse.ArgumentParser) -> None:
 
 def _add_cache_options(c: argparse.ArgumentParser) -> None:
     """The cache's options: pages, the pool, and the sliding window."""
-    c.add_argument("--page-size", type=int, default=4, help="tokens per cache page (default 4)")
-    c.add_argument(
-        "--capacity",
-        type=int,
-        default=192,
-        help="KV-pool tokens per rank (default 192: small, so that the eviction workload evicts)",
+    add_count_option(c, "--page-size", 4, "tokens per cache page")
+    add_count_option(
+        c, "--capacity", 192, "KV-pool tokens per rank, small so that the eviction workload evicts"
     )
     c.add_argument(
         "--window",
@@ -234,12 +231,7 @@ def _add_cache_options(c: argparse.ArgumentParser) -> None:
         help="sliding window in tokens: check the hybrid full + sliding-window cache, on a "
         "model with sliding-window layers (default: full attention only)",
     )
-    c.add_argument(
-        "--swa-capacity",
-        type=int,
-        default=64,
-        help="sliding-window KV pool in tokens, with --window (default 64)",
-    )
+    add_count_option(c, "--swa-capacity", 64, "sliding-window KV pool in tokens, with --window")
 
 
 def main(argv: list[str] | None = None) -> int:

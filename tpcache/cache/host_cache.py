@@ -65,8 +65,8 @@ from tpcache.cache.keys import (
 from tpcache.cache.namespace import as_namespace
 from tpcache.cache.node import pages_of
 from tpcache.cache.policies import policy_key
-from tpcache.cache.prefix import PrefixCache
 from tpcache.cache.protocol import Evictor
+from tpcache.cache.radix import OnePoolCache
 from tpcache.cache.records import CacheSizes
 from tpcache.cache.reqtable import (
     RequestId,
@@ -90,7 +90,7 @@ def no_namespaces(namespace: Any) -> None:
         )
 
 
-class HostCache(PrefixCache):
+class HostCache(OnePoolCache):
     """A paged radix prefix cache over a device pool with a host pool behind it.
 
     Owned as in ``PrefixCache``; the tree owns the host allocator and the copy log."""

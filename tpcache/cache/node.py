@@ -2,7 +2,7 @@
 
 ``Node`` is one run of cached pages; ``SwaNode`` adds the sliding window's fields.
 ``descend`` is the lookup, ``window_cut`` cuts it back where a window forbids a match
-end; ``page_terms`` and the ``*_hash`` helpers compute the block-hash chain states and
+end; ``split_node`` cuts a node in two; ``page_terms`` and the ``*_hash`` helpers compute the block-hash chain states and
 digest terms, lazily (a replay that never asks for a digest never hashes).
 """
 
@@ -269,3 +269,45 @@ class SwaNode(Node):
         self.mark = 0  # boundary mark of SWA locks that stop here; 0: none given out
         self.swa_access = tick  # last use of its SWA KV (it was in a match's last window)
         self.swa_hits = 0
+
+
+def split_node(tree: Any, child: Node, at: int) -> Node:
+    """Cut ``child`` of ``tree`` after ``at`` tokens (whole pages); returns the new upper
+    node, registered in the tree.
+
+    Both halves get copies, so a short node never pins a long freed array. The
+    lower half keeps the id, so a handle to it still ends at the same point.
+    """
+    ps = tree.ps
+    cut = at // ps
+    parent = child.parent
+    assert parent is not None and 0 < at < len(child.kb) // 4 and at % ps == 0
+    hashed = child.states is not None
+    node_id = tree._next_id
+    tree._next_id = node_id + 1
+    upper = tree.node_type(
+        node_id,
+        parent,
+        child.kb[: 4 * at],
+        child.pages[:cut].copy(),
+        child.states[:cut].copy() if hashed else None,
+        child.created,
+    )
+    upper.last_access = child.last_access
+    upper.hits = child.hits
+    upper.priority = child.priority
+    upper.lock = child.lock
+    if hashed:
+        upper.term = page_terms(upper.states, upper.pages)
+        child.term = (child.term - upper.term) & _MASK
+        child.states = child.states[cut:].copy()
+    else:
+        tree._unhashed.append(upper)
+    child.kb = child.kb[4 * at :]
+    child.pages = child.pages[cut:].copy()
+    pb = 4 * ps
+    parent.children[upper.kb[:pb]] = upper
+    upper.children[child.kb[:pb]] = child
+    child.parent = upper
+    tree.nodes[upper.id] = upper
+    return upper

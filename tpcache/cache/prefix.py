@@ -23,9 +23,7 @@ from tpcache.cache.allocator import HELD, LENT
 from tpcache.cache.anchors import insert_start, lent_insert_start, match_in
 from tpcache.cache.errors import CacheError, NoSwaPool, OutOfCapacity
 from tpcache.cache.events import AllBlocksCleared, KVEvent
-from tpcache.cache.evict import Freed
 from tpcache.cache.handles import HandleLocks
-from tpcache.cache.hashing import fmix64_int, fold_fields
 from tpcache.cache.insert import insert_key
 from tpcache.cache.keys import (
     TokenLike,
@@ -51,6 +49,7 @@ from tpcache.cache.reqtable import (
     row_slots,
 )
 from tpcache.cache.room import Room
+from tpcache.cache.tallies import cache_digest, pool_sizes
 from tpcache.cache.tree_check import check_cache
 
 if TYPE_CHECKING:
@@ -62,8 +61,10 @@ class PrefixCache:
 
     ``alloc``, ``tree``, ``reqs`` and ``handles`` are owned here and changed only through
     these methods (the digest and ``check_integrity`` read them); so is ``_room``. A kind
-    gives ``pool_names``, its allocator and tree, and shapes its results (the hooks at
-    the end; those here are the one-pool cache's).
+    gives ``pool_names``, its allocator and tree, its results and its answers to the SWA
+    calls (``_match_result``, ``_admit_result``, ``_evict_result``, ``swa_slots``,
+    ``request_swa_slots``, ``tombstoned_pages``, ``sizes``): ``radix.OnePoolCache``'s or
+    ``HybridCache``'s.
     """
 
     pool_names: tuple[str, ...] = ("full",)
@@ -266,36 +267,6 @@ class PrefixCache:
         tree.unlock(req.node, tree.find_top(req.node, req.mark) if req.mark else None)
         self.reqs.remove(req.rid)
 
-    # ---- what a cache kind shapes (one pool, no window here) ------------------------------
-    def _match_result(self, path: list[Any], n: int) -> MatchResult:
-        if len(path) > 1:
-            pages = join_pages(map(pages_of, path))
-        else:  # a copy either way: the caller must not get the tree's own array
-            pages = path[0].pages.copy() if path else np.zeros(0, np.int64)
-        handle = self.handles.make(path[-1] if path else self.tree.root)
-        return MatchResult(n, pages, handle, self.page_size)
-
-    def _admit_result(self, pos: int, row: np.ndarray, total: int) -> AdmitResult:
-        return AdmitResult(pos, row, total, self.page_size)
-
-    def _evict_result(self, out: Freed) -> EvictResult:
-        return EvictResult(out.full * self.page_size, len(out.dead))
-
-    def swa_slots(self, slots: TokenLike) -> np.ndarray:
-        as_slots(slots, None, self.alloc.num_pages * self.page_size)
-        raise NoSwaPool("swa_slots needs an SWA pool (the hybrid cache)")
-
-    def request_swa_slots(self, rid: RequestId, start: int) -> tuple[int, np.ndarray] | None:
-        self.reqs.get(rid)
-        return None
-
-    def tombstoned_pages(self, pages: TokenLike) -> int:
-        as_slots(pages, None, self.alloc.num_pages)
-        return 0
-
-    def sizes(self) -> CacheSizes:
-        return self.pool_sizes()[0]
-
     # No copy log here (a host tier has one): nothing pending, every forward may run.
     def copies_pending(self) -> int:
         return 0
@@ -330,23 +301,10 @@ class PrefixCache:
         self.tree.events = events
 
     def pool_sizes(self) -> tuple[CacheSizes, ...]:
-        ps = self.page_size
-        # Every held or lent page has a page in each pool (check_integrity verifies it).
-        held = (self.alloc.count(HELD) + self.alloc.count(LENT)) * ps
-        return tuple(
-            CacheSizes(cap * ps, free * ps, (cached - kept) * ps, kept * ps, held)
-            for cap, free, (cached, kept) in zip(
-                self.alloc.pool_pages(), self.alloc.pool_free(), self.tree.pool_pages(), strict=True
-            )
-        )
+        return pool_sizes(self)
 
     def digest(self) -> int:
-        t = self.tree
-        t.ensure_hashed()
-        fields = (*self.alloc.fingerprint(), t.tick, len(t.nodes), t.protected_pages)
-        return fold_fields(
-            fmix64_int(t.digest_sum ^ 0x5A17), (*fields, len(self.reqs), *t.digest_fields())
-        )
+        return cache_digest(self)
 
     def check_integrity(self) -> None:
         check_cache(self)

@@ -10,7 +10,15 @@ a ``CacheError`` subclass otherwise. The contracts: ``protocol.Cache``.
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
+
 from tpcache.cache.allocator import PageAllocator
+from tpcache.cache.errors import NoSwaPool
+from tpcache.cache.evict import Freed
+from tpcache.cache.keys import TokenLike, as_slots, join_pages
+from tpcache.cache.node import pages_of
 from tpcache.cache.policies import make_policy
 from tpcache.cache.prefix import PrefixCache
 from tpcache.cache.protocol import Evictor
@@ -22,6 +30,7 @@ from tpcache.cache.records import (
     Handle,
     MatchResult,
 )
+from tpcache.cache.reqtable import RequestId
 from tpcache.cache.tree import RadixTree
 
 __all__ = [
@@ -32,11 +41,47 @@ __all__ = [
     "Evictor",
     "Handle",
     "MatchResult",
+    "OnePoolCache",
     "RadixCache",
 ]
 
 
-class RadixCache(PrefixCache):
+class OnePoolCache(PrefixCache):
+    """What a one-pool cache kind gives ``PrefixCache``: results without SWA pages, and
+    refusals of the SWA calls. ``RadixCache`` and the host tier's ``HostCache`` are such
+    kinds; the hybrid cache gives its own."""
+
+    def _match_result(self, path: list[Any], n: int) -> MatchResult:
+        if len(path) > 1:
+            pages = join_pages(map(pages_of, path))
+        else:  # a copy either way: the caller must not get the tree's own array
+            pages = path[0].pages.copy() if path else np.zeros(0, np.int64)
+        handle = self.handles.make(path[-1] if path else self.tree.root)
+        return MatchResult(n, pages, handle, self.page_size)
+
+    def _admit_result(self, pos: int, row: np.ndarray, total: int) -> AdmitResult:
+        return AdmitResult(pos, row, total, self.page_size)
+
+    def _evict_result(self, out: Freed) -> EvictResult:
+        return EvictResult(out.full * self.page_size, len(out.dead))
+
+    def swa_slots(self, slots: TokenLike) -> np.ndarray:
+        as_slots(slots, None, self.alloc.num_pages * self.page_size)
+        raise NoSwaPool("swa_slots needs an SWA pool (the hybrid cache)")
+
+    def request_swa_slots(self, rid: RequestId, start: int) -> tuple[int, np.ndarray] | None:
+        self.reqs.get(rid)
+        return None
+
+    def tombstoned_pages(self, pages: TokenLike) -> int:
+        as_slots(pages, None, self.alloc.num_pages)
+        return 0
+
+    def sizes(self) -> CacheSizes:
+        return self.pool_sizes()[0]
+
+
+class RadixCache(OnePoolCache):
     """A paged radix prefix cache over one pool, with its allocator and request table."""
 
     def __init__(self, config: CacheConfig) -> None:

@@ -30,11 +30,10 @@ from tpcache.cache.namespace import CacheNamespace
 from tpcache.cache.node import (
     _EMPTY_PAGES,
     _EMPTY_STATES,
-    _MASK,
     Node,
     descend,
     hash_pending,
-    page_terms,
+    split_node,
 )
 from tpcache.cache.order import EvictionOrder
 from tpcache.cache.policies import KeyFn, PolicyHooks
@@ -123,44 +122,9 @@ class RadixTree:
         return descend(start or self.root, self.ps, key, n, 0)
 
     def split(self, child: Node, at: int) -> Node:
-        """Cut ``child`` after ``at`` tokens (whole pages); returns the new upper node.
-
-        Both halves get copies, so a short node never pins a long freed array. The
-        lower half keeps the id, so a handle to it still ends at the same point.
-        """
-        ps = self.ps
-        cut = at // ps
-        parent = child.parent
-        assert parent is not None and 0 < at < len(child.kb) // 4 and at % ps == 0
-        hashed = child.states is not None
-        node_id = self._next_id
-        self._next_id = node_id + 1
-        upper = self.node_type(
-            node_id,
-            parent,
-            child.kb[: 4 * at],
-            child.pages[:cut].copy(),
-            child.states[:cut].copy() if hashed else None,
-            child.created,
-        )
-        upper.last_access = child.last_access
-        upper.hits = child.hits
-        upper.priority = child.priority
-        upper.lock = child.lock
-        if hashed:
-            upper.term = page_terms(upper.states, upper.pages)
-            child.term = (child.term - upper.term) & _MASK
-            child.states = child.states[cut:].copy()
-        else:
-            self._unhashed.append(upper)
-        child.kb = child.kb[4 * at :]
-        child.pages = child.pages[cut:].copy()
-        pb = 4 * ps
-        parent.children[upper.kb[:pb]] = upper
-        upper.children[child.kb[:pb]] = child
-        child.parent = upper
-        self.nodes[upper.id] = upper
-        return upper
+        """Cut ``child`` after ``at`` tokens (whole pages); returns the new upper node
+        (``node.split_node``)."""
+        return split_node(self, child, at)
 
     def split_match(
         self, path: list[Node], pos: int, partial: Node | None, common: int

@@ -16,20 +16,20 @@ the coordinator raised.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Unpack
+from typing import Any
 
 import numpy as np
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from tpcache.cache.keys import TokenLike
 from tpcache.coordinator.cluster import join
 from tpcache.coordinator.errors import CoordinatorUnavailable
 from tpcache.errors import TpcacheError
 from tpcache.frontend import api
+from tpcache.frontend.calls import Batch, RequestCalls, checked
 
 DEFAULT_NAMESPACE = "tpcache"
 
@@ -55,62 +55,7 @@ class Admitted:
         return int(self.slots.size)
 
 
-class Pending:
-    """A call made inside ``Client.batch()``: its result once the block has ended."""
-
-    def __init__(self, convert: Callable[[api.Reply], Any]) -> None:
-        self._convert = convert
-        self._reply: api.Reply | None = None  # set by Client.batch when the step returns
-
-    def result(self) -> Any:
-        """What the same call outside a batch returns; raises its typed error if it
-        failed, and ``RuntimeError`` while the batch has not been sent."""
-        if self._reply is None:
-            raise RuntimeError("the batch has not been sent yet (its block has not ended)")
-        if isinstance(self._reply, api.ErrorReply):
-            api.raise_reply_error(self._reply)
-        return self._convert(self._reply)
-
-
-class Batch:
-    """The calls of one ``Client.batch()`` block: the client's request calls, each
-    returning a ``Pending``. Nothing is sent before the block ends."""
-
-    def __init__(self) -> None:
-        self.calls: list[api.Call] = []
-        self.pending: list[Pending] = []
-
-    def _add(self, call: api.Call, convert: Callable[[api.Reply], Any]) -> Pending:
-        self.calls.append(call)
-        self.pending.append(Pending(convert))
-        return self.pending[-1]
-
-    def admit(
-        self,
-        request_id: Any,
-        tokens: TokenLike,
-        priority: int = 0,
-        reserve: int = 0,
-        **space: Unpack[api.NamespaceFields],
-    ) -> Pending:
-        """``space``: ``lora_id``, ``lora_name``, ``cache_salt`` (``api.AdmitCall``)."""
-        call = api.AdmitCall(request_id, _ints(tokens), priority, reserve, **space)
-        return self._add(call, _admitted)
-
-    def extend(self, request_id: Any, n: int) -> Pending:
-        return self._add(api.ExtendCall(request_id, n), _slots)
-
-    def cache_unfinished(self, request_id: Any, tokens: TokenLike) -> Pending:
-        return self._add(api.CacheUnfinishedCall(request_id, _ints(tokens)), _cached)
-
-    def finish(self, request_id: Any, output_tokens: TokenLike = ()) -> Pending:
-        return self._add(api.FinishCall(request_id, _ints(output_tokens)), _cached)
-
-    def abort(self, request_id: Any) -> Pending:
-        return self._add(api.AbortCall(request_id), lambda r: None)
-
-
-class Client:
+class Client(RequestCalls[Admitted, np.ndarray, int, None]):
     """A frontend's handle on a served coordinator: the coordinator's calls over encoded
     messages (``admit`` returns an ``Admitted``); errors come back as the same typed
     exceptions. Thread-safe as far as the actor is: each call is one actor call.
@@ -160,31 +105,8 @@ class Client:
             api.raise_reply_error(api.decode_reply(error))
         return value
 
-    # ---- requests --------------------------------------------------------------------------
-    def admit(
-        self,
-        request_id: Any,
-        tokens: TokenLike,
-        priority: int = 0,
-        reserve: int = 0,
-        **space: Unpack[api.NamespaceFields],
-    ) -> Admitted:
-        """Admit a request; ``space``: its cache namespace as ``lora_id``, ``lora_name``,
-        ``cache_salt`` (``api.AdmitCall``). Raises the coordinator's typed errors."""
-        call = api.AdmitCall(request_id, _ints(tokens), priority, reserve, **space)
-        return _admitted(self._call(call))
-
-    def extend(self, request_id: Any, n: int) -> np.ndarray:
-        return _slots(self._call(api.ExtendCall(request_id, n)))
-
-    def cache_unfinished(self, request_id: Any, tokens: TokenLike) -> int:
-        return _cached(self._call(api.CacheUnfinishedCall(request_id, _ints(tokens))))
-
-    def finish(self, request_id: Any, output_tokens: TokenLike = ()) -> int:
-        return _cached(self._call(api.FinishCall(request_id, _ints(output_tokens))))
-
-    def abort(self, request_id: Any) -> None:
-        self._call(api.AbortCall(request_id))
+    def _send(self, call: api.Call, reply_type: type[api.Reply] | None) -> Any:
+        return _converted(self._call(call), reply_type)
 
     @contextmanager
     def batch(self) -> Iterator[Batch]:
@@ -193,12 +115,11 @@ class Client:
         answer or its error (a call the cache refuses fails alone; the others apply). If
         the block raises, nothing is sent. Raises ``CoordinatorUnavailable`` if the
         coordinator cannot be reached (the calls may or may not have been applied)."""
-        b = Batch()
+        b = Batch(_converted)
         yield b
         if b.calls:
             replies = self._get(self.actor.calls.remote([api.encode(c) for c in b.calls]))
-            for p, data in zip(b.pending, replies, strict=True):
-                p._reply = api.decode_reply(data)
+            b.settle([api.decode_reply(data) for data in replies])
 
     # ---- the whole cache -------------------------------------------------------------------
     def evict(self, num_tokens: int, swa_tokens: int = 0) -> int:
@@ -238,28 +159,20 @@ class Client:
         self._get(self.actor.stop_recovery.remote())
 
 
-def _admitted(r: api.Reply) -> Admitted:
-    assert isinstance(r, api.AdmitReply)
-    slots = np.asarray(r.slots, dtype=np.int64)
-    swa = np.asarray(r.swa_slots, dtype=np.int64)
-    slots.flags.writeable = swa.flags.writeable = False
-    return Admitted(r.prefix_len, slots, r.swa_start, swa)
-
-
-def _slots(r: api.Reply) -> np.ndarray:
-    assert isinstance(r, api.SlotsReply)
-    return np.asarray(r.slots, dtype=np.int64)
-
-
-def _cached(r: api.Reply) -> int:
-    assert isinstance(r, api.CachedReply)
-    return r.cached_tokens
-
-
-def _ints(tokens: TokenLike) -> list[int]:
-    if isinstance(tokens, list):
-        return tokens
-    return np.asarray(tokens).tolist()
+def _converted(reply: api.Reply, reply_type: type[api.Reply] | None) -> Any:
+    """A successful reply as this client's calls return it: an ``Admitted``, slot ids as
+    an array, the cached-token count, or None."""
+    r = checked(reply, reply_type)
+    if isinstance(r, api.AdmitReply):
+        slots = np.asarray(r.slots, dtype=np.int64)
+        swa = np.asarray(r.swa_slots, dtype=np.int64)
+        slots.flags.writeable = swa.flags.writeable = False
+        return Admitted(r.prefix_len, slots, r.swa_start, swa)
+    if isinstance(r, api.SlotsReply):
+        return np.asarray(r.slots, dtype=np.int64)
+    if isinstance(r, api.CachedReply):
+        return r.cached_tokens
+    return None
 
 
 def connect(

@@ -23,15 +23,15 @@ import torch
 import torch.nn.functional as F
 
 from tpcache.workers.attention import attend, rms_norm, rotary
-from tpcache.workers.kvpool import _DTYPES
 from tpcache.workers.llama_weights import LlamaSpec, load_shard
 from tpcache.workers.runner import (
     Collectives,
-    KVLayout,
     KVShard,
     RankShard,
-    RunnerConfigError,
     RunnerOutput,
+    ShardRunner,
+    check_vocab,
+    torch_dtype,
 )
 from tpcache.workers.runner_batch import RunnerBatch, paged_attention
 
@@ -58,38 +58,22 @@ def _head(spec: LlamaSpec, w: dict[str, torch.Tensor]) -> torch.Tensor:
     return w["lm_head.weight"]
 
 
-class LlamaRunner:
+class LlamaRunner(ShardRunner):
     """One rank's shard of a ``LlamaSpec`` model. Arguments: ``dtype`` (weights,
     activations and KV), ``config`` (a Hugging Face config.json) and ``LlamaSpec``'s
     fields (``weights`` among them). Precision as the reference runner's: the residual
     stream and the all-reduced products in float32."""
 
     def __init__(self, dtype: str = "float32", config: str | None = None, **fields: Any) -> None:
-        if dtype not in _DTYPES:
-            raise RunnerConfigError(f"dtype={dtype!r} is not one of {sorted(_DTYPES)}")
+        super().__init__(dtype)
         self.spec = LlamaSpec.from_args(config, **fields)
-        self.dtype_name = dtype
-        self.dtype = _DTYPES[dtype]
-        # Set once by load(); owned by this object, never written after.
-        self.w: dict[str, torch.Tensor] = {}
-        self.q_heads = self.kv_heads = 0
-
-    def kv_layout(self) -> KVLayout:
-        return self.spec.layout(self.dtype_name)
+        self.q_heads = self.kv_heads = 0  # set by load()
 
     def load(self, shard: RankShard) -> None:
         spec = self.spec
         spec.check_tp(shard.tp)
         self.q_heads, self.kv_heads = spec.heads // shard.tp, spec.kv_heads // shard.tp
         self.w = _prepare(load_shard(spec, shard.rank, shard.tp), self.dtype, shard.device)
-
-    def check_batch(self, batch: RunnerBatch) -> None:
-        toks = batch.tokens
-        if toks.numel() and not (int(toks.min()) >= 0 and int(toks.max()) < self.spec.vocab):
-            raise ValueError(
-                f"token ids span [{int(toks.min())}, {int(toks.max())}], "
-                f"outside the vocab [0, {self.spec.vocab})"
-            )
 
     def run(self, batch: RunnerBatch, kv: KVShard, group: Collectives) -> RunnerOutput:
         spec, w, dt = self.spec, self.w, self.dtype
@@ -122,12 +106,11 @@ def llama_reference_logits(
     position of ``tokens``, from the whole weights (TP=1), K and V of the whole sequence
     at once, causal and (for SWA layers) windowed masks, GQA by head groups. Same
     precision recipe as ``LlamaRunner``. Changes nothing."""
-    dt = _DTYPES[dtype]
+    dt = torch_dtype(dtype)
     w = _prepare(load_shard(spec, 0, 1), dt, "cpu")
     toks = torch.as_tensor(tokens, dtype=torch.int64)
     t, hd = int(toks.numel()), spec.head_dim
-    if t and not (int(toks.min()) >= 0 and int(toks.max()) < spec.vocab):
-        raise ValueError(f"token ids outside the vocab [0, {spec.vocab})")
+    check_vocab(toks, spec.vocab)
     pos = torch.arange(t)
     x = w["model.embed_tokens.weight"][toks].float()
     for i in range(spec.num_layers):

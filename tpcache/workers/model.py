@@ -33,7 +33,6 @@ import torch
 import torch.nn.functional as F
 
 from tpcache.workers.attention import attend, rms_norm, rotary
-from tpcache.workers.kvpool import _DTYPES
 from tpcache.workers.runner import (
     Collectives,
     KVLayout,
@@ -41,6 +40,9 @@ from tpcache.workers.runner import (
     RankShard,
     RunnerConfigError,
     RunnerOutput,
+    ShardRunner,
+    check_vocab,
+    torch_dtype,
 )
 from tpcache.workers.runner_batch import RunnerBatch, paged_attention
 
@@ -91,13 +93,10 @@ class ModelSpec:
         """``reference_logits`` as numpy: what ``modelcheck`` compares against."""
         return reference_logits(self, tokens, dtype).numpy()
 
-    def check_tokens(self, tokens: torch.Tensor) -> None:
-        """Raises ValueError unless every token id is in ``[0, vocab)``."""
-        if tokens.numel() and not (int(tokens.min()) >= 0 and int(tokens.max()) < self.vocab):
-            raise ValueError(
-                f"token ids span [{int(tokens.min())}, {int(tokens.max())}], "
-                f"outside the vocab [0, {self.vocab})"
-            )
+    def layout(self, dtype: str) -> KVLayout:
+        return KVLayout(
+            self.num_layers, self.heads, self.head_dim, dtype, self.swa_layers, self.window
+        )
 
     def check_tp(self, tp: int) -> None:
         """Raises ModelConfigError unless heads and ffn split evenly over ``tp`` ranks."""
@@ -158,7 +157,7 @@ def shard_weights(spec: ModelSpec, rank: int, tp: int) -> dict[str, torch.Tensor
     return out
 
 
-class ReferenceRunner:
+class ReferenceRunner(ShardRunner):
     """The built-in checking model as a ``ModelRunner``: one rank's shard, on the rank's
     device, in the pool's dtype. Arguments: ``ModelSpec``'s fields and ``dtype``
     (``tpcache.workers.model:ReferenceRunner`` with ``--runner-arg heads=8`` ...).
@@ -175,32 +174,20 @@ class ReferenceRunner:
     """
 
     def __init__(self, dtype: str = "float32", **fields: Any) -> None:
-        if dtype not in _DTYPES:
-            raise ModelConfigError(f"dtype={dtype!r} is not one of {sorted(_DTYPES)}")
+        super().__init__(dtype, ModelConfigError)
         if isinstance(fields.get("swa_layers"), list | tuple):
             fields["swa_layers"] = tuple(fields["swa_layers"])
         self.spec = ModelSpec(**fields)
-        self.dtype_name = dtype
-        self.dtype = _DTYPES[dtype]
-        # Set once by load(); owned by this object, never written after.
-        self.w: dict[str, torch.Tensor] = {}
-        self.heads = 0
+        self.heads = 0  # set by load()
 
     @classmethod
     def of(cls, spec: ModelSpec, dtype: str) -> ReferenceRunner:
         return cls(dtype, **dataclasses.asdict(spec))
 
-    def kv_layout(self) -> KVLayout:
-        s = self.spec
-        return KVLayout(s.num_layers, s.heads, s.head_dim, self.dtype_name, s.swa_layers, s.window)
-
     def load(self, shard: RankShard) -> None:
         self.spec.check_tp(shard.tp)
         self.heads = self.spec.heads // shard.tp
         self.w = _cast(shard_weights(self.spec, shard.rank, shard.tp), self.dtype, shard.device)
-
-    def check_batch(self, batch: RunnerBatch) -> None:
-        self.spec.check_tokens(batch.tokens)
 
     def run(self, batch: RunnerBatch, kv: KVShard, group: Collectives) -> RunnerOutput:
         spec, w, dt = self.spec, self.w, self.dtype
@@ -241,10 +228,10 @@ def reference_logits(
     computed at once, causal and (for SWA layers) windowed masks. Same precision recipe
     as ``ReferenceRunner`` (weights and activations in ``dtype``, residual in float32).
     Changes nothing."""
-    dt = _DTYPES[dtype]
+    dt = torch_dtype(dtype, ModelConfigError)
     w = _cast(full_weights(spec), dt, device)
     toks = torch.as_tensor(tokens, dtype=torch.int64, device=device)
-    spec.check_tokens(toks)
+    check_vocab(toks, spec.vocab)
     t = int(toks.numel())
     pos = torch.arange(t, device=device)
     x = w["embed"][toks].float()

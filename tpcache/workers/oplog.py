@@ -55,25 +55,26 @@ def logged_admit(
     mirror,
     rid: RequestId,
     tokens: TokenLike,
-    priority: int = 0,
-    reserve: int = 0,
-    namespace: CacheNamespace | None = None,
+    priority: int,
+    reserve: int,
+    ns: CacheNamespace | None,
 ) -> tuple[Any, Admit, OpResult]:
     """Admit on the coordinator's ``mirror`` (which validates and may evict); returns its
-    result, the ``Admit`` op every rank applies, and the result each must report.
+    result, the ``Admit`` op every rank applies, and the result each must report. The
+    arguments are ``Cache.admit``'s (``ns``: its namespace).
 
     The op carries the mirror's eviction ask (``eviction_ask``), so a rank repeats the
     mirror's decision exactly. Raises what ``mirror.admit`` raises, having changed nothing.
     """
     rid = check_request_id(rid)  # the plain id the op log carries
     marks = mirror.eviction_marks()
-    got = mirror.admit(rid, tokens, priority, reserve=reserve, namespace=namespace)
+    got = mirror.admit(rid, tokens, priority, reserve=reserve, namespace=ns)
     # The mirror's checked int32 tokens (its copy, or the caller's immutable buffer).
     key = mirror.request_row(rid).tokens
     ask = _pair(mirror.eviction_ask)
-    space = as_namespace(namespace)  # valid: the mirror took it
-    ns = None if space is None else OpNamespace(space.lora_id, space.lora_name, space.salt)
-    op = Admit(rid, pack_tokens(key), priority, ask[0], ask[1], reserve, ns)
+    space = as_namespace(ns)  # valid: the mirror took it
+    op_ns = None if space is None else OpNamespace(space.lora_id, space.lora_name, space.salt)
+    op = Admit(rid, pack_tokens(key), priority, ask[0], ask[1], reserve, op_ns)
     return got, op, admit_result(got, _evicted(marks, mirror.eviction_marks()))
 
 

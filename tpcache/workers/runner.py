@@ -27,7 +27,7 @@ in ``runner_spec``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -208,6 +208,41 @@ class ModelRunner(Protocol):
         ...
 
 
+def torch_dtype(name: str, error: type[RunnerConfigError] = RunnerConfigError) -> torch.dtype:
+    """The torch dtype a runner computes in, by its name; raises ``error`` for another."""
+    if name not in _DTYPES:
+        raise error(f"dtype={name!r} is not one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def check_vocab(tokens: torch.Tensor, vocab: int) -> None:
+    """Raises ValueError unless every token id is in ``[0, vocab)``."""
+    if tokens.numel() and not (int(tokens.min()) >= 0 and int(tokens.max()) < vocab):
+        raise ValueError(
+            f"token ids span [{int(tokens.min())}, {int(tokens.max())}], "
+            f"outside the vocab [0, {vocab})"
+        )
+
+
+class ShardRunner:
+    """What the shipped runners share: the dtype they compute in, a spec with ``vocab``
+    and ``layout(dtype)``, weights set once by ``load`` (owned here, never written after),
+    and a batch check against the vocabulary. A bad ``dtype`` raises ``error``."""
+
+    spec: Any
+
+    def __init__(self, dtype: str, error: type[RunnerConfigError] = RunnerConfigError) -> None:
+        self.dtype = torch_dtype(dtype, error)
+        self.dtype_name = dtype
+        self.w: dict[str, torch.Tensor] = {}
+
+    def kv_layout(self) -> KVLayout:
+        return self.spec.layout(self.dtype_name)
+
+    def check_batch(self, batch: RunnerBatch) -> None:
+        check_vocab(batch.tokens, self.spec.vocab)
+
+
 __all__ = [
     "Collectives",
     "KVLayout",
@@ -218,4 +253,7 @@ __all__ = [
     "RunnerBatch",
     "RunnerConfigError",
     "RunnerOutput",
+    "ShardRunner",
+    "check_vocab",
+    "torch_dtype",
 ]

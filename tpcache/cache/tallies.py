@@ -1,0 +1,38 @@
+"""What a whole cache reports of itself, for every cache kind: its sizes per pool (the
+conservation law's terms) and its digest (the lockstep's comparison). Read-only."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tpcache.cache.allocator import HELD, LENT
+from tpcache.cache.hashing import fmix64_int, fold_fields
+from tpcache.cache.records import CacheSizes
+
+if TYPE_CHECKING:
+    from tpcache.cache.prefix import PrefixCache
+
+
+def pool_sizes(cache: PrefixCache) -> tuple[CacheSizes, ...]:
+    """Capacity, free, evictable, protected and held tokens of each pool, in
+    ``cache.pool_names`` order."""
+    ps, alloc, tree = cache.page_size, cache.alloc, cache.tree
+    # Every held or lent page has a page in each pool (check_integrity verifies it).
+    held = (alloc.count(HELD) + alloc.count(LENT)) * ps
+    return tuple(
+        CacheSizes(cap * ps, free * ps, (cached - kept) * ps, kept * ps, held)
+        for cap, free, (cached, kept) in zip(
+            alloc.pool_pages(), alloc.pool_free(), tree.pool_pages(), strict=True
+        )
+    )
+
+
+def cache_digest(cache: PrefixCache) -> int:
+    """A 64-bit fold of the tree (keys, pages, priorities, locks), the allocator and the
+    running requests: equal on two processes iff their caches agree (w.h.p.)."""
+    t = cache.tree
+    t.ensure_hashed()
+    fields = (*cache.alloc.fingerprint(), t.tick, len(t.nodes), t.protected_pages)
+    return fold_fields(
+        fmix64_int(t.digest_sum ^ 0x5A17), (*fields, len(cache.reqs), *t.digest_fields())
+    )

@@ -1,0 +1,118 @@
+"""The request calls every client offers (admit, extend, cache_unfinished, finish, abort),
+written once: each builds its ``api`` record and hands it to the client's ``_send`` with
+the reply type it expects. The Ray client, the network client and their batches differ
+only in ``_send``: one round trip, or a ``Pending`` kept until the batch goes.
+
+Imports only ``api`` (no torch, no Ray): the torch-free client uses it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar, Unpack
+
+from tpcache.errors import TpcacheError
+from tpcache.frontend import api
+
+A = TypeVar("A")  # what admit returns
+S = TypeVar("S")  # what extend returns
+C = TypeVar("C")  # what cache_unfinished and finish return
+Z = TypeVar("Z")  # what abort returns
+
+
+class UnexpectedReply(TpcacheError, RuntimeError):
+    """The server answered a call with a reply of another kind (a server of another
+    version, or a bug): nothing of it is used."""
+
+
+class RequestCalls(Generic[A, S, C, Z]):
+    """The request calls over ``_send(call, reply_type)``; tokens may be any sequence or
+    array of ints."""
+
+    def _send(self, call: api.Call, reply_type: type[api.Reply] | None) -> Any:
+        """Deliver ``call``; ``reply_type``: the reply it gets when it succeeds (None:
+        nothing is returned)."""
+        raise NotImplementedError
+
+    def admit(
+        self,
+        request_id: Any,
+        tokens: Any,
+        priority: int = 0,
+        reserve: int = 0,
+        **space: Unpack[api.NamespaceFields],
+    ) -> A:
+        """Admit a request; ``space``: its cache namespace as ``lora_id``, ``lora_name``,
+        ``cache_salt`` (``api.AdmitCall``). Raises the coordinator's typed errors."""
+        call = api.AdmitCall(request_id, ints(tokens), priority, reserve, **space)
+        return self._send(call, api.AdmitReply)
+
+    def extend(self, request_id: Any, n: int) -> S:
+        return self._send(api.ExtendCall(request_id, n), api.SlotsReply)
+
+    def cache_unfinished(self, request_id: Any, tokens: Any) -> C:
+        return self._send(api.CacheUnfinishedCall(request_id, ints(tokens)), api.CachedReply)
+
+    def finish(self, request_id: Any, output_tokens: Any = ()) -> C:
+        return self._send(api.FinishCall(request_id, ints(output_tokens)), api.CachedReply)
+
+    def abort(self, request_id: Any) -> Z:
+        return self._send(api.AbortCall(request_id), None)
+
+
+class Pending:
+    """A call made inside a client's ``batch()``: its result once the batch is sent."""
+
+    def __init__(self, convert: Callable[[api.Reply], Any]) -> None:
+        self._convert = convert
+        self._reply: api.Reply | None = None  # set by the client when the batch returns
+
+    def result(self) -> Any:
+        """What the same call outside a batch returns; raises its typed error if it
+        failed, and ``RuntimeError`` while the batch has not been sent."""
+        if self._reply is None:
+            raise RuntimeError("the batch has not been sent yet (its block has not ended)")
+        if isinstance(self._reply, api.ErrorReply):
+            api.raise_reply_error(self._reply)
+        return self._convert(self._reply)
+
+
+class Batch(RequestCalls[Pending, Pending, Pending, Pending]):
+    """The calls of one ``batch()`` block, each returning a ``Pending``; nothing is sent
+    before the block ends. ``convert`` turns a successful reply into what the client's
+    own call would return."""
+
+    def __init__(self, convert: Callable[[api.Reply, type[api.Reply] | None], Any]) -> None:
+        self.calls: list[api.Call] = []
+        self.pending: list[Pending] = []
+        self._convert = convert
+
+    def _send(self, call: api.Call, reply_type: type[api.Reply] | None) -> Pending:
+        self.calls.append(call)
+        self.pending.append(Pending(lambda r: self._convert(r, reply_type)))
+        return self.pending[-1]
+
+    def settle(self, replies: list[api.Reply]) -> None:
+        """Hand each pending call its reply (in call order)."""
+        for p, reply in zip(self.pending, replies, strict=True):
+            p._reply = reply
+
+
+def checked(reply: api.Reply, reply_type: type[api.Reply] | None) -> Any:
+    """``reply`` if it is the kind its call gets (None for a call that returns nothing);
+    a reply of another kind is a protocol error of the server."""
+    if reply_type is None:
+        return None
+    if not isinstance(reply, reply_type):
+        raise UnexpectedReply(
+            f"expected a {reply_type.__name__}, the server sent a {type(reply).__name__}"
+        )
+    return reply
+
+
+def ints(tokens: Any) -> list[int]:
+    """Token ids as a list of ints (lists pass through; arrays by ``tolist``)."""
+    if isinstance(tokens, list):
+        return tokens
+    tolist = getattr(tokens, "tolist", None)
+    return tolist() if tolist is not None else list(tokens)
