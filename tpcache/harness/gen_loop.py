@@ -35,6 +35,7 @@ import zmq
 
 from tpcache.cache.namespace import CacheNamespace
 from tpcache.harness.engine import Chunk, Compute, Decode, ForwardOut, ModelEngine, Prefill
+from tpcache.harness.gen_admit import Run, fits, would_match_more
 from tpcache.harness.gen_wire import (
     Done,
     GenerateError,
@@ -82,24 +83,6 @@ class LoopCounters:
     prefix_lens: dict[int, int] = field(default_factory=dict)  # seq -> matched
 
 
-@dataclass
-class _Run:
-    """A running request; owned by the loop."""
-
-    seq: int
-    ident: bytes
-    prompt: np.ndarray
-    max_new: int
-    done: int = 0  # prompt tokens with KV
-    prefix_len: int = 0
-    computed: int = 0
-    out: list[int] = field(default_factory=list)
-
-    @property
-    def prefilling(self) -> bool:
-        return self.done < self.prompt.size
-
-
 class GenLoop:
     """Serves requests ``0 .. total - 1`` arriving on ``sock`` (a bound ROUTER) with
     ``engine``'s TP group. Not thread-safe; ``serve`` runs until each request is
@@ -125,7 +108,7 @@ class GenLoop:
         self.seen: set[int] = set()  # seqs submitted (each is taken once)
         self.skipped: set[int] = set()  # seqs refused: admission passes over them
         self.total = 0
-        self.running: dict[int, _Run] = {}  # admission order
+        self.running: dict[int, Run] = {}  # admission order
         self.next_seq = 0
 
     # ---- the loop ---------------------------------------------------------------------
@@ -181,10 +164,10 @@ class GenLoop:
         return got
 
     # ---- one step -----------------------------------------------------------------------
-    def _plan(self, total: int) -> tuple[list, list[tuple[_Run, str]]]:
+    def _plan(self, total: int) -> tuple[list, list[tuple[Run, str]]]:
         budget = self.config.step_tokens
         work: list = []
-        parts: list[tuple[_Run, str]] = []
+        parts: list[tuple[Run, str]] = []
         for run in self.running.values():
             if not run.prefilling:
                 work.append(Decode(run.seq, run.out[-1]))
@@ -214,7 +197,7 @@ class GenLoop:
             budget -= n
         return work, parts
 
-    def _admit(self) -> _Run | None:
+    def _admit(self) -> Run | None:
         """The next request in trace order, if it may start now (see the module
         docstring); None if it waits."""
         seq = self.next_seq
@@ -222,58 +205,21 @@ class GenLoop:
         prompt = unpack(sub.prompt)
         mirror = self.coord.mirror
         cached = mirror.admit_prefix_len(prompt, self.config.namespace)
-        if self.config.cache and self._would_match_more(prompt, cached):
+        running = self.running.values()
+        if self.config.cache and would_match_more(running, prompt, cached, self.page):
             self.counters.waits += 1
             return None
-        if not self._fits(prompt.size + sub.max_new - 1, cached):
+        if not fits(running, mirror.sizes(), prompt.size + sub.max_new - 1, cached, self.page, seq):
             return None
         del self.arrived[seq]
         self.next_seq += 1
         while self.next_seq in self.skipped:
             self.next_seq += 1
-        run = _Run(seq, ident, prompt, sub.max_new, done=cached, prefix_len=cached)
+        run = Run(seq, ident, prompt, sub.max_new, done=cached, prefix_len=cached)
         self.running[seq] = run
         return run
 
-    def _would_match_more(self, prompt: np.ndarray, cached: int) -> bool:
-        """Whether a prompt still in prefill shares more whole pages with ``prompt`` than
-        the cache gives it now (the match an admit may make: at most len - 1 tokens)."""
-        ps = self.page
-        bound = (prompt.size - 1) // ps * ps
-        for run in self.running.values():
-            if not run.prefilling:
-                continue
-            n = min(bound, run.prompt.size // ps * ps)
-            if n <= cached:
-                continue
-            diff = np.flatnonzero(run.prompt[:n] != prompt[:n])
-            if (int(diff[0]) if diff.size else n) // ps * ps > cached:
-                return True
-        return False
-
-    def _fits(self, length: int, cached: int) -> bool:
-        """Whether a request whose row will reach ``length`` tokens, ``cached`` of them
-        from the cache, fits next to what the running requests' rows will still grow
-        by, in whole pages, free or evictable. Raises ``GenerateError`` if it could
-        never fit."""
-        ps = self.page
-        s = self.coord.mirror.sizes()
-        pending = 0
-        for r in self.running.values():
-            now = r.done if r.prefilling else r.prompt.size + len(r.out) - 1
-            pending += _pages(r.prompt.size + r.max_new - 1, ps) - _pages(now, ps)
-        want = _pages(length, ps) - cached // ps
-        room = (s.free + s.evictable) // ps
-        if want + pending <= room:
-            return True
-        if not self.running:
-            raise GenerateError(
-                f"request {self.next_seq} needs {want * ps} tokens of cache, it has "
-                f"{room * ps} free or evictable (capacity {s.capacity})"
-            )
-        return False
-
-    def _run(self, work: list, parts: list[tuple[_Run, str]]) -> None:
+    def _run(self, work: list, parts: list[tuple[Run, str]]) -> None:
         outs = self.engine.step(work)
         c = self.counters
         c.steps += 1
@@ -296,7 +242,7 @@ class GenLoop:
                     self.coord.cache_unfinished(run.seq, run.prompt)
                 self._emit(run, _sample(out))
 
-    def _emit(self, run: _Run, token: int) -> None:
+    def _emit(self, run: Run, token: int) -> None:
         run.out.append(token)
         self.counters.generated += 1
         if not self._send(run.ident, Token(run.seq, len(run.out) - 1, token)):
@@ -304,7 +250,7 @@ class GenLoop:
         elif len(run.out) == run.max_new:
             self._finish(run)
 
-    def _finish(self, run: _Run) -> None:
+    def _finish(self, run: Run) -> None:
         del self.running[run.seq]
         if self.config.cache:
             self.coord.finish(run.seq, run.out)  # caches the tokens that have KV
@@ -317,7 +263,7 @@ class GenLoop:
             c = self.counters
             self.progress(c.finished + c.dropped + c.refused, self.total)
 
-    def _drop(self, run: _Run) -> None:
+    def _drop(self, run: Run) -> None:
         del self.running[run.seq]
         self.coord.abort(run.seq)
         self.counters.dropped += 1
@@ -339,10 +285,6 @@ def _malformed(sub: Submit) -> str | None:
     if not sub.prompt or len(sub.prompt) % 4:
         return "the prompt must be one or more int32 token ids"
     return None
-
-
-def _pages(tokens: int, page: int) -> int:
-    return -(-tokens // page)
 
 
 def _sample(out: ForwardOut) -> int:
