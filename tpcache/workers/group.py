@@ -87,8 +87,8 @@ class TPGroup:
     ) -> None:
         # Owned by this object: the group's one way to run a collective.
         self._wire = Wire(pg, backend=backend, device=device, timeout_s=timeout_s, where=where)
-        self._rank = rank
-        self._world_size = world_size
+        self.rank = rank  # the group's identity: fixed for its life
+        self.world_size = world_size
         self._owns_default = owns_default  # destroy() tears down the default group too
         self._destroyed = False
 
@@ -139,14 +139,6 @@ class TPGroup:
             where=spec.where,
             owns_default=True,
         )
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world_size
 
     @property
     def backend(self) -> str:
