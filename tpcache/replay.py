@@ -22,6 +22,7 @@ from tpcache.cache.errors import HostTierError
 from tpcache.cache.host_cache import HostCache, HostConfig
 from tpcache.cache.keys import frozen_tokens
 from tpcache.cache.namespace import CacheNamespace, make_namespace
+from tpcache.cache.protocol import Cache
 from tpcache.cache.radix import CacheConfig, RadixCache
 from tpcache.cache.swa_cache import HybridCache
 from tpcache.cache.swa_config import HybridConfig
@@ -85,7 +86,7 @@ def replay(
     capacity = opts.capacity or len(opts.spaces()) * infinite_capacity(
         requests, opts.page_size, opts.scale
     )
-    cache = make_cache(opts, capacity)
+    cache, extra_figures = make_cache(opts, capacity)
     run = _run(cache, requests, opts, progress)
     cache.check_integrity()
     evicts = cache.evict_seconds()
@@ -108,12 +109,7 @@ def replay(
         "evict_us_median": _median_us(evicts),
         "cached_tokens_end": cache.sizes().cached,
         "peak_rss_mb": round(peak_rss_mb(), 1),
-        **(hybrid_summary(cache) if opts.swa_window else {}),
-        **(
-            host_summary(cache, run.matched, run.host_hits)  # type: ignore[arg-type]
-            if opts.host_capacity is not None
-            else {}
-        ),
+        **extra_figures(run.matched),
         **({"passes": pass_summary(opts, run.passes)} if opts.salts else {}),
     }
 
@@ -141,12 +137,11 @@ class _Run:
     cpu_s: float  # process CPU time of the same calls
     prompt_tokens: int
     matched: int
-    host_hits: int  # of ``matched``, from the host tier
     passes: list[tuple[int, int]]  # per pass (namespace): prompt tokens, matched
 
 
 def _run(
-    cache: RadixCache | HybridCache | HostCache,
+    cache: Cache,
     requests: list[TraceRequest],
     opts: ReplayOptions,
     progress: Callable[[int, int], None] | None,
@@ -155,8 +150,7 @@ def _run(
     (request ids of pass p: ``p * ids + index``), timing each call alone."""
     match_s: list[float] = []
     insert_s: list[float] = []
-    prompt_total = matched = host_hits = 0
-    tiered = opts.host_capacity is not None
+    prompt_total = matched = 0
     cpu_s = 0.0
     clock, cpu = time.perf_counter, time.process_time
     spaces = opts.spaces()
@@ -181,23 +175,22 @@ def _run(
             insert_s.append(t2 - t1)
             prompt_total += prompt.size
             matched += got.prefix_len
-            if tiered:
-                host_hits += got.host_hit_length  # type: ignore[union-attr]
             done = p * len(requests) + i + 1
             if progress is not None and (done % 100 == 0 or done == total):
                 progress(done, total)
         passes.append((prompt_total - before[0], matched - before[1]))
-    return _Run(match_s, insert_s, cpu_s, prompt_total, matched, host_hits, passes)
+    return _Run(match_s, insert_s, cpu_s, prompt_total, matched, passes)
 
 
-def make_cache(opts: ReplayOptions, capacity: int) -> RadixCache | HybridCache | HostCache:
+def make_cache(opts: ReplayOptions, capacity: int) -> tuple[Cache, Callable[[int], dict[str, Any]]]:
     """The base cache, the hybrid one when ``opts.swa_window`` is set, the one with a host
     tier when ``opts.host_capacity`` is (raises ``CacheError`` for a configuration it
-    cannot build, ``HostTierError`` for both)."""
+    cannot build, ``HostTierError`` for both); and the figures its kind adds to the
+    summary, given the matched tokens."""
     if opts.host_capacity is not None:
         if opts.swa_window:
             raise HostTierError("the hybrid (SWA) cache has no host tier")
-        return HostCache(
+        host = HostCache(
             HostConfig(
                 capacity,
                 opts.page_size,
@@ -207,10 +200,12 @@ def make_cache(opts: ReplayOptions, capacity: int) -> RadixCache | HybridCache |
                 write_through_hits=opts.write_through_hits,
             )
         )
+        return host, lambda matched: host_summary(host, matched)
     if not opts.swa_window:
-        return RadixCache(CacheConfig(capacity, opts.page_size, opts.policy))
+        return RadixCache(CacheConfig(capacity, opts.page_size, opts.policy)), lambda _: {}
     swa = opts.swa_capacity if opts.swa_capacity is not None else capacity
-    return HybridCache(HybridConfig(capacity, swa, opts.swa_window, opts.page_size, opts.policy))
+    hybrid = HybridCache(HybridConfig(capacity, swa, opts.swa_window, opts.page_size, opts.policy))
+    return hybrid, lambda _: hybrid_summary(hybrid)
 
 
 def hybrid_summary(cache: HybridCache) -> dict[str, Any]:
@@ -231,10 +226,12 @@ def hybrid_summary(cache: HybridCache) -> dict[str, Any]:
     }
 
 
-def host_summary(cache: HostCache, matched: int, host_hits: int) -> dict[str, Any]:
-    """The host tier's figures: hits split by tier, tokens loaded and written back."""
+def host_summary(cache: HostCache, matched: int) -> dict[str, Any]:
+    """The host tier's figures: hits split by tier (a host hit is loaded back: its tokens
+    are the loaded ones), tokens loaded and written back."""
     counts = cache.host_counts()
     ps = cache.page_size
+    host_hits = counts["loaded_pages"] * ps
     return {
         "host_capacity_tokens": cache.host_sizes().capacity,
         "write_policy": cache.config.write_policy,

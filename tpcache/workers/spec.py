@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from tpcache.cache.errors import CacheError, HostTierError
 from tpcache.cache.host_cache import HostCache, HostConfig
+from tpcache.cache.protocol import Cache
 from tpcache.cache.radix import CacheConfig, RadixCache
 from tpcache.cache.swa_cache import HybridCache
 from tpcache.cache.swa_config import HybridConfig
@@ -49,13 +50,16 @@ class CacheSpec:
             raise CacheError("swa_capacity_tokens needs a sliding_window (the hybrid cache)")
 
     def _host_config(self, capacity_tokens: int, record_events: bool, rank: bool) -> HostConfig:
+        host = self.host_capacity_tokens
+        if host is None:
+            raise HostTierError("no host_capacity_tokens: this cache has no host tier")
         return HostConfig(
             capacity_tokens=capacity_tokens,
             page_size=self.page_size,
             policy=self.policy,
             record_events=record_events,
             max_request_tokens=self.max_request_tokens,
-            host_capacity_tokens=self.host_capacity_tokens,  # type: ignore[arg-type]
+            host_capacity_tokens=host,
             write_policy=self.write_policy,
             write_through_hits=self.write_through_hits,
             record_copies=rank,
@@ -63,26 +67,27 @@ class CacheSpec:
         )
 
     def _hybrid_config(self, capacity_tokens: int, record_events: bool) -> HybridConfig:
+        window = self.sliding_window
+        if window is None:
+            raise CacheError("no sliding_window: this cache has no SWA pool")
         swa = self.swa_capacity_tokens or capacity_tokens
         return HybridConfig(
             capacity_tokens=capacity_tokens,
             swa_capacity_tokens=min(swa, capacity_tokens),
-            sliding_window=self.sliding_window,  # type: ignore[arg-type]
+            sliding_window=window,
             page_size=self.page_size,
             policy=self.policy,
             record_events=record_events,
             max_request_tokens=self.max_request_tokens,
         )
 
-    def build(
-        self, capacity_tokens: int, record_events: bool = False, rank: bool = False
-    ) -> RadixCache:
+    def build(self, capacity_tokens: int, record_events: bool = False, rank: bool = False) -> Cache:
         """The cache of ``capacity_tokens``; ``rank``: a rank's, which keeps the copies it
         must run (a mirror only counts them)."""
         if self.host_capacity_tokens is not None:
-            return HostCache(self._host_config(capacity_tokens, record_events, rank))  # type: ignore[return-value]
+            return HostCache(self._host_config(capacity_tokens, record_events, rank))
         if self.sliding_window is not None:
-            return HybridCache(self._hybrid_config(capacity_tokens, record_events))  # type: ignore[return-value]
+            return HybridCache(self._hybrid_config(capacity_tokens, record_events))
         return RadixCache(
             CacheConfig(
                 capacity_tokens=capacity_tokens,
