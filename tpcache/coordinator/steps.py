@@ -33,6 +33,7 @@ from tpcache.cache.protocol import Cache
 from tpcache.coordinator.copy_agree import CopyCompletion
 from tpcache.coordinator.errors import CoordinatorUnavailable
 from tpcache.coordinator.lost import LostRequests
+from tpcache.coordinator.step_check import odd_by_digest, odd_ranks
 from tpcache.coordinator.step_types import (
     Closed,
     CoordinatorConfig,
@@ -44,7 +45,7 @@ from tpcache.coordinator.step_types import (
     StepObserver,
 )
 from tpcache.workers.lockstep import DivergenceError, LockstepError, RankFailure
-from tpcache.workers.ops import Op, OpResult, Step, decode_result, encode
+from tpcache.workers.ops import Op, OpResult, Step, encode
 
 _T = TypeVar("_T")
 
@@ -201,15 +202,7 @@ class StepPipeline:
             c.latencies_s.append(latency)
             for obs in self.observers:
                 obs.step_done(s.step, latency)
-            odd = []
-            ops_s = 0.0
-            got_all = [decode_result(out) for out in outs]
-            for got in got_all:
-                ops_s = max(ops_s, got.ops_us * 1e-6)
-                if got.digest != s.digest or got.results != s.expected:
-                    odd.append(got.rank)
-            if not odd and (bad := self.copies.note(got_all)) is not None:
-                odd.append(bad)
+            odd, ops_s = odd_ranks(s, outs, self.copies)
             c.rank_ops_s.append(ops_s)
             if odd:
                 c.divergences += 1
@@ -228,7 +221,7 @@ class StepPipeline:
         at = next((s for s in f.steps if s.step == getattr(cause, "step", None)), f.steps[0])
         if isinstance(cause, DivergenceError):
             self.counters.divergences += 1
-            odd = self._odd_ranks(at.digest)
+            odd = odd_by_digest(self.ranks, at.digest)
             self._break(DivergenceError(at.step, f"{cause}; odd rank(s): {list(odd)}", odd))
         self.counters.rank_failures += 1
         if isinstance(cause, RankFailure):
@@ -237,14 +230,6 @@ class StepPipeline:
         self._break(
             RankFailure(at.step, f"rank {exc.rank} {kind}: {type(cause).__name__}: {cause}")
         )
-
-    def _odd_ranks(self, mirror_digest: int) -> tuple[int, ...]:
-        """Gather every rank's digest; the ranks that differ from the mirror are odd."""
-        try:
-            digests = self.ranks.call("digest")
-        except RankCallError:
-            return ()
-        return tuple(r for r, d in enumerate(digests) if d != mirror_digest)
 
     def _break(self, err: LockstepError) -> None:
         """Stop: every running request is lost (with ``err`` as the cause), then recover

@@ -14,8 +14,6 @@ import tempfile
 import time
 from typing import Any
 
-import numpy as np
-
 from tpcache.cache.errors import CacheError
 from tpcache.cache.radix import RadixCache
 from tpcache.workers.channel import Attach, RankLoop
@@ -31,15 +29,14 @@ from tpcache.workers.kvpool import (
     slots_that_fit,
 )
 from tpcache.workers.lockstep import apply_step, fail_step
-from tpcache.workers.model import ModelConfigError, ModelSpec, ReferenceRunner
 from tpcache.workers.model_host import ModelHost
 from tpcache.workers.ops import Step, StepResult, decode_step, encode
-from tpcache.workers.runner import ModelRunner, RunnerConfigError
-from tpcache.workers.runner_spec import RunnerSpec, build_runner
+from tpcache.workers.rank_models import RankModels
+from tpcache.workers.runner_spec import build_runner
 from tpcache.workers.spec import CacheSpec, WorkerSpec
 
 
-class RankWorker:
+class RankWorker(RankModels):
     """One TP rank: KV-pool shard + cache mirror + process group.
 
     Call order: ``address`` (rank 0), ``join`` (all, concurrently), ``setup`` (all,
@@ -249,60 +246,6 @@ class RankWorker:
         if first is not None:
             raise first
         return out
-
-    # ---- KV data (the model's side; not part of the cache state) ------------------------
-    def read_kv(self, layer: int, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        k, v = self._pool().read(layer, slots)
-        return k.float().cpu().numpy(), v.float().cpu().numpy()
-
-    # ---- the model runner (workers/runner.py, workers/model_host.py) ----------------------
-    @property
-    def runner(self) -> ModelRunner | None:
-        return self.models.runner
-
-    @property
-    def tokens_computed(self) -> int:
-        """Tokens run through the runner since it was installed."""
-        return self.models.tokens_computed
-
-    def load_model(self, spec: ModelSpec) -> dict[str, Any]:
-        """Install the built-in checking model ``spec`` (``ReferenceRunner``) on this
-        rank's device, in the pool's dtype. Not a collective. Raises ``ModelConfigError``
-        (the current runner kept) unless the pool holds the model's KV (heads, head_dim,
-        one pool layer per full-attention layer, the hybrid cache's window)."""
-        runner = ReferenceRunner.of(spec, self.spec.pool.dtype)
-        try:
-            return self.models.install(runner, self.spec.pool, self.spec.cache.sliding_window)
-        except RunnerConfigError as exc:
-            raise ModelConfigError(str(exc)) from None
-
-    def load_runner(self, target: str, args: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Build the runner ``target`` (``"module:Class"``) with ``args`` here and install
-        it, as ``WorkerSpec.runner`` does at construction. Not a collective. Raises
-        RunnerSpecError / RunnerConfigError (the current runner kept) if it cannot be
-        built or its layout does not fit this rank's pool."""
-        runner = build_runner(RunnerSpec.of(target, args))
-        return self.models.install(runner, self.spec.pool, self.spec.cache.sliding_window)
-
-    def forward(self, data: bytes) -> bytes:
-        """Run the runner on an encoded ``Forward`` (one request); returns an encoded
-        ``ForwardResult``. As ``forward_batch`` for a batch of one."""
-        return encode(self.models.forward(self._group(), self._state, data, self.last_step))
-
-    def forward_batch(self, data: bytes) -> bytes:
-        """Run the runner on an encoded ``ForwardBatch``; returns an encoded
-        ``ForwardBatchResult``.
-
-        Collective (every rank, same order, same command). Every item is first checked
-        against this rank's own cache (``check_forward_batch``) and by the runner
-        (``check_batch``), and the verdict agreed by MIN, so a bad command raises
-        ``ForwardError`` on every rank before any compute. Then the runner writes the new
-        tokens' K and V and enters its collectives. Changes the pools, not the cache.
-        """
-        return self.models.forward_batch(self._group(), self._state, data, self.last_step)
-
-    def _state(self) -> tuple[RadixCache, KVPool]:
-        return self._cache(), self._pool()
 
     # ---- inspection ---------------------------------------------------------------------
     def request_slots(self, rid: int | str) -> list[int]:
