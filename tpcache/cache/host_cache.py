@@ -50,7 +50,7 @@ from tpcache.cache.errors import (
     OutOfCapacity,
 )
 from tpcache.cache.host_config import HostAdmitResult, HostConfig, HostCopy, HostMatchResult
-from tpcache.cache.host_moves import to_device
+from tpcache.cache.host_moves import load, to_device
 from tpcache.cache.host_tree import HostTree
 from tpcache.cache.host_waits import CopyWaits
 from tpcache.cache.insert import insert_key
@@ -171,7 +171,7 @@ class HostCache(OnePoolCache):
             tree.unlock(node)
             self._unpin(hosts)
             raise
-        loaded = self._load(hosts, pages)
+        loaded = load(tree, hosts, pages) * ps if hosts else 0
         if hosts:  # the request's lock moves to the end of what was loaded
             tree.lock(hosts[-1])
             tree.unlock(node)
@@ -180,22 +180,14 @@ class HostCache(OnePoolCache):
         row = join_pages([*map(pages_of, path), pages[loaded // ps :]])
         tree.touch(path, queue=False)
         self.reqs.add(rid, key, row, total, (pos + loaded) // ps, node, prio, 0)
-        return HostAdmitResult(pos + loaded, row, total, ps, loaded, self._waits.record(rid))
+        c = tree.copies  # (a new request waits for nothing unless copies are pending)
+        wait = self._waits.record(rid) if c.started != c.completed else 0
+        return HostAdmitResult(pos + loaded, row, total, ps, loaded, wait)
 
     def extend(self, rid: RequestId, n: int, *, evict: bool | Evictor = True) -> np.ndarray:
         slots = super().extend(rid, n, evict=evict)
         self._waits.record(rid)  # its new pages may be ones a write-back still reads
         return slots
-
-    def _load(self, hosts: list[Any], pages: np.ndarray) -> int:
-        """Load host-only ``hosts`` (top-down) into the first of ``pages``; their tokens."""
-        k = 0
-        for h in hosts:
-            n = h.pages.size
-            to_device(self.tree, h, pages[k : k + n], HELD, load=True)
-            h.pinned = False
-            k += n
-        return k * self.page_size
 
     def _unpin(self, hosts: list[Any]) -> None:
         for h in hosts:
@@ -218,7 +210,7 @@ class HostCache(OnePoolCache):
         for node in path:
             n = node.pages.size
             if not node.dev:
-                to_device(tree, node, pages[at : at + n], owner, load=False)
+                to_device(tree, node, pages[at : at + n], owner)
             at += n
 
     def _check_lent(self, key: np.ndarray, pages: np.ndarray) -> None:

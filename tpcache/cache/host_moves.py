@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tpcache.cache.allocator import CACHED
+from tpcache.cache.allocator import CACHED, HELD
 from tpcache.cache.events import BlockRemoved, BlockStored
 from tpcache.cache.evict import Freed, record_evict
 from tpcache.cache.hashing import block_hashes
@@ -61,6 +61,7 @@ def _retier(tree: HostTree, node: Any, pages: np.ndarray) -> None:
 
 
 def _announce(tree: HostTree, node: Any, medium: str, stored: bool) -> None:
+    # Callers on the hot paths check ``record_events`` first: a call per move costs.
     if not tree.record_events:
         return
     hashes = block_hashes(node.states).tolist()
@@ -81,26 +82,60 @@ def _announce(tree: HostTree, node: Any, medium: str, stored: bool) -> None:
 
 
 # ---- device -> host ---------------------------------------------------------------------
+class _Writes:
+    """The write-backs of one eviction that took host pages from the free FIFO, kept back
+    so that they take them in one ``alloc`` (the pages, the FIFO and the tags end the same
+    as node-by-node allocs: no free comes between them). Flushed, in order, before any
+    other host-pool move of the eviction and at its end; a node in it is host-only
+    already except for its ``host`` and ``pages`` and its copy, started at the flush."""
+
+    __slots__ = ("nodes", "pages")
+
+    def __init__(self) -> None:
+        self.nodes: list[tuple[Any, np.ndarray]] = []  # (node, its device pages)
+        self.pages = 0
+
+    def flush(self, tree: HostTree) -> None:
+        if not self.pages:
+            return
+        host = tree.host_alloc.alloc(self.pages, CACHED)
+        shifted = host + tree.offset
+        start = tree.copies.start
+        k = 0
+        for node, device in self.nodes:
+            n = device.size
+            node.host = host[k : k + n]
+            start(True, device, node.host)
+            _retier(tree, node, shifted[k : k + n])
+            k += n
+        self.nodes = []
+        self.pages = 0
+
+
 def evict_device(tree: HostTree, num_pages: int) -> Freed:
     """``HostTree.evict``: device candidates in policy order until ``num_pages`` device
     pages are freed or none is left; the pages go back in one free group. Times the call."""
     started = time.perf_counter()
     out = Freed()
     freed: list[np.ndarray] = []
+    writes = _Writes()
     pop = tree.leaves.pop
     while out.full < num_pages:
         node = pop()
         if node is None:
             break
-        if node.dev and not node.lock and node.alive and not has_dev_child(node):
-            _leave_device(tree, node, out, freed)
+        if node.dev and not node.lock and node.alive and not (node.children and has_dev_child(node)):
+            _leave_device(tree, node, out, freed, writes)
+    writes.flush(tree)
     if freed:
         pages = freed[0] if len(freed) == 1 else join_pages(freed)
         tree.alloc.free(pages, CACHED, checked=False)
     return record_evict(tree, out, started)
 
 
-def _leave_device(tree: HostTree, node: Any, out: Freed, freed: list[np.ndarray]) -> None:
+def _leave_device(
+    tree: HostTree, node: Any, out: Freed, freed: list[np.ndarray], writes: _Writes
+) -> None:
     n = node.pages.size
     out.full += n
     out.dead.append(node)
@@ -109,15 +144,27 @@ def _leave_device(tree: HostTree, node: Any, out: Freed, freed: list[np.ndarray]
     if node.host.size:  # a copy already (write-through): only the device's pages go
         tree.copy_pages -= n
         tree.host_sum = (tree.host_sum - copy_term(node.host, node.pages)) & _MASK
-    elif tree.through is None:  # write-back: copy it, unless the host has no room
+        moved = True
+    elif tree.through is not None:
+        moved = False
+    elif tree.host_alloc.num_free - writes.pages >= n:  # write-back from the free FIFO
+        # The node goes straight to host-only (never counted in ``copy_pages``): its
+        # device pages leave it now, and whoever gets them next waits for the copy.
+        writes.nodes.append((node, node.pages))
+        writes.pages += n
+        _wrote(tree, node, n)
+        moved = True
+    else:  # write-back, if the host can drop enough for it
+        writes.flush(tree)
         host = _take_host(tree, n)
-        if host is not None:
-            # The node goes straight to host-only (never counted in ``copy_pages``): its
-            # device pages leave it now, and whoever gets them next waits for the copy.
+        moved = host is not None
+        if moved:
             _started_write(tree, node, host)
-    if node.host.size:
-        _announce(tree, node, tree.medium, stored=False)
-        _retier(tree, node, node.host + tree.offset)
+    if moved:
+        if tree.record_events:
+            _announce(tree, node, tree.medium, stored=False)
+        if node.host.size:  # (a node in ``writes`` gets its pages at the flush)
+            _retier(tree, node, node.host + tree.offset)
         node.dev = False
         if not node.children:
             tree.host_leaves.push(node)
@@ -138,10 +185,13 @@ def _take_host(tree: HostTree, n: int) -> np.ndarray | None:
 
 
 def _started_write(tree: HostTree, node: Any, host: np.ndarray) -> None:
-    n = host.size
     node.host = host
-    tree.host_pages += n
     tree.copies.start(True, node.pages, host)
+    _wrote(tree, node, host.size)
+
+
+def _wrote(tree: HostTree, node: Any, n: int) -> None:
+    tree.host_pages += n
     tree.written_pages += n
     if tree.record_events:
         _announce(tree, node, HOST, stored=True)
@@ -226,27 +276,54 @@ def _drop_host_leaves(tree: HostTree, n: int) -> np.ndarray | None:
 
 
 # ---- host -> device ---------------------------------------------------------------------
-def to_device(tree: HostTree, node: Any, pages: np.ndarray, owner: int, load: bool) -> None:
-    """Host-only ``node`` gets device ``pages`` (tagged ``owner`` until now): loaded from
-    its host copy (``load``: a copy is started) or computed by the request that gives
-    them. Its parent is on the device already (callers go top-down)."""
-    n = pages.size
+def to_device(tree: HostTree, node: Any, pages: np.ndarray, owner: int) -> None:
+    """Host-only ``node`` gets the device ``pages`` (tagged ``owner`` until now) of a
+    request that computed the same tokens (an insert over it). Its parent is on the
+    device already (callers go top-down)."""
     pages = pages.copy()  # the node's own array from now on
     tree.alloc.retag(pages, owner, CACHED, checked=False)
-    if load:
+    _on_device(tree, node, pages, False)
+    tree._queue(node)
+
+
+def load(tree: HostTree, hosts: list[Any], pages: np.ndarray) -> int:
+    """Load the host-only path ``hosts`` (top-down, pinned by an admit) into the first of
+    ``pages`` (HELD); a copy is started for each node. Returns the pages they took. None
+    is queued for eviction: the caller locks the last one at once."""
+    n = sum([h.pages.size for h in hosts])
+    own = pages[:n].copy()  # the nodes' own arrays from now on (one copy, cut)
+    tree.alloc.retag(own, HELD, CACHED, checked=False)
+    k = 0
+    for h in hosts:
+        m = h.pages.size
+        _on_device(tree, h, own[k : k + m], True)
+        h.pinned = False
+        k += m
+    return n
+
+
+def _on_device(tree: HostTree, node: Any, pages: np.ndarray, loaded: bool) -> None:
+    """Host-only ``node`` is on the device in ``pages`` (the tree's already): its copy
+    starts if ``loaded``; write-back frees the host copy then (exclusive tiers; copies run
+    in id order, so whoever gets the host pages next writes them after the load read
+    them), write-through keeps it."""
+    n = pages.size
+    if loaded:
         tree.copies.start(False, pages, node.host)
         tree.loaded_pages += n
     _retier(tree, node, pages)
     node.dev = True
     tree.cached_pages += n
     tree.host_leaves.forget(node)
-    _announce(tree, node, tree.medium, stored=True)
-    if tree.through is None:  # exclusive tiers: the host copy goes once the load is done
+    events = tree.record_events
+    if events:
+        _announce(tree, node, tree.medium, stored=True)
+    if tree.through is None:
         tree.host_alloc.free(node.host, CACHED, checked=False)
         tree.host_pages -= n
         node.host = _EMPTY_PAGES
-        _announce(tree, node, HOST, stored=False)
+        if events:
+            _announce(tree, node, HOST, stored=False)
     else:
         tree.copy_pages += n
         tree.host_sum = (tree.host_sum + copy_term(node.host, pages)) & _MASK
-    tree._queue(node)

@@ -141,7 +141,7 @@ class HostTree(RadixTree):
     def _queue(self, node: Node) -> None:
         # A device candidate: no lock and no child on the device (host children do not
         # hold it: they go down with it or stay below it on the host).
-        if node.dev and not node.lock and node.alive and not has_dev_child(node):  # type: ignore[attr-defined]
+        if node.dev and not node.lock and node.alive and not (node.children and has_dev_child(node)):  # type: ignore[attr-defined]
             self.leaves.push(node)
 
     def unlock(self, node: Node, top: Node | None = None) -> None:
@@ -154,7 +154,8 @@ class HostTree(RadixTree):
             node.lock -= 1
             if node.lock == 0:
                 self.protected_pages -= node.pages.size
-                self._queue(node)
+                if not (node.children and has_dev_child(node)):  # a device candidate now
+                    self.leaves.push(node)
             node = node.parent  # type: ignore[assignment]
 
     def check_lockable(self, node: Node, top: Node | None) -> None:
@@ -191,10 +192,10 @@ class HostTree(RadixTree):
         """A ``descend`` result cut where the device prefix ends: (device path, its
         tokens, device partial node, its common tokens, host-only path, host partial
         node, its common tokens)."""
-        for i, node in enumerate(path):
-            if not node.dev:  # type: ignore[attr-defined]
-                dpos = pos - sum(len(n.kb) for n in path[i:]) // 4
-                return path[:i], dpos, None, 0, path[i:], partial, common
+        if path and not path[-1].dev:  # (else all are: the device tier is closed under parents)
+            i = next(i for i, node in enumerate(path) if not node.dev)  # type: ignore[attr-defined]
+            dpos = pos - sum(len(n.kb) for n in path[i:]) // 4
+            return path[:i], dpos, None, 0, path[i:], partial, common
         if partial is not None and not partial.dev:  # type: ignore[attr-defined]
             return path, pos, None, 0, [], partial, common
         return path, pos, partial, common, [], None, 0
