@@ -83,7 +83,7 @@ __all__ = ["HostCache", "HostConfig"]
 def no_namespaces(namespace: Any) -> None:
     """Raise ``InvalidNamespace`` for any namespace but the default one: the host tier's
     moves do not keep namespace anchors (yet)."""
-    if as_namespace(namespace) is not None:
+    if namespace is not None and as_namespace(namespace) is not None:
         raise InvalidNamespace(
             "the host-tier cache keys no namespaces (LoRA adapter, cache salt); use the"
             " device-only or the hybrid cache for namespaced requests"
@@ -270,12 +270,14 @@ class HostCache(OnePoolCache):
         ps = self.page_size
         tail, pages, n = finished_tail(req, out, ps)
         tree = self.tree
-        self._revive(tail, pages, req.node, 0, HELD)
+        if tree.host_pages != tree.copy_pages:  # (``_revive``'s own first check, inline)
+            self._revive(tail, pages, req.node, 0, HELD)
         insert_key(tree, tail, pages, req.priority, start=req.node, trusted=True, want_pages=False)
         self.alloc.free(req.pages[n // ps :], HELD, checked=False)
         tree.unlock(req.node)
         self.reqs.remove(req.rid)
-        self._waits.forget(req.rid)
+        if self._waits.waits:
+            self._waits.forget(req.rid)
         return n
 
     def abort(self, rid: RequestId) -> None:

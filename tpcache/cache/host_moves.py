@@ -124,7 +124,12 @@ def evict_device(tree: HostTree, num_pages: int) -> Freed:
         node = pop()
         if node is None:
             break
-        if node.dev and not node.lock and node.alive and not (node.children and has_dev_child(node)):
+        if (
+            node.dev
+            and not node.lock
+            and node.alive
+            and not (node.children and has_dev_child(node))
+        ):
             _leave_device(tree, node, out, freed, writes)
     writes.flush(tree)
     if freed:
@@ -232,6 +237,10 @@ def _delete(tree: HostTree, node: Any) -> None:
     del tree.nodes[node.id]
     node.alive = False
     tree.digest_sum = (tree.digest_sum - node.term) & _MASK
+    # A dead node may stay referenced a while (stale heap entries, the tree's list of
+    # nodes to hash), and its tokens are most of its memory: let them go now, so that
+    # new nodes reuse that memory instead of growing the heap.
+    node.kb = b""
 
 
 # ---- the host pool ----------------------------------------------------------------------

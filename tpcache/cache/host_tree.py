@@ -141,7 +141,8 @@ class HostTree(RadixTree):
     def _queue(self, node: Node) -> None:
         # A device candidate: no lock and no child on the device (host children do not
         # hold it: they go down with it or stay below it on the host).
-        if node.dev and not node.lock and node.alive and not (node.children and has_dev_child(node)):  # type: ignore[attr-defined]
+        dev = node.dev  # type: ignore[attr-defined]
+        if dev and not node.lock and node.alive and not (node.children and has_dev_child(node)):
             self.leaves.push(node)
 
     def unlock(self, node: Node, top: Node | None = None) -> None:

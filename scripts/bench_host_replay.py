@@ -1,0 +1,95 @@
+"""The host tier's speed bar (#19): ``tpcache replay`` with the host tier against the
+single-tier replay, in interleaved pairs (single, host, single, host, ...), so that a
+load change on a shared machine hits both sides of a pair alike. Prints each pair's
+cache-ops times (wall and CPU) and ratio, the medians, and the machine with its load
+average before and after; checks that every run of a side reports the same hit
+figures. Each run is a fresh ``tpcache replay --json`` process.
+
+    .venv/bin/python scripts/bench_host_replay.py [--pairs 5] [--capacity 3000000]
+        [--host-capacity 30000000] [--page-size 16] [--write-policy write_back] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+
+# The figures that must not change between runs (nor with a faster implementation).
+HITS = (
+    "hit_rate",
+    "device_hit_tokens",
+    "host_hit_tokens",
+    "loaded_tokens",
+    "written_back_tokens",
+    "host_evicted_tokens",
+)
+
+
+def replay(args: argparse.Namespace, host: bool) -> dict:
+    cmd = [sys.executable, "-m", "tpcache", "replay", "--json", "--capacity", str(args.capacity),
+           "--page-size", str(args.page_size)]  # fmt: skip
+    if host:
+        cmd += ["--host-capacity", str(args.host_capacity), "--write-policy", args.write_policy]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pairs", type=int, default=5)
+    ap.add_argument("--capacity", type=int, default=3_000_000)
+    ap.add_argument("--host-capacity", type=int, default=30_000_000)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--write-policy", default="write_back")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    load_before = os.getloadavg()
+    pairs = []
+    hits: dict[bool, set] = {False: set(), True: set()}
+    for i in range(args.pairs):
+        single, host = replay(args, False), replay(args, True)
+        for side, run in ((False, single), (True, host)):
+            hits[side].add(tuple(run.get(k) for k in HITS))
+        pair = {
+            "single_s": round(single["cache_ops_s"], 3),
+            "host_s": round(host["cache_ops_s"], 3),
+            "single_cpu_s": round(single["cache_ops_cpu_s"], 3),
+            "host_cpu_s": round(host["cache_ops_cpu_s"], 3),
+            "ratio": round(host["cache_ops_s"] / single["cache_ops_s"], 3),
+            "cpu_ratio": round(host["cache_ops_cpu_s"] / single["cache_ops_cpu_s"], 3),
+            "load": round(os.getloadavg()[0], 2),
+        }
+        pairs.append(pair)
+        if not args.json:
+            print(f"pair {i + 1}: {pair}", flush=True)
+    if any(len(v) != 1 for v in hits.values()):
+        raise SystemExit(f"hit figures differ between runs: {hits}")
+    out = {
+        "machine": f"{platform.node()} {platform.machine()} {platform.processor()}".strip()
+        + f", {os.cpu_count()} cpus, Python {platform.python_version()}",
+        "load_before": [round(x, 2) for x in load_before],
+        "load_after": [round(x, 2) for x in os.getloadavg()],
+        "write_policy": args.write_policy,
+        "pairs": len(pairs),
+        "single_s_median": statistics.median(p["single_s"] for p in pairs),
+        "host_s_median": statistics.median(p["host_s"] for p in pairs),
+        "ratio_median": statistics.median(p["ratio"] for p in pairs),
+        "cpu_ratio_median": statistics.median(p["cpu_ratio"] for p in pairs),
+        "host_hits": dict(zip(HITS, next(iter(hits[True])), strict=True)),
+        "single_hit_rate": next(iter(hits[False]))[0],
+    }
+    if args.json:
+        out["pair_runs"] = pairs
+        print(json.dumps(out))
+        return
+    for k, v in out.items():
+        print(f"{k:>17}: {v}")
+
+
+if __name__ == "__main__":
+    main()
