@@ -154,7 +154,11 @@ class HostCache(OnePoolCache):
         tree = self.tree
         found = tree.descend(key, (key.size - 1) // ps * ps)
         check_sign(key, found[1] + found[3])
-        path, pos, partial, common, hosts, hpart, hcommon = tree.tier_cut(*found)
+        path, pos, partial, common = found
+        if (path and not path[-1].dev) or (partial is not None and not partial.dev):
+            path, pos, partial, common, hosts, hpart, hcommon = tree.tier_cut(*found)
+        else:  # all on the device (``tier_cut``'s result, without the call)
+            hosts, hpart, hcommon = [], None, 0
         need = -(-total // ps) - (pos + common) // ps  # the host part's pages included
         if need > self.alloc.num_free:
             room.check(need, path, partial, common, evict)
@@ -200,9 +204,12 @@ class HostCache(OnePoolCache):
         """Give the host-only nodes that caching ``key`` (pages ``pages``, ``start`` ending
         at ``key[:start_pos]``) walks over the given device pages, top-down."""
         tree = self.tree
-        if not tree.host_only_pages():
-            return
         ps = self.page_size
+        if (
+            not tree.host_only_pages()
+            or key[start_pos : start_pos + ps].tobytes() not in start.children
+        ):
+            return  # nothing host-only, or no node to walk over (``descend``'s first probe)
         path, _, partial, common = tree.descend(key, key.size, start, start_pos)
         if partial is not None and not partial.dev:
             path.append(tree.split(partial, common))

@@ -175,7 +175,9 @@ def _leave_device(
             tree.host_leaves.push(node)
     else:
         _drop_subtree(tree, node)
-    tree._queue(node.parent)
+    parent = node.parent  # a device candidate now? (``HostTree._queue``, inline)
+    if parent.dev and not parent.lock and parent.alive and not has_dev_child(parent):
+        tree.leaves.push(parent)
 
 
 def _take_host(tree: HostTree, n: int) -> np.ndarray | None:

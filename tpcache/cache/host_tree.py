@@ -150,13 +150,19 @@ class HostTree(RadixTree):
             return
         if node.lock <= 0:
             raise LockError(f"node {node.id} is not locked")
+        node.lock -= 1
+        if node.lock == 0:
+            self.protected_pages -= node.pages.size
+            if not (node.children and has_dev_child(node)):  # a device candidate now
+                self.leaves.push(node)
+        # Above it, each node has a device child (the one the walk came from: it was
+        # locked, so it is on the device), so none becomes a candidate.
         root = self.root
+        node = node.parent  # type: ignore[assignment]
         while node is not root:
             node.lock -= 1
             if node.lock == 0:
                 self.protected_pages -= node.pages.size
-                if not (node.children and has_dev_child(node)):  # a device candidate now
-                    self.leaves.push(node)
             node = node.parent  # type: ignore[assignment]
 
     def check_lockable(self, node: Node, top: Node | None) -> None:
