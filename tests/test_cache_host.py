@@ -236,3 +236,41 @@ def test_deferred_copies_change_no_decision_and_gate_only_the_forward(ps: int) -
     c.abort(3)  # an aborted request waits for nothing
     c.check_integrity()
     assert c.copies_pending() == 1
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+def test_a_request_waits_only_for_copies_of_its_own_pages(ps: int) -> None:
+    """#19: a request whose row no pending copy touches may run its forward at once; one
+    given a page a write-back still reads, or whose prefix is still being loaded (by
+    itself or by another request's admit), waits for that copy (1 + its id)."""
+    c = make(ps, dev=6, host=8, defer_copies=True, record_copies=True)
+    run(c, 1, blocks(ps, 1, 2))  # A on pages 0, 1
+    run(c, 2, blocks(ps, 3, 4))  # B on pages 3, 4
+    got = c.admit(3, blocks(ps, 5, 6), reserve=1)  # evicts A: copy 0 reads pages 0, 1
+    assert (got.pages.tolist(), got.ready_after) == ([2, 5, 0], 1)
+    c.copies_done(1)
+    c.finish(3)
+    c.evict(2 * ps)  # B goes to the host: copy 1 reads pages 3, 4
+    assert [(k.id, k.to_host, k.device_pages.tolist()) for k in c.take_copies()] == [
+        (0, True, [0, 1]),
+        (1, True, [3, 4]),
+    ]
+    got = c.admit(4, blocks(ps, 7, 8), reserve=0)  # pages no pending copy touches
+    assert (got.pages.tolist(), got.ready_after, c.copies_pending()) == ([1, 0], 0, 1)
+    assert c.request_ready(4)
+    got = c.admit(5, blocks(ps, 9), reserve=0)  # page 3: copy 1 still reads it
+    assert (got.pages.tolist(), got.ready_after) == ([3], 2)
+    c.abort(4)
+    c.abort(5)
+    got = c.admit(6, blocks(ps, 1, 2, 10), reserve=0)  # loads A into pages 4, 0: copy 2
+    assert (got.pages.tolist(), got.host_hit_length, got.ready_after) == ([4, 0, 1], 2 * ps, 3)
+    # G matches A on the device, still being loaded by F's admit: G waits for that load.
+    got = c.admit(7, blocks(ps, 1, 2, 11), reserve=0)
+    assert (got.pages.tolist(), got.prefix_len, got.host_hit_length) == ([4, 0, 3], 2 * ps, 0)
+    assert got.ready_after == 3
+    c.copies_done(2)
+    assert not (c.request_ready(6) or c.request_ready(7))
+    c.check_integrity()
+    c.copies_done(3)
+    assert c.request_ready(6) and c.request_ready(7) and not c._waits.waits
+    c.check_integrity()

@@ -23,13 +23,18 @@ pages an eviction just freed (and an admit or extend may hand them out at once),
 load still writes the device pages of the prefix it brings back. Copies run one at a
 time in id order (``workers/hostcopy.py``), so copy-after-copy hazards (a host page
 freed and written again, a load of a node still being written) are ordered by the ids
-alone; copy-versus-forward hazards are closed by readiness: an admit or extend made
-while copies are not done records ``ready_after`` = the copies started by its end, and
-the request's forward may run only once ``copies_done`` has reached it
-(``request_ready``; the ranks refuse the forward before, the coordinator waits for it).
-That is conservative (it also waits for copies that touch none of the request's
-pages) and never makes an admit fail or wait for a copy. Without ``defer_copies`` every
-copy is done as it starts, so nothing ever waits (a replay).
+alone; copy-versus-forward hazards are closed by readiness: an admit, extend or
+``cache_unfinished`` made while copies are not done records ``ready_after`` = 1 + the id
+of the last such copy that touches a device page of the request's row (``CopyLog.touch``,
+``host_waits.py``), and the request's forward may run only once ``copies_done`` (agreed
+by every rank) has reached it (``request_ready``; the ranks refuse the forward before,
+the coordinator waits for it); a request whose pages no pending copy touches runs at
+once. Why a page freed while its write-back is in flight is never overwritten first: a
+forward writes only its request's row (the ranks check its slots against their cache),
+and a page enters a row only through an admit, extend or ``cache_unfinished``, each of
+which records the write-back that reads it; pages lent by ``alloc_slots`` have no op in
+a lockstep, and a single process completes every copy as it starts. This never makes an
+admit fail or wait for a copy. Without ``defer_copies`` nothing ever waits (a replay).
 
 The hybrid (SWA) cache has no host tier: ``HostConfig`` is a one-pool configuration.
 The contracts of every method: ``protocol.Cache``.
@@ -185,12 +190,14 @@ class HostCache(OnePoolCache):
         tree.touch(path, queue=False)
         self.reqs.add(rid, key, row, total, (pos + loaded) // ps, node, prio, 0)
         c = tree.copies  # (a new request waits for nothing unless copies are pending)
-        wait = self._waits.record(rid) if c.started != c.completed else 0
+        wait = self._waits.record(rid, row) if c.started != c.completed else 0
         return HostAdmitResult(pos + loaded, row, total, ps, loaded, wait)
 
     def extend(self, rid: RequestId, n: int, *, evict: bool | Evictor = True) -> np.ndarray:
         slots = super().extend(rid, n, evict=evict)
-        self._waits.record(rid)  # its new pages may be ones a write-back still reads
+        c = self.tree.copies  # its new pages may be ones a write-back still reads
+        if c.started != c.completed:
+            self._waits.record(rid, self.reqs.get(rid).pages)
         return slots
 
     def _unpin(self, hosts: list[Any]) -> None:
@@ -269,6 +276,9 @@ class HostCache(OnePoolCache):
         req.node = node
         req.cached_pages = tree_pages.size  # type: ignore[union-attr]
         req.tokens = key
+        c = tree.copies  # the tree's pages now in the row may still be being loaded
+        if c.started != c.completed:
+            self._waits.record(rid, req.pages)
         return n
 
     def finish(self, rid: RequestId, output_tokens: TokenLike = ()) -> int:

@@ -56,23 +56,37 @@ class HostNode(Node):
 class CopyLog:
     """The copies a cache started, numbered from 0. Counters always; the records only
     when ``keep`` (a rank runs them; a replay has no use for them). ``defer``: the
-    completed prefix moves only by ``done`` (else every copy completes as it starts)."""
+    completed prefix moves only by ``done`` (else every copy completes as it starts);
+    then ``touch`` keeps, per device page, 1 + the id of the last copy started that reads
+    or writes it (0: none), so a request waits only for the copies of its own pages."""
 
-    def __init__(self, keep: bool, defer: bool = False) -> None:
+    def __init__(self, keep: bool, defer: bool = False, device_pages: int = 0) -> None:
         self.keep = keep
         self.defer = defer
         self.started = 0  # copies started (ids 0 .. started - 1)
         self.completed = 0  # their completed prefix (agreed, in a lockstep)
         self.records: list[HostCopy] = []  # owned here; taken by ``take``
+        # Owned here: written as copies start, read by ``CopyWaits``.
+        self.touch = np.zeros(device_pages, np.int64) if defer else None
 
     def start(self, to_host: bool, device: np.ndarray, host: np.ndarray) -> int:
         cid = self.started
         self.started = cid + 1
-        if not self.defer:
+        if self.touch is None:
             self.completed = cid + 1
+        else:
+            self.touch[device] = cid + 1
         if self.keep:
             self.records.append(HostCopy(cid, to_host, device.copy(), host.copy()))
         return cid
+
+    def pending_on(self, pages: np.ndarray) -> int:
+        """1 + the id of the last copy not known done that touches one of the device
+        ``pages``; 0 if none. Pure."""
+        if self.touch is None or self.started == self.completed or not pages.size:
+            return 0
+        last = int(self.touch[pages].max())
+        return last if last > self.completed else 0
 
     def done(self, n: int) -> bool:
         """The first ``n`` copies are done; False (nothing changed) unless
@@ -112,7 +126,7 @@ class HostTree(RadixTree):
         self.host_alloc = host_alloc
         self.through = through
         self.offset = alloc.num_pages  # host-only nodes' pages: host id + offset
-        self.copies = CopyLog(record_copies, defer_copies)
+        self.copies = CopyLog(record_copies, defer_copies, alloc.num_pages)
         # Statistics since creation (reset included): pages written, loaded, and dropped
         # from the host pool by its eviction.
         self.written_pages = self.loaded_pages = self.host_evicted_pages = 0

@@ -1,14 +1,19 @@
 """Which running requests' forwards wait for copies of the host tier, and for how many:
 the readiness half of ``HostCache``'s copy contract (``host_cache.py``'s docstring).
 
-An admit or extend made while copies are not known done records that the request waits
-for every copy started by then (``record``); ``done(n)`` moves the known-done count of
-the copy log and lets go of the requests it covers. Owned by one ``HostCache``.
+A request waits only for the copies that touch its own row's device pages (``record``):
+a load into them (its own, or one of a prefix it matched while another request's load
+of it was not done), or a write-back or write-through copy that still reads a page the
+row was just given (a page an eviction freed at once). Copies run in id order, so
+waiting for the last such copy waits for all of them. ``done(n)`` moves the known-done
+count of the copy log and lets go of the requests it covers. Owned by one ``HostCache``.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import numpy as np
 
 from tpcache.cache.errors import HostTierError, IntegrityError
 from tpcache.cache.host_tree import CopyLog
@@ -22,12 +27,12 @@ class CopyWaits:
         self.copies = copies
         self.waits: dict[Any, int] = {}
 
-    def record(self, rid: Any) -> int:
-        """``rid`` waits for every copy started so far, if any is not done; returns what
-        it waits for (0: nothing)."""
-        c = self.copies
-        if c.started > c.completed:
-            self.waits[rid] = c.started
+    def record(self, rid: Any, pages: np.ndarray) -> int:
+        """``rid``'s row is ``pages`` now: it also waits for the copies not done that
+        touch them; returns what it waits for (0: nothing)."""
+        last = self.copies.pending_on(pages)
+        if last > self.waits.get(rid, 0):
+            self.waits[rid] = last
         return self.waits.get(rid, 0)
 
     def forget(self, rid: Any) -> None:
