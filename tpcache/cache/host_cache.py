@@ -51,11 +51,11 @@ from tpcache.cache.errors import (
     HostTierError,
     IntegrityError,
     InvalidNamespace,
-    InvalidSlots,
     OutOfCapacity,
 )
 from tpcache.cache.host_config import HostAdmitResult, HostConfig, HostCopy, HostMatchResult
-from tpcache.cache.host_moves import load, to_device
+from tpcache.cache.host_inserts import check_lent, revive
+from tpcache.cache.host_moves import load
 from tpcache.cache.host_tree import HostTree
 from tpcache.cache.host_waits import CopyWaits
 from tpcache.cache.insert import insert_key
@@ -80,7 +80,6 @@ from tpcache.cache.reqtable import (
     finished_tail,
 )
 from tpcache.cache.tree_check import check_cache
-from tpcache.errors import TpcacheError
 
 __all__ = ["HostCache", "HostConfig"]
 
@@ -206,42 +205,7 @@ class HostCache(OnePoolCache):
             if not h.children:
                 self.tree.host_leaves.push(h)
 
-    # ---- inserts over host-only nodes -------------------------------------------------------
-    def _revive(self, key: np.ndarray, pages: np.ndarray, start: Any, start_pos: int, owner: int):
-        """Give the host-only nodes that caching ``key`` (pages ``pages``, ``start`` ending
-        at ``key[:start_pos]``) walks over the given device pages, top-down."""
-        tree = self.tree
-        ps = self.page_size
-        if (
-            not tree.host_only_pages()
-            or key[start_pos : start_pos + ps].tobytes() not in start.children
-        ):
-            return  # nothing host-only, or no node to walk over (``descend``'s first probe)
-        path, _, partial, common = tree.descend(key, key.size, start, start_pos)
-        if partial is not None and not partial.dev:
-            path.append(tree.split(partial, common))
-        at = start_pos // ps
-        for node in path:
-            n = node.pages.size
-            if not node.dev:
-                to_device(tree, node, pages[at : at + n], owner)
-            at += n
-
-    def _check_lent(self, key: np.ndarray, pages: np.ndarray) -> None:
-        """Raise ``InvalidSlots`` (nothing changed) unless every given page is the tree's
-        device page at its place or a page lent to the caller."""
-        path, pos, partial, common = self.tree.descend(key, key.size)
-        pieces = list(map(pages_of, path))
-        if partial is not None:
-            pieces.append(partial.pages[: common // self.page_size])
-        k = (pos + common) // self.page_size
-        known = join_pages(pieces) if pieces else np.zeros(0, np.int64)
-        mine = np.concatenate((pages[:k][pages[:k] != known], pages[k:]))
-        try:
-            self.alloc.check_owned(mine, LENT)
-        except TpcacheError as exc:
-            raise InvalidSlots(f"cannot insert: {exc}") from None
-
+    # ---- inserts (over host-only nodes: ``host_inserts.py``) -----------------------------
     def insert(
         self, tokens: TokenLike, slots: TokenLike, priority: int = 0, namespace: Any = None
     ) -> int:
@@ -252,8 +216,8 @@ class HostCache(OnePoolCache):
         pages = slots_to_pages(slot_ids[:n], self.page_size)
         prio = as_priority(priority)
         if self.tree.host_only_pages():
-            self._check_lent(key[:n], pages)
-            self._revive(key[:n], pages, self.tree.root, 0, LENT)
+            check_lent(self.tree, key[:n], pages)
+            revive(self.tree, key[:n], pages, self.tree.root, 0, LENT)
         have, _, _ = insert_key(self.tree, key[:n], pages, prio, owner=LENT)
         return have
 
@@ -265,7 +229,7 @@ class HostCache(OnePoolCache):
         n = key.size // ps * ps
         tree = self.tree
         start_pos = req.cached_pages * ps
-        self._revive(key[:n], req.pages[: n // ps], req.node, start_pos, HELD)
+        revive(tree, key[:n], req.pages[: n // ps], req.node, start_pos, HELD)
         _, tree_pages, node = insert_key(
             tree, key[:n], req.pages[: n // ps], req.priority,
             start=req.node, start_pos=start_pos, trusted=True,
@@ -287,8 +251,8 @@ class HostCache(OnePoolCache):
         ps = self.page_size
         tail, pages, n = finished_tail(req, out, ps)
         tree = self.tree
-        if tree.host_pages != tree.copy_pages:  # (``_revive``'s own first check, inline)
-            self._revive(tail, pages, req.node, 0, HELD)
+        if tree.host_pages != tree.copy_pages:  # (``revive``'s own first check, inline)
+            revive(tree, tail, pages, req.node, 0, HELD)
         insert_key(tree, tail, pages, req.priority, start=req.node, trusted=True, want_pages=False)
         self.alloc.free(req.pages[n // ps :], HELD, checked=False)
         tree.unlock(req.node)

@@ -120,10 +120,7 @@ def evict_device(tree: HostTree, num_pages: int) -> Freed:
     freed: list[np.ndarray] = []
     writes = _Writes()
     pop = tree.leaves.pop
-    while out.full < num_pages:
-        node = pop()
-        if node is None:
-            break
+    while out.full < num_pages and (node := pop()) is not None:
         if (
             node.dev
             and not node.lock
