@@ -31,6 +31,7 @@ run the batch-8 workload in a cache so small that every admit evicts.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -301,6 +302,9 @@ def group(tp: int, capacity: int, transport: str = "channel") -> tuple[Cell, Coo
         transport=transport,
     )
     coord = start_group(cfg)
+    # This process is the coordinator: its objects so far leave the collector's scans,
+    # as a served coordinator's do (CoordinatorService) and the ranks' (serve_steps).
+    gc.freeze()
     pids = [os.getpid(), *coord.ranks.call("pid")]
     cell = Cell(coord, pids)
     cell.run(8, 10, True, 0)  # warm-up

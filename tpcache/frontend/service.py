@@ -9,6 +9,7 @@ frontend on any node of the cluster reaches it with ``connect(name, namespace)``
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 import time
 from collections.abc import Callable
@@ -111,6 +112,10 @@ class CoordinatorService:
                 raise
             self.start_error = exc
             return
+        # This actor's process lives for the group: what it holds now (Ray, torch, the
+        # group's start-up) is left out of the collector's scans, as on the ranks
+        # (RankWorker.serve_steps), so a full collection does not stall the steps.
+        gc.freeze()
         if restarted:
             self.coord.restart_note = (
                 f"the coordinator restarted at {time.strftime('%Y-%m-%d %H:%M:%S')}"

@@ -8,14 +8,15 @@ nodes over TCP, where the hub is a CURVE server that lets in only the key pairs 
 for those ranks (handed to them through the Ray setup call, which Ray's token protects).
 Ray keeps placement, start, restart, naming and the setup calls.
 
-Messages (multipart; a ZMQ message arrives whole or not at all), each numbered by the
-hub (its ticket, 8 bytes, the second frame) and answered under the same number:
-- hub -> rank ``[STEPS, step, ...]``: encoded ``Step``s, applied in order, each with its
-  own collectives (``RankWorker.apply``); ``[CALL, pickle((method, args, only))]``: a
+Messages (one ZMQ frame each, after the ROUTER's identity frame: a kind byte, the
+message's number, its parts as one msgpack array: ``channel_loop.pack``), each numbered
+by the hub (its ticket, 8 bytes) and answered under the same number:
+- hub -> rank ``STEPS [step, ...]``: encoded ``Step``s, applied in order, each with its
+  own collectives (``RankWorker.apply``); ``CALL [pickle((method, args, only))]``: a
   ``RankWorker`` method, in order with the steps, on every rank or on rank ``only``
-  (the others answer None); ``[STOP]``: leave the loop.
-- rank -> hub ``[HELLO, rank]`` once; then one reply per message, in order:
-  ``[RESULTS, result, ...]``, ``[REPLY, pickle(value)]`` or ``[ERROR, pickle(exc)]``.
+  (the others answer None); ``STOP`` (the kind alone): leave the loop.
+- rank -> hub ``HELLO`` + its rank once; then one reply per message, in order:
+  ``RESULTS [result, ...]``, ``REPLY [pickle(value)]`` or ``ERROR [pickle(exc)]``.
 Pickle is used only between the hub and ranks it authenticated (IPC by file mode, TCP by
 CURVE keys).
 
@@ -34,6 +35,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
+import msgspec
 import zmq
 
 from tpcache.errors import TpcacheError
@@ -46,7 +48,9 @@ from tpcache.workers.channel_loop import (
     Attach,
     ChannelError,
     RankLoop,
+    pack,
     serve,
+    unpack,
 )
 from tpcache.workers.netsec import (
     allow_clients,
@@ -57,6 +61,7 @@ from tpcache.workers.netsec import (
 
 # Plain ints: pyzmq's enum flags cost an Enum call per use on the per-step path.
 _POLLIN, _EVENTS, _NOBLOCK = int(zmq.POLLIN), int(zmq.EVENTS), int(zmq.NOBLOCK)
+_RCVMORE, _MORE_NOBLOCK = int(zmq.RCVMORE), int(zmq.SNDMORE | zmq.NOBLOCK)
 
 # The protocol's names, for the hub's users and the ranks alike.
 __all__ = [
@@ -157,19 +162,23 @@ class StepHub:
         naming a rank that is gone or has not read for ``timeout`` seconds."""
         ticket = self._sent
         self._sent += 1
-        number = ticket.to_bytes(8, "big")
+        body = pack(kind, ticket.to_bytes(8, "big"), frames)
         for r in range(self.world_size):
-            self._send_one(r, [self.attach[r].identity, kind, number, *frames], timeout)
+            self._send_one(r, body, timeout)
         return ticket
 
-    def _send_one(self, rank: int, msg: list[bytes], timeout: float) -> None:
+    def _send_one(self, rank: int, body: bytes, timeout: float) -> None:
         sock = self._sock_of[rank]
+        identity = self.attach[rank].identity
         deadline = time.monotonic() + timeout
         while True:
             try:
                 # Copied, not zero-copy: steps are small, and zero-copy sends start
                 # pyzmq's garbage-collector thread, seen in a hang at interpreter exit.
-                sock.send_multipart(msg, _NOBLOCK)
+                # The identity frame is where a full queue (EAGAIN) or a gone rank
+                # (EHOSTUNREACH) fails, so a message is sent whole or not at all.
+                sock.send(identity, _MORE_NOBLOCK)
+                sock.send(body, _NOBLOCK)
                 return
             except zmq.Again:  # its queue is full: it stopped reading
                 if time.monotonic() > deadline:
@@ -205,6 +214,8 @@ class StepHub:
         first_seen: float | None = None
         while not self._all_answered(ticket):
             self._drain(min(0.05, max(0.0, deadline - time.monotonic())))
+            if self._all_answered(ticket):
+                break
             if self._any_error(ticket):
                 # Peers raise together: a moment more lets every rank's error arrive, so
                 # the one where it failed can be named, or a rank that died (its peers'
@@ -252,18 +263,25 @@ class StepHub:
             # Asked, not tried: a recv that finds nothing raises zmq.Again, and building
             # that exception cost more than a small step's reply (results/group_timings.md).
             while sock.getsockopt(_EVENTS) & _POLLIN:
-                self._take_in(sock.recv_multipart(_NOBLOCK))
+                parts = [sock.recv(_NOBLOCK)]
+                while sock.getsockopt(_RCVMORE):
+                    parts.append(sock.recv(_NOBLOCK))
+                self._take_in(parts)
 
-    def _take_in(self, frames: list[bytes]) -> None:
-        rank = self._rank_of.get(frames[0])
-        if rank is None or len(frames) < 2:
+    def _take_in(self, parts: list[bytes]) -> None:
+        rank = self._rank_of.get(parts[0])
+        if rank is None or len(parts) != 2:
             return  # not one of this generation's ranks
-        if frames[1] == HELLO:
+        body = parts[1]
+        kind = body[:1]
+        if kind == HELLO:
             self._hello.add(rank)
             return
-        if len(frames) < 3 or len(frames[2]) != 8:
+        try:
+            frames = unpack(body)
+        except msgspec.DecodeError:
             return
-        self._replies[rank][int.from_bytes(frames[2], "big")] = [frames[1], *frames[3:]]
+        self._replies[rank][int.from_bytes(body[1:9], "big")] = [kind, *frames]
 
     def _check(
         self, deadline: float, dead: Callable[[], int | None], what: str, ticket: int = -1
@@ -281,7 +299,7 @@ class StepHub:
         """Ask every connected rank to leave its loop (best effort, no wait)."""
         for r in range(self.world_size):
             with contextlib.suppress(zmq.ZMQError):
-                self._sock_of[r].send_multipart([self.attach[r].identity, STOP], zmq.NOBLOCK)
+                self._sock_of[r].send_multipart([self.attach[r].identity, STOP], _NOBLOCK)
 
     def close(self) -> None:
         for sock in self._sockets.values():

@@ -84,14 +84,15 @@ class _PeerFailed(TpcacheError):
 # ---- a rank's side --------------------------------------------------------------------------
 def op_may_evict(op: Op) -> bool:
     """Whether ``op`` enters the evictable-size agreement (decided by the batch alone)."""
-    if isinstance(op, Evict):
-        return True
-    return isinstance(op, Admit | Extend) and (op.evict_pages > 0 or op.evict_swa_pages > 0)
+    if isinstance(op, Admit | Extend):
+        return op.evict_pages > 0 or op.evict_swa_pages > 0
+    return isinstance(op, Evict)
 
 
 class _OpEvictor:
-    """The ``evict`` callback of one Admit/Extend: evicts what the op log asks (not the
-    local shortfall it is called with) and remembers the pages freed per pool."""
+    """The ``evict`` callback of one Admit/Extend whose op asks for an eviction: evicts
+    what the op log asks (not the local shortfall it is called with) and remembers the
+    pages freed per pool."""
 
     def __init__(self, op: Admit | Extend, evict_fn: EvictFn) -> None:
         self.asks = (op.evict_pages, op.evict_swa_pages)
@@ -99,8 +100,26 @@ class _OpEvictor:
         self.evicted: tuple[int, ...] = (0,)
 
     def __call__(self, *_short: int) -> None:
-        if self.asks[0] or self.asks[1]:
-            self.evicted = self.evict_fn(self.asks)
+        self.evicted = self.evict_fn(self.asks)
+
+
+class _NoEvictor:
+    """The ``evict`` callback of an Admit/Extend that asks for nothing: evicts nothing
+    (the same for every op, so one object serves them all)."""
+
+    evicted: tuple[int, ...] = (0,)
+
+    def __call__(self, *_short: int) -> None:
+        return None
+
+
+_NO_EVICTOR = _NoEvictor()
+
+
+def _evictor(op: Admit | Extend, evict_fn: EvictFn) -> _OpEvictor | _NoEvictor:
+    if op.evict_pages or op.evict_swa_pages:
+        return _OpEvictor(op, evict_fn)
+    return _NO_EVICTOR
 
 
 EvictFn = Callable[[tuple[int, ...]], tuple[int, ...]]
@@ -120,7 +139,7 @@ def apply_op(cache, op: Op, evict_fn: EvictFn) -> OpResult:
     """
     match op:
         case Admit(rid, tokens, priority):
-            evictor = _OpEvictor(op, evict_fn)
+            evictor = _evictor(op, evict_fn)
             got = cache.admit(
                 rid,
                 unpack_tokens(tokens),
@@ -131,7 +150,7 @@ def apply_op(cache, op: Op, evict_fn: EvictFn) -> OpResult:
             )
             return admit_result(got, evictor.evicted)
         case Extend(rid, n):
-            evictor = _OpEvictor(op, evict_fn)
+            evictor = _evictor(op, evict_fn)
             slots = cache.extend(rid, n, evict=evictor)
             return extend_result(slots, evictor.evicted)
         case CacheUnfinished(rid, tokens):
@@ -155,6 +174,24 @@ def apply_op(cache, op: Op, evict_fn: EvictFn) -> OpResult:
     raise TypeError(f"unknown op {op!r}")
 
 
+class _AgreedEvict:
+    """The ``evict_fn`` of a rank's ops in one step: each eviction agrees the evictable
+    pages by MIN first (a peer's -1 raises ``_PeerFailed``). ``entered``: whether the op
+    in hand entered its agreement (``apply_step`` resets it per op)."""
+
+    def __init__(self, cache, group: Agreement) -> None:
+        self.cache = cache
+        self.group = group
+        self.entered = False
+
+    def __call__(self, asks: tuple[int, ...]) -> tuple[int, ...]:
+        self.entered = True  # only called while this rank is healthy
+        agreed = self.group.agree_min(list(self.cache.evictable_pages()))
+        if min(agreed) < 0:
+            raise _PeerFailed
+        return self.cache.evict_pages(tuple(map(min, asks, agreed)))
+
+
 def apply_step(
     cache,
     group: Agreement,
@@ -169,13 +206,14 @@ def apply_step(
     ``copies``: this rank's host tier, which runs the copies each op starts.
     Raises ``RankFailure`` or ``DivergenceError`` on every rank together.
     """
-    # One function on purpose (65 lines): which collectives a step enters, in which order
+    # One function on purpose (60 lines): which collectives a step enters, in which order
     # and with which sentinel, is the protocol; it reads top to bottom here, in one loop.
     started = time.perf_counter()
     results: list[OpResult] = []
     failure: str | None = None  # this rank's own failure
     peer_failed_at: int | None = None  # the op whose agreement carried a peer's failure
     agreed_copies = -1
+    agreed_evict = _AgreedEvict(cache, group)
     for i, op in enumerate(step.ops):
         if isinstance(op, CopySync):  # one collective, entered by every rank
             agreed_copies = sync_copies(
@@ -186,15 +224,7 @@ def apply_step(
                 where = "here" if copies and copies.local_done() < 0 else "on another rank"
                 failure = f"op {i} (CopySync): a host copy failed {where}"
             continue
-        entered = [False]
-
-        def agreed_evict(asks: tuple[int, ...], _entered: list[bool] = entered) -> tuple:
-            _entered[0] = True  # only called while this rank is healthy
-            agreed = group.agree_min(list(cache.evictable_pages()))
-            if min(agreed) < 0:
-                raise _PeerFailed
-            return cache.evict_pages(tuple(map(min, asks, agreed)))
-
+        agreed_evict.entered = False
         if failure is None and peer_failed_at is None:
             try:
                 results.append(apply_op(cache, tamper(op) if tamper else op, agreed_evict))
@@ -208,7 +238,7 @@ def apply_step(
                 results.append(OpResult())
         else:
             results.append(OpResult())
-        if op_may_evict(op) and not entered[0]:
+        if not agreed_evict.entered and op_may_evict(op):
             # This rank skipped the op's agreement (failed, or the op failed early):
             # enter it anyway with the failure sentinel so the peers don't wait.
             group.agree_min([-1] * len(cache.evictable_pages()))

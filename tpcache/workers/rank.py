@@ -8,6 +8,7 @@ of the cache state machine, and its process group. It applies steps in order thr
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import shutil
 import tempfile
@@ -68,6 +69,7 @@ class RankWorker(RankModels):
         self._store_dir: str | None = None  # local_store's directory (rank 0 of one node)
         self._loop: RankLoop | None = None  # the step channel's loop, while it runs
         self._joining_since: float | None = None  # a join_and_setup in hand since then
+        self._gc_frozen = False  # serve_steps froze the process's objects (gc.freeze)
 
     # ---- start-up ---------------------------------------------------------------------
     def address(self) -> tuple[str, int]:
@@ -211,6 +213,12 @@ class RankWorker(RankModels):
         actor must run other calls (``health``, ``stop_steps``) on other threads."""
         loop = RankLoop()
         self._loop = loop
+        if not self._gc_frozen:
+            # The process's objects so far (torch, Ray, the pool) live as long as it does:
+            # out of the collector's scans, a full collection walks the cache's objects
+            # alone instead of stopping every step behind it for a whole-heap walk.
+            gc.freeze()
+            self._gc_frozen = True
         return serve_channel(self, self.rank, attach, loop)
 
     def stop_steps(self, timeout: float = 60.0) -> bool:
