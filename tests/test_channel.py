@@ -10,10 +10,12 @@ import random
 import signal
 import time
 
+import msgspec
 import pytest
 from channel_helpers import expected, rank_process, run_rank
 
 from tpcache.workers.channel import CALL, STEPS, ChannelError, RankErrors, StepHub
+from tpcache.workers.channel_loop import pack, unpack
 from tpcache.workers.netsec import new_keypair
 
 
@@ -64,6 +66,18 @@ def test_messages_arrive_whole_and_in_order() -> None:
                 assert frames == [expected(s) for s in steps]
     finally:
         stop(hub, loops)
+
+
+def test_a_body_keeps_its_kind_number_and_parts_and_a_foreign_one_is_refused() -> None:
+    """One frame per message: the kind byte, the 8-byte number and every part (empty,
+    binary, large) come back as sent; a body the channel did not make raises."""
+    parts = [b"", bytes(range(256)), os.urandom(1 << 20), b"\x00"]
+    body = pack(STEPS, (2**64 - 1).to_bytes(8, "big"), parts)
+    assert body[:1] == STEPS and int.from_bytes(body[1:9], "big") == 2**64 - 1
+    assert unpack(body) == parts
+    assert unpack(pack(CALL, bytes(8), [])) == []
+    with pytest.raises(msgspec.DecodeError):
+        unpack(STEPS + bytes(8) + b"\xc1")  # 0xc1: never used by msgpack
 
 
 def test_calls_and_steps_share_one_order_and_tickets_may_be_taken_out_of_order() -> None:
