@@ -203,11 +203,12 @@ def test_deferred_copies_change_no_decision_and_gate_only_the_forward(ps: int) -
     ref = make(ps)  # copies done as they start
     for cache in (c, ref):
         run(cache, 1, blocks(ps, 1, 2))
-    # B's admit writes A back (copy 0, still running): B's pages may be A's old ones.
+    # B's admit writes A back (copy 0, still running): B's pages may be A's old ones,
+    # so each rank's forward of B waits for its own copy 0 (no load: no agreement).
     got = c.admit(2, blocks(ps, 3, 4), reserve=1)
     ref.admit(2, blocks(ps, 3, 4), reserve=1)
-    assert tiers(c) == tiers(ref) and got.ready_after == 1
-    assert c.copies_pending() == 1 and not c.request_ready(2)
+    assert tiers(c) == tiers(ref) and (got.ready_after, c.local_after(2)) == (0, 1)
+    assert c.copies_pending() == 1 and c.request_ready(2)
     (copy,) = c.take_copies()
     assert (copy.id, copy.to_host, copy.device_pages.tolist(), copy.host_pages.tolist()) == (
         0, True, [0, 1], [0, 1],
@@ -218,7 +219,7 @@ def test_deferred_copies_change_no_decision_and_gate_only_the_forward(ps: int) -
             c.copies_done(bad)  # type: ignore[arg-type]
     assert c.digest() == before
     c.copies_done(1)
-    assert c.request_ready(2) and c.copies_pending() == 0 and c.digest() != before
+    assert c.local_after(2) == 0 and c.copies_pending() == 0 and c.digest() != before
     c.copies_done(0)  # what is known already changes nothing
     c.finish(2)
     ref.finish(2)
@@ -240,14 +241,20 @@ def test_deferred_copies_change_no_decision_and_gate_only_the_forward(ps: int) -
 
 @pytest.mark.parametrize("ps", [1, 16])
 def test_a_request_waits_only_for_copies_of_its_own_pages(ps: int) -> None:
-    """#19: a request whose row no pending copy touches may run its forward at once; one
-    given a page a write-back still reads, or whose prefix is still being loaded (by
-    itself or by another request's admit), waits for that copy (1 + its id)."""
+    """#19: a request waits only for copies that touch its own row: on every rank
+    (``ready_after``) for a load of its prefix, by its own admit or another's; on each
+    rank's own engine only (``local_after``) for a write-back still reading a page it was
+    given; for nothing if no pending copy touches its pages (1 + a copy's id: waits)."""
     c = make(ps, dev=6, host=8, defer_copies=True, record_copies=True)
     run(c, 1, blocks(ps, 1, 2))  # A on pages 0, 1
     run(c, 2, blocks(ps, 3, 4))  # B on pages 3, 4
+
+    def waits(rid: int) -> tuple[int, int]:
+        return c.ready_after(rid), c.local_after(rid)
+
     got = c.admit(3, blocks(ps, 5, 6), reserve=1)  # evicts A: copy 0 reads pages 0, 1
-    assert (got.pages.tolist(), got.ready_after) == ([2, 5, 0], 1)
+    assert (got.pages.tolist(), got.ready_after, waits(3)) == ([2, 5, 0], 0, (0, 1))
+    assert c.request_ready(3)  # no load: only rank-local ordering, no agreement
     c.copies_done(1)
     c.finish(3)
     c.evict(2 * ps)  # B goes to the host: copy 1 reads pages 3, 4
@@ -256,21 +263,21 @@ def test_a_request_waits_only_for_copies_of_its_own_pages(ps: int) -> None:
         (1, True, [3, 4]),
     ]
     got = c.admit(4, blocks(ps, 7, 8), reserve=0)  # pages no pending copy touches
-    assert (got.pages.tolist(), got.ready_after, c.copies_pending()) == ([1, 0], 0, 1)
-    assert c.request_ready(4)
+    assert (got.pages.tolist(), waits(4), c.copies_pending()) == ([1, 0], (0, 0), 1)
     got = c.admit(5, blocks(ps, 9), reserve=0)  # page 3: copy 1 still reads it
-    assert (got.pages.tolist(), got.ready_after) == ([3], 2)
+    assert (got.pages.tolist(), waits(5)) == ([3], (0, 2))
     c.abort(4)
     c.abort(5)
     got = c.admit(6, blocks(ps, 1, 2, 10), reserve=0)  # loads A into pages 4, 0: copy 2
-    assert (got.pages.tolist(), got.host_hit_length, got.ready_after) == ([4, 0, 1], 2 * ps, 3)
+    assert (got.pages.tolist(), got.host_hit_length, waits(6)) == ([4, 0, 1], 2 * ps, (3, 3))
     # G matches A on the device, still being loaded by F's admit: G waits for that load.
     got = c.admit(7, blocks(ps, 1, 2, 11), reserve=0)
     assert (got.pages.tolist(), got.prefix_len, got.host_hit_length) == ([4, 0, 3], 2 * ps, 0)
-    assert got.ready_after == 3
+    assert waits(7) == (3, 3) and got.ready_after == 3
     c.copies_done(2)
     assert not (c.request_ready(6) or c.request_ready(7))
     c.check_integrity()
     c.copies_done(3)
-    assert c.request_ready(6) and c.request_ready(7) and not c._waits.waits
+    assert c.request_ready(6) and waits(7) == (0, 0)
+    assert not (c._waits.waits or c._waits.local)
     c.check_integrity()

@@ -116,16 +116,16 @@ def test_a_forward_that_waits_too_long_is_refused_in_time(group) -> None:
     coord = group
     coord.reset()
     coord.sync()
-    ps = prompts(9, 6)
-    for i, p in enumerate(ps[:5]):  # fills the device pool: the next admit evicts
-        coord.admit(200 + i, p)
+    heads = [[100 * h + k + 1 for k in range(24)] for h in range(3)]
+    for i, head in enumerate(heads):  # 3 x 29 tokens through 64: the first goes to the host
+        coord.admit(200 + i, [*head, 7, 8, 9, 10, 11])
         coord.wait_ready([200 + i], 20.0)
         coord.finish(200 + i)
     coord.sync()
     coord.ranks.call_on(0, "copy_drill", 1.0, [])
     failures = coord.stats()["rank_failures"]
-    got = coord.admit(205, ps[5])
-    assert got.ready_after > coord.mirror.copies_completed()  # its pages are being copied
+    got = coord.admit(205, [*heads[0], 1, 2, 3])  # its forward reads what is being loaded
+    assert got.host_hit_length > 0 and got.ready_after > coord.mirror.copies_completed()
     with pytest.raises(CopiesNotDone, match="waits for"):
         coord.wait_ready([205], 0.05)
     assert coord.stats()["rank_failures"] == failures and coord.mirror.running_ids() == [205]

@@ -23,18 +23,21 @@ pages an eviction just freed (and an admit or extend may hand them out at once),
 load still writes the device pages of the prefix it brings back. Copies run one at a
 time in id order (``workers/hostcopy.py``), so copy-after-copy hazards (a host page
 freed and written again, a load of a node still being written) are ordered by the ids
-alone; copy-versus-forward hazards are closed by readiness: an admit, extend or
-``cache_unfinished`` made while copies are not done records ``ready_after`` = 1 + the id
-of the last such copy that touches a device page of the request's row (``CopyLog.touch``,
-``host_waits.py``), and the request's forward may run only once ``copies_done`` (agreed
-by every rank) has reached it (``request_ready``; the ranks refuse the forward before,
-the coordinator waits for it); a request whose pages no pending copy touches runs at
-once. Why a page freed while its write-back is in flight is never overwritten first: a
-forward writes only its request's row (the ranks check its slots against their cache),
-and a page enters a row only through an admit, extend or ``cache_unfinished``, each of
-which records the write-back that reads it; pages lent by ``alloc_slots`` have no op in
-a lockstep, and a single process completes every copy as it starts. This never makes an
-admit fail or wait for a copy. Without ``defer_copies`` nothing ever waits (a replay).
+alone; copy-versus-forward hazards are closed by readiness, per request and only for
+the copies that touch its own row's device pages (``host_waits.py``), recorded by an
+admit, extend or ``cache_unfinished``. A load into them (the forward reads them) must be
+done on every rank: ``ready_after``, agreed through ``copies_done`` (``request_ready``;
+the ranks refuse the forward before, the coordinator and a frontend wait for it). A
+write-back still reading a page the row was given is a hazard on each rank's own shard
+only: each rank's forward first waits for its own copy engine (``local_after``,
+``workers/copysync.py``), so no reply waits for an agreement for it. Why a page freed
+while its write-back is in flight is never overwritten first: a forward writes only its
+request's row (the ranks check its slots against their cache), a page enters a row only
+through an admit, extend or ``cache_unfinished``, each of which records the copies that
+still read it, and a rank runs a forward only once its engine has done them; pages lent
+by ``alloc_slots`` have no op in a lockstep, and a single process completes every copy as
+it starts. This never makes an admit fail or wait for a copy. Without ``defer_copies``
+nothing ever waits (a replay).
 
 The hybrid (SWA) cache has no host tier: ``HostConfig`` is a one-pool configuration.
 The contracts of every method: ``protocol.Cache``.
@@ -257,7 +260,7 @@ class HostCache(OnePoolCache):
         self.alloc.free(req.pages[n // ps :], HELD, checked=False)
         tree.unlock(req.node)
         self.reqs.remove(req.rid)
-        if self._waits.waits:
+        if self._waits.local:  # (``waits`` is empty when ``local`` is: loads are copies)
             self._waits.forget(req.rid)
         return n
 
@@ -268,6 +271,7 @@ class HostCache(OnePoolCache):
     def reset(self) -> None:
         super().reset()
         self._waits.waits.clear()
+        self._waits.local.clear()
 
     # ---- copy completion --------------------------------------------------------------------
     def copies_pending(self) -> int:
@@ -287,9 +291,17 @@ class HostCache(OnePoolCache):
         more than the copies started."""
         self._waits.done(n)
 
+    def local_after(self, rid: RequestId) -> int:
+        """How many copies of the copy log a rank's own engine must have done before
+        request ``rid``'s forward writes its row there (0: none): the copies still
+        reading pages it was given, and its loads. Raises ``UnknownRequest``. Pure."""
+        self.reqs.get(rid)
+        return self._waits.local.get(rid, 0)
+
     def ready_after(self, rid: RequestId) -> int:
-        """How many copies must be done before running request ``rid``'s forward may read
-        or write its row (0: none). Raises ``UnknownRequest``. Pure."""
+        """How many copies must be done on every rank (agreed) before request ``rid``'s
+        forward may run (0: none): the loads into its row's pages, which the forward
+        reads. Raises ``UnknownRequest``. Pure."""
         self.reqs.get(rid)
         return self._waits.waits.get(rid, 0)
 

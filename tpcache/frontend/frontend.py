@@ -45,10 +45,11 @@ _REJECTED = (CacheError, CoordinatorUnavailable, RequestLost, LockstepError, Cop
 
 def _wait_ready(coord: Coordinator, rid) -> None:
     """A frontend's engine runs its forward as soon as it has the slots, so with a host
-    tier an admit or extend replies only once the copies the request waits for (its
-    prefix loading, write-backs of the pages it got) are done on every rank. If they
-    are not within the step timeout (a rank's copies are stuck), the request is aborted
-    and the reply is ``CopiesNotDone``."""
+    tier an admit or extend whose prefix is being loaded replies only once that load is
+    done on every rank (a write-back still reading pages it got needs no wait here: each
+    rank's forward waits for its own copies). If it is not within the step timeout (a
+    rank's copies are stuck), the request is aborted and the reply is ``CopiesNotDone``.
+    A request with no pending load replies at once."""
     if coord.mirror.request_ready(rid):
         return
     try:

@@ -29,9 +29,13 @@ themselves take ~1 ms (``scripts/bench_host.py --lockstep 300``). The alternativ
 draining the in-flight steps and applying the agreed count at the ``CopySync`` on the
 ranks and the mirror alike, would stall the pipeline at every sync instead.
 
-What waits for the agreement is only a forward (``HostCache.request_ready``): the cache's
-own decisions never do, so a slow rank holds back the group's forwards, never its
-state. A failed copy (on any rank) makes the MIN -1: every rank fails that step
+What waits for the agreement is only a forward that reads pages a load is bringing
+back (``HostCache.ready_after``): the cache's own decisions never do, so a slow rank
+holds back the group's forwards, never its state. A forward that writes pages a
+write-back still reads waits on each rank for that rank's own engine alone
+(``RankCopies.before_forward``, before the forward's agreed verdict): the copy and the
+forward touch only that rank's shard, so no agreement is needed for it. A failed copy (on
+any rank) makes the MIN -1: every rank fails that step
 together, as for a failed op, and the coordinator recovers the group (an empty cache on
 every rank, a fresh copy engine), so a half-copied page is never read and nothing leaks.
 """
@@ -43,6 +47,7 @@ import os
 from tpcache.cache.errors import HostTierError
 from tpcache.cache.host_config import HostCopy
 from tpcache.cache.keys import pages_to_slots
+from tpcache.workers.context import ForwardError
 from tpcache.workers.hostcopy import TO_DEVICE, TO_HOST, CopyEngine, CopyJob, host_pool
 from tpcache.workers.kvpool import KVPool
 from tpcache.workers.ops import CopySync
@@ -73,6 +78,19 @@ class RankCopies:
         """This rank's done count, or -1 if a copy failed here."""
         engine = self.engine
         return -1 if engine.failed else engine.done()
+
+    def before_forward(self, cache, rids: list, timeout: float) -> None:
+        """Wait (up to ``timeout`` seconds) until this rank's engine has done the copies
+        that the forward of ``rids`` must not overtake here (``HostCache.local_after``:
+        write-backs still reading pages the rows were given). A local wait: no rank
+        waits for another. Raises ``ForwardError`` (for the forward's agreed verdict)
+        if they are not done in time."""
+        want = max(map(cache.local_after, rids), default=0)
+        if want and not self.engine.wait(want, timeout):
+            raise ForwardError(
+                f"this rank's copies reached {self.engine.done()} of the {want} the forward "
+                f"waits for within {timeout:g}s"
+            )
 
     def state(self, cache) -> list[int]:
         """Copies started (``cache``'s log), agreed done, and done by this engine."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,9 +35,13 @@ from tpcache.workers.runner import (
 )
 from tpcache.workers.runner_batch import RunnerBatch
 
+if TYPE_CHECKING:
+    from tpcache.workers.copysync import RankCopies
+
 # (cache, pool) of the rank now: read inside the checked part, so a rank that is not set
 # up refuses through the agreement instead of leaving its peers in it.
 State = Callable[[], tuple[Any, KVPool]]
+_COPY_WAIT_S = 10.0  # most a forward waits for this rank's own host copies
 
 
 def _describe(p: PoolSpec) -> str:
@@ -55,6 +59,9 @@ class ModelHost:
         self.runner: ModelRunner | None = None
         self.layout: KVLayout | None = None
         self.tokens_computed = 0  # tokens run through the runner since install
+        # The rank's host tier (set by the rank with its cache; None without one): a
+        # forward first waits for the copies still reading pages it writes (copysync.py).
+        self.copies: RankCopies | None = None
         self.forwards = 0  # runner calls since install
         # The SWA pool, built for one cache instance (a new cache after setup/rejoin gets
         # a new pool: its slots mean nothing to the new cache).
@@ -128,6 +135,8 @@ class ModelHost:
             raise ForwardError("no runner loaded (load_model, load_runner or WorkerSpec.runner)")
         cache, pool = state()
         check_forward_batch(cache, cmd)
+        if self.copies is not None:  # bounded below the peers' collective timeout
+            self.copies.before_forward(cache, [item.rid for item in cmd.items], _COPY_WAIT_S)
         batch = to_batch(cmd, self.device, after_step)
         self.runner.check_batch(batch)
         placement = self.layout.placement(cache.num_pools > 1)

@@ -126,6 +126,7 @@ class RankWorker(RankModels):
         self.pool = KVPool(self.spec.pool, capacity, self.device)
         self.cache = self.spec.cache.build(capacity, rank=True)
         self.copies = RankCopies(self.pool, host, ps) if host is not None else None
+        self.models.copies = self.copies
         self.last_step = -1
         self.failed = None
         return capacity
@@ -140,7 +141,7 @@ class RankWorker(RankModels):
     def _close_copies(self) -> None:
         if self.copies is not None:
             self.copies.close()
-            self.copies = None
+            self.copies = self.models.copies = None
 
     def attach(self, group: TPGroup) -> None:
         """Use ``group`` (``TPGroup.attach`` of a process group the caller owns) as this
