@@ -37,6 +37,24 @@ class DrillWorker(RankWorker):
         # step -> (kind, arg), the drills planted on this rank; cleared at every restart.
         self._faults: dict[int, tuple[str, float]] = {}
 
+    def read_kv(self, layer: int, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """K and V of ``layer`` at ``slots`` of this rank's shard, as float32 arrays."""
+        k, v = self._pool().read(layer, slots)
+        return k.float().cpu().numpy(), v.float().cpu().numpy()
+
+    def request_slots(self, rid: int | str) -> list[int]:
+        """The slot ids of running request ``rid`` on this rank (its whole row)."""
+        row = self._cache().request_row(rid)
+        ps = self._cache().page_size
+        return [int(p) * ps + o for p in row.pages for o in range(ps)][: row.num_tokens]
+
+    def copy_drill(self, delay_s: float = 0.0, fail: list[int] | None = None) -> None:
+        """This rank's later host copies take ``delay_s`` more each, and the ones with ids
+        in ``fail`` fail. Raises RuntimeError without a host tier."""
+        if self.copies is None:
+            raise RuntimeError(f"rank {self.rank} has no host tier")
+        self.copies.drill(delay_s, list(fail or []))
+
     def inject_fault(self, step: int, kind: str, arg: float = 0.0) -> None:
         """At ``step``: ``corrupt`` (apply a tampered op: the first Admit's first token
         +1, or an Evict of one more page), ``fail`` (the step's first op raises here: a

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from drill_worker import DrillWorker
+
 from tpcache.coordinator.build import GroupConfig
 from tpcache.coordinator.core import CoordinatorConfig
 from tpcache.coordinator.local_ranks import start_local_group
@@ -51,8 +53,10 @@ def group_config(
 def runner_engine(
     tp: int, runner: str, args: dict[str, Any], cache: CacheSpec, capacity: int
 ) -> ModelEngine:
-    """An engine over ``tp`` rank threads (gloo) whose ranks built ``runner(**args)``."""
-    return ModelEngine(start_local_group(group_config(tp, runner, args, cache, capacity)))
+    """An engine over ``tp`` rank threads (gloo) whose ranks built ``runner(**args)``
+    (test workers: ``read_kv`` reads what the runner wrote)."""
+    config = group_config(tp, runner, args, cache, capacity)
+    return ModelEngine(start_local_group(config, worker_cls=DrillWorker))
 
 
 def reference_of(runner: str, args: dict[str, Any]):

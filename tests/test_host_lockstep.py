@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from drill_worker import DrillWorker
 from group_helpers import group_config
 
 from tpcache.cache.errors import HostTierError
@@ -30,7 +31,7 @@ def host_config(**kw):
 
 @pytest.fixture(scope="module")
 def group(ray_cluster):
-    coord = start_group(host_config())
+    coord = start_group(host_config(), worker_cls=DrillWorker)
     yield coord
     coord.close()
 

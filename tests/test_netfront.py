@@ -15,6 +15,7 @@ import time
 import msgspec
 import pytest
 import zmq
+from drill_worker import DrillWorker
 
 from tpcache.cache.errors import UnknownRequest
 from tpcache.client import Client
@@ -38,7 +39,7 @@ def group(capacity: int = 4096, window: int | None = None):
         cpu_budget_bytes=1 << 22,
         timeout_s=20.0,
     )
-    return start_local_group(cfg)
+    return start_local_group(cfg, worker_cls=DrillWorker)  # request_slots: a test's view
 
 
 @pytest.fixture()

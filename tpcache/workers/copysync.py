@@ -43,14 +43,19 @@ every rank, a fresh copy engine), so a half-copied page is never read and nothin
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-from tpcache.cache.errors import HostTierError
+from tpcache.cache.errors import CacheError, HostTierError
 from tpcache.cache.host_config import HostCopy
 from tpcache.cache.keys import pages_to_slots
 from tpcache.workers.context import ForwardError
 from tpcache.workers.hostcopy import TO_DEVICE, TO_HOST, CopyEngine, CopyJob, host_pool
-from tpcache.workers.kvpool import KVPool
+from tpcache.workers.kvpool import KVPool, device_budget_bytes, slots_that_fit
 from tpcache.workers.ops import CopySync
+from tpcache.workers.spec import WorkerSpec
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RankCopies:
@@ -116,25 +121,35 @@ def sync_copies(group, copies: RankCopies | None, healthy: bool, op: CopySync) -
     return group.agree_min([mine])[0]
 
 
-def agree_pools(group, cache_spec, pool_spec, fit: int) -> tuple[int, int | None]:
-    """Start-up (collective, one MIN all-reduce): the device pool's capacity (``fit``, this
-    rank's whole pages) and, with a host tier, the host pool's (the configured tokens in
-    whole pages, less on a rank whose free memory holds fewer), agreed over the ranks.
-    Returns (device tokens, host tokens or None). Raises ``HostTierError`` on every rank
-    when the smallest rank cannot hold the configured host pool (the mirror is built with
-    it, so it cannot shrink) and ``CacheError`` when the device pool holds less than a
-    page; before anything is allocated."""
-    ps = cache_spec.page_size
-    want = cache_spec.host_capacity_tokens
-    if want is None:
-        return group.all_min([fit])[0], None
-    room = _free_memory_bytes() // max(1, pool_spec.bytes_per_slot)
-    device, host = group.all_min([fit, min(want, room) // ps * ps])
-    if host < want // ps * ps:
-        raise HostTierError(
-            f"the host pool holds {host} tokens on the smallest rank, {want // ps * ps} configured"
+def agree_pools(group, spec: WorkerSpec, device: torch.device) -> tuple[int, int | None]:
+    """Start-up (collective, one MIN all-reduce): the device pool's capacity (the whole
+    pages this rank's budget fits, at most ``spec.capacity_tokens``) and, with a host
+    tier, the host pool's (the configured tokens in whole pages, less on a rank whose free
+    memory holds fewer), agreed over the ranks. Returns (device tokens, host tokens or
+    None). Raises ``HostTierError`` on every rank when the smallest rank cannot hold the
+    configured host pool (the mirror is built with it, so it cannot shrink) and
+    ``CacheError`` when the device pool holds less than a page; before anything is
+    allocated."""
+    ps = spec.cache.page_size
+    budget = device_budget_bytes(device, spec.gpu_fraction, spec.cpu_budget_bytes)
+    fit = slots_that_fit(spec.pool, budget)
+    if spec.capacity_tokens is not None:
+        fit = min(fit, spec.capacity_tokens)
+    want = spec.cache.host_capacity_tokens
+    room = 0 if want is None else _free_memory_bytes() // max(1, spec.pool.bytes_per_slot)
+    device_tokens, host = group.all_min([fit // ps * ps, 0 if want is None else min(want, room)])
+    if device_tokens < ps:
+        raise CacheError(
+            f"the KV pool holds {device_tokens} slots on the smallest rank, less than a page of {ps}"
         )
-    return device, host
+    if want is None:
+        return device_tokens, None
+    if host // ps * ps < want // ps * ps:
+        raise HostTierError(
+            f"the host pool holds {host // ps * ps} tokens on the smallest rank, "
+            f"{want // ps * ps} configured"
+        )
+    return device_tokens, host // ps * ps
 
 
 def _free_memory_bytes() -> int:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shutil
 import socket
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -160,3 +162,22 @@ def node_ip(probe: str = "10.255.255.255") -> str:
     with contextlib.suppress(OSError):
         return socket.gethostbyname(socket.gethostname())
     return "127.0.0.1"
+
+
+class StoreDir:
+    """The directory of a rendezvous file for a group whose ranks all run on one node:
+    new for each group, readable only by this user, removed with ``drop``."""
+
+    def __init__(self) -> None:
+        self._path: str | None = None
+
+    def new_store(self) -> str:
+        """A rendezvous file's path in a new directory (the last one is removed)."""
+        self.drop()
+        self._path = tempfile.mkdtemp(prefix="tpcache-rdv-")
+        return os.path.join(self._path, "store")
+
+    def drop(self) -> None:
+        if self._path is not None:
+            shutil.rmtree(self._path, ignore_errors=True)
+            self._path = None

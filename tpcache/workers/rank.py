@@ -10,34 +10,30 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import shutil
-import tempfile
 import time
 from typing import Any
 
-from tpcache.cache.errors import CacheError
-from tpcache.cache.radix import RadixCache
+from tpcache.cache.protocol import Cache
 from tpcache.workers.channel import Attach, RankLoop
 from tpcache.workers.channel import serve as serve_channel
 from tpcache.workers.copysync import RankCopies, agree_pools
 from tpcache.workers.errors import LockstepError
 from tpcache.workers.group import TPGroup
-from tpcache.workers.group_spec import GroupSpec, free_port, node_ip
+from tpcache.workers.group_spec import GroupSpec, StoreDir, free_port, node_ip
 from tpcache.workers.kvpool import (
     KVPool,
-    device_budget_bytes,
     rank_device,
-    slots_that_fit,
 )
 from tpcache.workers.lockstep import apply_step, fail_step
+from tpcache.workers.model import ModelConfigError, ModelSpec, ReferenceRunner
 from tpcache.workers.model_host import ModelHost
 from tpcache.workers.ops import Step, StepResult, decode_step, encode
-from tpcache.workers.rank_models import RankModels
-from tpcache.workers.runner_spec import build_runner
+from tpcache.workers.runner import ModelRunner, RunnerConfigError
+from tpcache.workers.runner_spec import RunnerSpec, build_runner
 from tpcache.workers.spec import CacheSpec, WorkerSpec
 
 
-class RankWorker(RankModels):
+class RankWorker:
     """One TP rank: KV-pool shard + cache mirror + process group.
 
     Call order: ``address`` (rank 0), ``join`` (all, concurrently), ``setup`` (all,
@@ -56,7 +52,7 @@ class RankWorker(RankModels):
         self.device = rank_device(local_rank)
         self.group: TPGroup | None = None
         self.pool: KVPool | None = None
-        self.cache: RadixCache | None = None
+        self.cache: Cache | None = None
         self.copies: RankCopies | None = None  # the host tier's pool and copy engine
         self.last_step = -1
         # Why this rank can apply no more steps (a step failed here) until it starts over.
@@ -66,7 +62,7 @@ class RankWorker(RankModels):
         if spec.runner is not None:
             runner = build_runner(spec.runner)
             self.models.install(runner, spec.pool, spec.cache.sliding_window)
-        self._store_dir: str | None = None  # local_store's directory (rank 0 of one node)
+        self._store = StoreDir()  # local_store's directory (rank 0 of one node)
         self._loop: RankLoop | None = None  # the step channel's loop, while it runs
         self._joining_since: float | None = None  # a join_and_setup in hand since then
         self._gc_frozen = False  # serve_steps froze the process's objects (gc.freeze)
@@ -79,14 +75,7 @@ class RankWorker(RankModels):
     def local_store(self) -> str:
         """A rendezvous file for a group whose ranks all run on this node, in a new
         directory only this user can read (removed when this rank leaves the group)."""
-        self._drop_store_dir()
-        self._store_dir = tempfile.mkdtemp(prefix="tpcache-rdv-")
-        return os.path.join(self._store_dir, "store")
-
-    def _drop_store_dir(self) -> None:
-        if self._store_dir is not None:
-            shutil.rmtree(self._store_dir, ignore_errors=True)
-            self._store_dir = None
+        return self._store.new_store()
 
     def join(self, master_addr: str, master_port: int, store_path: str | None = None) -> str:
         """Join the TP process group (blocks until every rank joins, or ``join_timeout_s``).
@@ -109,34 +98,17 @@ class RankWorker(RankModels):
 
         Collective. Returns the agreed capacity in tokens (whole pages).
         """
-        group = self._group()
-        ps = self.spec.cache.page_size
-        budget = device_budget_bytes(
-            self.device, self.spec.gpu_fraction, self.spec.cpu_budget_bytes
-        )
-        fit = slots_that_fit(self.spec.pool, budget)
-        if self.spec.capacity_tokens is not None:
-            fit = min(fit, self.spec.capacity_tokens)
-        capacity, host = agree_pools(group, self.spec.cache, self.spec.pool, fit // ps * ps)
-        if capacity < ps:
-            raise CacheError(
-                f"the KV pool holds {capacity} slots on the smallest rank, less than a page of {ps}"
-            )
+        capacity, host = agree_pools(self._group(), self.spec, self.device)
         self._close_copies()
         self.pool = KVPool(self.spec.pool, capacity, self.device)
         self.cache = self.spec.cache.build(capacity, rank=True)
-        self.copies = RankCopies(self.pool, host, ps) if host is not None else None
+        self.copies = (
+            RankCopies(self.pool, host, self.spec.cache.page_size) if host is not None else None
+        )
         self.models.copies = self.copies
         self.last_step = -1
         self.failed = None
         return capacity
-
-    def copy_drill(self, delay_s: float = 0.0, fail: list[int] | None = None) -> None:
-        """Fault drill: this rank's later host copies take ``delay_s`` more each, and the
-        ones with ids in ``fail`` fail. Raises RuntimeError without a host tier."""
-        if self.copies is None:
-            raise RuntimeError(f"rank {self.rank} has no host tier")
-        self.copies.drill(delay_s, list(fail or []))
 
     def _close_copies(self) -> None:
         if self.copies is not None:
@@ -256,13 +228,49 @@ class RankWorker(RankModels):
             raise first
         return out
 
-    # ---- inspection ---------------------------------------------------------------------
-    def request_slots(self, rid: int | str) -> list[int]:
-        """The slot ids of running request ``rid`` on this rank (its whole row)."""
-        row = self._cache().request_row(rid)
-        ps = self._cache().page_size
-        return [int(p) * ps + o for p in row.pages for o in range(ps)][: row.num_tokens]
+    # ---- the model runner: ModelHost (workers/model_host.py) does the work -------------
+    @property
+    def runner(self) -> ModelRunner | None:
+        return self.models.runner
 
+    @property
+    def tokens_computed(self) -> int:
+        """Tokens run through the runner since it was installed."""
+        return self.models.tokens_computed
+
+    def load_model(self, spec: ModelSpec) -> dict[str, Any]:
+        """Install the built-in checking model ``spec`` in the pool's dtype (not a
+        collective). Raises ``ModelConfigError``, the current runner kept, unless the pool
+        holds its KV (heads, head_dim, a pool layer per full-attention layer, the window)."""
+        runner = ReferenceRunner.of(spec, self.spec.pool.dtype)
+        try:
+            return self.models.install(runner, self.spec.pool, self.spec.cache.sliding_window)
+        except RunnerConfigError as exc:
+            raise ModelConfigError(str(exc)) from None
+
+    def load_runner(self, target: str, args: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Build the runner ``target`` (``"module:Class"``) with ``args`` and install it, as
+        ``WorkerSpec.runner`` does. Not a collective. Raises RunnerSpecError or
+        RunnerConfigError (the current runner kept) if it cannot be built or does not fit."""
+        runner = build_runner(RunnerSpec.of(target, args))
+        return self.models.install(runner, self.spec.pool, self.spec.cache.sliding_window)
+
+    def forward(self, data: bytes) -> bytes:
+        """An encoded ``Forward`` (one request) run as ``forward_batch`` runs a batch;
+        returns an encoded ``ForwardResult``."""
+        return encode(self.models.forward(self._group(), self._state, data, self.last_step))
+
+    def forward_batch(self, data: bytes) -> bytes:
+        """Run an encoded ``ForwardBatch``; an encoded ``ForwardBatchResult``. Collective:
+        every item is checked against this rank's cache and by the runner, the verdict
+        agreed by MIN (a bad command raises ``ForwardError`` on every rank before any
+        compute); then the runner writes the new K and V. Changes the pools, not the cache."""
+        return self.models.forward_batch(self._group(), self._state, data, self.last_step)
+
+    def _state(self) -> tuple[Cache, KVPool]:
+        return self._cache(), self._pool()
+
+    # ---- inspection ---------------------------------------------------------------------
     def digest(self) -> int:
         return self._cache().digest()
 
@@ -311,7 +319,7 @@ class RankWorker(RankModels):
         """Leave the process group (tolerates a broken one). Idempotent."""
         self._close_copies()
         self._leave_group()
-        self._drop_store_dir()
+        self._store.drop()
 
     def _leave_group(self) -> None:
         if self.group is not None:
@@ -319,7 +327,7 @@ class RankWorker(RankModels):
                 self.group.destroy()
             self.group = None
 
-    def _cache(self) -> RadixCache:
+    def _cache(self) -> Cache:
         if self.cache is None:
             raise RuntimeError(f"rank {self.rank} is not set up")
         return self.cache
