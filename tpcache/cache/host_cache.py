@@ -77,10 +77,9 @@ from tpcache.cache.protocol import Evictor
 from tpcache.cache.radix import OnePoolCache
 from tpcache.cache.records import CacheSizes
 from tpcache.cache.reqtable import (
+    Asked,
     RequestId,
     as_priority,
-    check_extends,
-    finished_tail,
 )
 from tpcache.cache.tree_check import check_cache
 
@@ -145,18 +144,10 @@ class HostCache(OnePoolCache):
         res = self._match_result(path, pos)
         return HostMatchResult(res.prefix_len, res.pages, res.handle, self.page_size, host)
 
-    def admit(
-        self,
-        rid: RequestId,
-        tokens: TokenLike,
-        priority: int = 0,
-        *,
-        evict: bool | Evictor = True,
-        reserve: int = 0,
-        namespace: Any = None,
-    ) -> HostAdmitResult:
+    def _admit(self, a: Asked, evict: bool | Evictor, namespace: Any) -> HostAdmitResult:
         no_namespaces(namespace)
-        rid, key, prio, total, room = self._admission(rid, tokens, priority, reserve)
+        rid, key, prio, total = a
+        room = self._room
         ps = self.page_size
         tree = self.tree
         found = tree.descend(key, (key.size - 1) // ps * ps)
@@ -195,13 +186,6 @@ class HostCache(OnePoolCache):
         wait = self._waits.record(rid, row) if c.started != c.completed else 0
         return HostAdmitResult(pos + loaded, row, total, ps, loaded, wait)
 
-    def extend(self, rid: RequestId, n: int, *, evict: bool | Evictor = True) -> np.ndarray:
-        slots = super().extend(rid, n, evict=evict)
-        c = self.tree.copies  # its new pages may be ones a write-back still reads
-        if c.started != c.completed:
-            self._waits.record(rid, self.reqs.get(rid).pages)
-        return slots
-
     def _unpin(self, hosts: list[Any]) -> None:
         for h in hosts:
             h.pinned = False
@@ -224,49 +208,22 @@ class HostCache(OnePoolCache):
         have, _, _ = insert_key(self.tree, key[:n], pages, prio, owner=LENT)
         return have
 
-    def cache_unfinished(self, rid: RequestId, tokens: TokenLike) -> int:
-        req = self.reqs.get(rid)
-        key = as_tokens(tokens, copy=True)  # the row keeps it
-        check_extends(rid, req.tokens, key, req.num_tokens)
-        ps = self.page_size
-        n = key.size // ps * ps
-        tree = self.tree
-        start_pos = req.cached_pages * ps
-        revive(tree, key[:n], req.pages[: n // ps], req.node, start_pos, HELD)
-        _, tree_pages, node = insert_key(
-            tree, key[:n], req.pages[: n // ps], req.priority,
-            start=req.node, start_pos=start_pos, trusted=True,
-        )  # fmt: skip
-        req.pages[: tree_pages.size] = tree_pages  # type: ignore[union-attr]
-        tree.lock(node)
-        tree.unlock(req.node)
-        req.node = node
-        req.cached_pages = tree_pages.size  # type: ignore[union-attr]
-        req.tokens = key
-        c = tree.copies  # the tree's pages now in the row may still be being loaded
-        if c.started != c.completed:
-            self._waits.record(rid, req.pages)
-        return n
-
-    def finish(self, rid: RequestId, output_tokens: TokenLike = ()) -> int:
-        req = self.reqs.get(rid)
-        out = as_tokens(output_tokens, allow_empty=True)
-        ps = self.page_size
-        tail, pages, n = finished_tail(req, out, ps)
+    # ---- the lifecycle's hooks: host-only nodes on the way, and copy waits ---------------
+    def _walk_start(self, req: Any, key: np.ndarray, pages: np.ndarray, start_pos: int) -> Any:
         tree = self.tree
         if tree.host_pages != tree.copy_pages:  # (``revive``'s own first check, inline)
-            revive(tree, tail, pages, req.node, 0, HELD)
-        insert_key(tree, tail, pages, req.priority, start=req.node, trusted=True, want_pages=False)
-        self.alloc.free(req.pages[n // ps :], HELD, checked=False)
-        tree.unlock(req.node)
-        self.reqs.remove(req.rid)
+            revive(tree, key, pages, req.node, start_pos, HELD)
+        return req.node  # no namespaces here: the walk starts at the request's own node
+
+    def _row_changed(self, req: Any) -> None:
+        c = self.tree.copies  # its new pages may be ones a write-back still reads
+        if c.started != c.completed:
+            self._waits.record(req.rid, req.pages)
+
+    def _release(self, req: Any) -> None:
+        super()._release(req)
         if self._waits.local:  # (``waits`` is empty when ``local`` is: loads are copies)
             self._waits.forget(req.rid)
-        return n
-
-    def abort(self, rid: RequestId) -> None:
-        super().abort(rid)
-        self._waits.forget(rid)
 
     def reset(self) -> None:
         super().reset()

@@ -38,6 +38,7 @@ from tpcache.cache.node import pages_of
 from tpcache.cache.protocol import Evictor
 from tpcache.cache.records import AdmitResult, CacheSizes, EvictResult, MatchResult
 from tpcache.cache.reqtable import (
+    Asked,
     ReqTable,
     RequestId,
     admitted_length,
@@ -156,19 +157,6 @@ class PrefixCache:
         return self.tree.evicted()
 
     # ---- request lifecycle (the contracts: ``protocol.Cache``) ----------------------------
-    def _admission(
-        self, rid: RequestId, tokens: TokenLike, priority: int, reserve: int
-    ) -> tuple[RequestId, np.ndarray, int, int, Any]:
-        """An admit's inputs checked before anything changes (the id, its tokens, priority
-        and total length), and the room-maker with no eviction ask pending."""
-        rid = self.reqs.check_new(rid)
-        key = as_tokens(tokens, copy=True, defer_sign=True)  # the row keeps it (if mutable)
-        prio = as_priority(priority)
-        total = admitted_length(key.size, reserve, self._limit)
-        room = self._room
-        room.ask = room.no_ask
-        return rid, key, prio, total, room
-
     def admit(
         self,
         rid: RequestId,
@@ -179,7 +167,17 @@ class PrefixCache:
         reserve: int = 0,
         namespace: Any = None,
     ) -> AdmitResult:
-        rid, key, prio, total, room = self._admission(rid, tokens, priority, reserve)
+        rid = self.reqs.check_new(rid)
+        key = as_tokens(tokens, copy=True, defer_sign=True)  # the row keeps it (if mutable)
+        prio = as_priority(priority)
+        asked = Asked(rid, key, prio, admitted_length(key.size, reserve, self._limit))
+        self._room.ask = self._room.no_ask
+        return self._admit(asked, evict, namespace)
+
+    def _admit(self, a: Asked, evict: bool | Evictor, namespace: Any) -> AdmitResult:
+        """``admit`` of inputs checked before anything changed (the host tier has its own)."""
+        rid, key, prio, total = a
+        room = self._room
         ps = self.page_size
         tree = self.tree
         space, (path, pos, partial, common) = match_in(
@@ -218,6 +216,7 @@ class PrefixCache:
         if need or callable(evict):
             req.pages = join_pages((req.pages, room.take(need, evict)))
         start, req.num_tokens = req.num_tokens, end
+        self._row_changed(req)
         return row_slots(req, start, end, ps)
 
     def cache_unfinished(self, rid: RequestId, tokens: TokenLike) -> int:
@@ -228,13 +227,14 @@ class PrefixCache:
         n = key.size // ps * ps
         tree = self.tree
         # The row's prefix is the locked path to req.node, so the walk starts there.
+        start_pos = req.cached_pages * ps
         _, tree_pages, node = insert_key(
             tree,
             key[:n],
             req.pages[: n // ps],
             req.priority,
-            start=insert_start(tree, req.node, req.space, n > req.cached_pages * ps),
-            start_pos=req.cached_pages * ps,
+            start=self._walk_start(req, key[:n], req.pages[: n // ps], start_pos),
+            start_pos=start_pos,
             trusted=True,
         )
         req.pages[: tree_pages.size] = tree_pages
@@ -245,6 +245,7 @@ class PrefixCache:
         req.cached_pages = tree_pages.size
         req.tokens = key
         req.mark = 0 if top is None else tree.mark_of(top)
+        self._row_changed(req)
         return n
 
     def finish(self, rid: RequestId, output_tokens: TokenLike = ()) -> int:
@@ -252,17 +253,31 @@ class PrefixCache:
         out = as_tokens(output_tokens, allow_empty=True)
         ps = self.page_size
         tail, pages, n = finished_tail(req, out, ps)
-        tree = self.tree
-        start = insert_start(tree, req.node, req.space, tail.size > 0)
-        insert_key(tree, tail, pages, req.priority, start=start, trusted=True, want_pages=False)
+        start = self._walk_start(req, tail, pages, 0)
+        insert_key(
+            self.tree, tail, pages, req.priority, start=start, trusted=True, want_pages=False
+        )
         self.alloc.free(req.pages[n // ps :], HELD, checked=False)
-        tree.unlock(req.node, tree.find_top(req.node, req.mark) if req.mark else None)
-        self.reqs.remove(req.rid)
+        self._release(req)
         return n
 
     def abort(self, rid: RequestId) -> None:
         req = self.reqs.get(rid)
         self.alloc.free(req.pages[req.cached_pages :], HELD, checked=False)
+        self._release(req)
+
+    # ---- what a kind adds to the lifecycle (the host tier: ``host_cache.py``) -------------
+    def _walk_start(self, req: Any, key: np.ndarray, pages: np.ndarray, start_pos: int) -> Any:
+        """Where caching ``key`` (the row's ``pages``) for ``req`` starts walking: its
+        locked node, which ends at ``key[:start_pos]`` (its namespace's anchor, made if
+        the walk goes below a default-namespace root)."""
+        return insert_start(self.tree, req.node, req.space, key.size > start_pos)
+
+    def _row_changed(self, req: Any) -> None:
+        """``req``'s row has new pages (extend) or tree pages (cache_unfinished)."""
+
+    def _release(self, req: Any) -> None:
+        """``req`` is done (finished or aborted): unlock its path and forget it."""
         tree = self.tree
         tree.unlock(req.node, tree.find_top(req.node, req.mark) if req.mark else None)
         self.reqs.remove(req.rid)

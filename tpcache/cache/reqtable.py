@@ -8,7 +8,7 @@ walk over them is the same in every process.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -32,6 +32,16 @@ if TYPE_CHECKING:
 RequestId = int | str
 MAX_ID_LEN = 256
 _I64 = 1 << 63
+
+
+class Asked(NamedTuple):
+    """An admit's inputs, checked: the new id, the tokens (the row keeps them), the
+    priority and the row's total length."""
+
+    rid: RequestId
+    key: np.ndarray
+    prio: int
+    total: int
 
 
 @dataclass(slots=True)

@@ -76,7 +76,8 @@ class Coordinator:
         event_stats: Callable[[], tuple[int, int]] | None = None,
         metrics_port: int | None = None,
     ) -> None:
-        self.steps = StepPipeline(ranks, mirror, config, observers)
+        config = config or CoordinatorConfig()
+        self.steps = StepPipeline(ranks, mirror, config, list(observers or []))
         self.publisher = publisher
         self.event_stats = event_stats
         self.metrics_port = metrics_port

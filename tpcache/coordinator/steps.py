@@ -68,13 +68,13 @@ class StepPipeline:
         self,
         ranks: RankTransport,
         mirror: Cache,
-        config: CoordinatorConfig | None = None,
-        observers: list[StepObserver] | None = None,
+        config: CoordinatorConfig,
+        observers: list[StepObserver],
     ) -> None:
         self.ranks = ranks
         self.mirror = mirror
-        self.config = config or CoordinatorConfig()
-        self.observers: list[StepObserver] = list(observers or [])
+        self.config = config
+        self.observers = observers  # the pipeline's own list (the coordinator made it)
         self.counters = Counters()
         self._pending: list[tuple[Op, OpResult]] = []
         self._inflight: deque[InFlight] = deque()
