@@ -140,8 +140,10 @@ class Coordinator:
 
     def wait_ready(self, request_ids: list[Any], timeout: float = 60.0) -> None:
         """Return once every one of the running ``request_ids`` may run its forward: with
-        a host tier, once the copies it waits for (its prefix loading, or write-backs of
-        the pages it was given) are agreed done on every rank and the ranks know it.
+        a host tier, once the loads into its row's pages (its prefix, or one another
+        request is loading) are agreed done on every rank and the ranks know it. A
+        write-back still reading a page it was given is not waited for here: each rank's
+        forward waits for its own copy engine (``host_cache.py``).
         Returns at once without a host tier. Raises ``CopiesNotDone`` after ``timeout``
         (nothing changed), or a failed step's error (a failed copy fails the group)."""
         wait_ready(self.steps, [check_request_id(r) for r in request_ids], timeout)
