@@ -21,7 +21,7 @@ another node or request) in the call that moves it, and what makes that safe is 
 order copies run in and who may touch a page before they are done (``host_cache.py``:
 a request's forward waits until the copies started before its admit or extend are
 done). In one process a copy completes as it starts; in a lockstep (``defer``) the
-completed count moves only by ``done(n)``, with the count the ranks agreed.
+completed count moves only by ``CopyWaits.done(n)``, with the count the ranks agreed.
 """
 
 from __future__ import annotations
@@ -56,14 +56,13 @@ class HostNode(Node):
 class CopyLog:
     """The copies a cache started, numbered from 0. Counters always; the records only
     when ``keep`` (a rank runs them; a replay has no use for them). ``defer``: the
-    completed prefix moves only by ``done`` (else every copy completes as it starts);
-    then, per device page, ``touch`` keeps 1 + the id of the last copy started that
+    completed prefix moves only by ``CopyWaits.done`` (else every copy completes as it
+    starts); then, per device page, ``touch`` keeps 1 + the id of the last copy started that
     reads or writes it and ``loads`` of the last load that writes it (0: none), so a
     request waits only for the copies of its own pages (``host_waits.py``)."""
 
     def __init__(self, keep: bool, defer: bool = False, device_pages: int = 0) -> None:
         self.keep = keep
-        self.defer = defer
         self.started = 0  # copies started (ids 0 .. started - 1)
         self.completed = 0  # their completed prefix (agreed, in a lockstep)
         self.records: list[HostCopy] = []  # owned here; taken by ``take``
@@ -92,14 +91,6 @@ class CopyLog:
             return 0
         last = int(table[pages].max())
         return last if last > self.completed else 0
-
-    def done(self, n: int) -> bool:
-        """The first ``n`` copies are done; False (nothing changed) unless
-        ``completed <= n <= started``."""
-        if isinstance(n, bool) or not isinstance(n, int) or not self.completed <= n <= self.started:
-            return False
-        self.completed = n
-        return True
 
     def take(self) -> list[HostCopy]:
         out, self.records = self.records, []

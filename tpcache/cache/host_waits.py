@@ -54,7 +54,7 @@ class CopyWaits:
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= c.started:
             raise HostTierError(f"copies_done({n!r}): {c.started} copies were started")
         if n > c.completed:
-            c.done(n)
+            c.completed = n
             self.waits = {r: k for r, k in self.waits.items() if k > n}
             self.local = {r: k for r, k in self.local.items() if k > n}
 
