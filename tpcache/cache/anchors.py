@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tpcache.cache.allocator import LENT
-from tpcache.cache.errors import IntegrityError, InvalidSlots
+from tpcache.cache.errors import AllocatorError, IntegrityError, InvalidSlots
 from tpcache.cache.namespace import CacheNamespace, as_namespace, is_anchor
 from tpcache.cache.node import _EMPTY_PAGES, _EMPTY_STATES
 
@@ -103,7 +103,7 @@ def lent_insert_start(tree: RadixTree, namespace: Any, pages: np.ndarray) -> Nod
     if found is None and pages.size:
         try:
             tree.alloc.check_owned(pages, LENT)
-        except Exception as exc:
+        except AllocatorError as exc:
             raise InvalidSlots(f"cannot insert: {exc}") from None
         found = anchor_of(tree, space, create=True)
     return found
