@@ -152,11 +152,7 @@ class HostCache(OnePoolCache):
         tree = self.tree
         found = tree.descend(key, (key.size - 1) // ps * ps)
         check_sign(key, found[1] + found[3])
-        path, pos, partial, common = found
-        if (path and not path[-1].dev) or (partial is not None and not partial.dev):
-            path, pos, partial, common, hosts, hpart, hcommon = tree.tier_cut(*found)
-        else:  # all on the device (``tier_cut``'s result, without the call)
-            hosts, hpart, hcommon = [], None, 0
+        path, pos, partial, common, hosts, hpart, hcommon = tree.tier_cut(*found)
         need = -(-total // ps) - (pos + common) // ps  # the host part's pages included
         if need > self.alloc.num_free:
             room.check(need, path, partial, common, evict)
