@@ -8,7 +8,13 @@ from __future__ import annotations
 import pytest
 from cache_helpers import fold_events
 
-from tpcache.cache.errors import HostTierError, IntegrityError, InvalidSlots, LockError
+from tpcache.cache.errors import (
+    HostTierError,
+    IntegrityError,
+    InvalidSlots,
+    LockError,
+    UnknownRequest,
+)
 from tpcache.cache.events import BlockRemoved, BlockStored
 from tpcache.cache.host_cache import HostCache, HostConfig
 from tpcache.cache.records import CacheSizes
@@ -281,3 +287,20 @@ def test_a_request_waits_only_for_copies_of_its_own_pages(ps: int) -> None:
     assert c.request_ready(6) and waits(7) == (0, 0)
     assert not (c._waits.waits or c._waits.local)
     c.check_integrity()
+
+
+def test_copy_waits_of_an_unknown_request_are_refused() -> None:
+    """``ready_after``, ``local_after`` and ``request_ready`` raise ``UnknownRequest`` for
+    a request that is not running (finished, aborted, never admitted), pending copies or
+    not; nothing changes."""
+    c = make(1, defer_copies=True, record_copies=True)
+    run(c, 1, blocks(1, 1, 2))
+    c.admit(2, blocks(1, 3, 4), reserve=1)  # writes A back: copy 0 pending
+    assert (c.copies_pending(), c.local_after(2)) == (1, 1)
+    c.abort(2)
+    before = c.digest()
+    for rid in (1, 2, 3):
+        for ask in (c.ready_after, c.local_after, c.request_ready):
+            with pytest.raises(UnknownRequest):
+                ask(rid)
+    assert c.digest() == before and c.copies_pending() == 1
