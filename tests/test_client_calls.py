@@ -66,4 +66,11 @@ def test_a_reply_of_the_wrong_kind_is_a_typed_error() -> None:
     with pytest.raises(UnexpectedReply):
         _converted(api.AdmitReply(0, []), api.CachedReply)
     assert checked(api.OkReply(), None) is None
-    assert ints(range(3)) == [0, 1, 2] and ints(np.arange(2)) == [0, 1]
+    with pytest.raises(UnknownRequest, match="no request 'b'"):  # an error beats the type
+        checked(api.ErrorReply("UnknownRequest", "no request 'b'"), api.SlotsReply)
+
+
+def test_tokens_of_any_int_sequence_become_python_ints() -> None:
+    for tokens in (range(3), np.arange(3), (np.int64(0), np.int32(1), 2), [0, 1, 2]):
+        got = ints(tokens)
+        assert got == [0, 1, 2] and all(type(t) is int for t in got), tokens

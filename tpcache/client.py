@@ -82,7 +82,7 @@ class Client(RequestCalls[api.AdmitReply, api.SlotsReply, api.CachedReply, None]
 
     def _send(self, call: api.Call, reply_type: type[api.Reply] | None) -> Any:
         (reply,) = self.send([call])
-        return _done(reply, reply_type)
+        return checked(reply, reply_type)
 
     @contextmanager
     def batch(self) -> Iterator[Batch]:
@@ -95,12 +95,6 @@ class Client(RequestCalls[api.AdmitReply, api.SlotsReply, api.CachedReply, None]
     def stats(self) -> dict[str, Any]:
         r = self._send(api.StatsCall(), api.StatsReply)
         return dict(r.stats)
-
-
-def _done(reply: api.Reply, reply_type: type[api.Reply] | None) -> Any:
-    if isinstance(reply, api.ErrorReply):
-        api.raise_reply_error(reply)
-    return checked(reply, reply_type)
 
 
 __all__ = ["Batch", "Client", "Pending"]

@@ -3,13 +3,15 @@ written once: each builds its ``api`` record and hands it to the client's ``_sen
 the reply type it expects. The Ray client, the network client and their batches differ
 only in ``_send``: one round trip, or a ``Pending`` kept until the batch goes.
 
-Imports only ``api`` (no torch, no Ray): the torch-free client uses it.
+Imports only ``api`` and numpy (no torch, no Ray): the torch-free client uses it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar, Unpack
+
+import numpy as np
 
 from tpcache.errors import TpcacheError
 from tpcache.frontend import api
@@ -72,8 +74,6 @@ class Pending:
         failed, and ``RuntimeError`` while the batch has not been sent."""
         if self._reply is None:
             raise RuntimeError("the batch has not been sent yet (its block has not ended)")
-        if isinstance(self._reply, api.ErrorReply):
-            api.raise_reply_error(self._reply)
         return self._convert(self._reply)
 
 
@@ -99,8 +99,11 @@ class Batch(RequestCalls[Pending, Pending, Pending, Pending]):
 
 
 def checked(reply: api.Reply, reply_type: type[api.Reply] | None) -> Any:
-    """``reply`` if it is the kind its call gets (None for a call that returns nothing);
-    a reply of another kind is a protocol error of the server."""
+    """``reply`` if it is the kind its call gets (None for a call that returns nothing).
+    Raises the call's typed error for an ``ErrorReply``, ``UnexpectedReply`` for a reply
+    of another kind (a protocol error of the server)."""
+    if isinstance(reply, api.ErrorReply):
+        api.raise_reply_error(reply)
     if reply_type is None:
         return None
     if not isinstance(reply, reply_type):
@@ -111,8 +114,8 @@ def checked(reply: api.Reply, reply_type: type[api.Reply] | None) -> Any:
 
 
 def ints(tokens: Any) -> list[int]:
-    """Token ids as a list of ints (lists pass through; arrays by ``tolist``)."""
+    """Token ids as a list of Python ints, as the API's records take them (a list passes
+    through; an array, a tuple or a range goes through numpy, so numpy ints become ints)."""
     if isinstance(tokens, list):
         return tokens
-    tolist = getattr(tokens, "tolist", None)
-    return tolist() if tolist is not None else list(tokens)
+    return np.asarray(tokens).tolist()

@@ -40,7 +40,8 @@ from tpcache.frontend.api import (
 from tpcache.frontend.netfront import FrontendConfig, NetFrontend
 from tpcache.workers.lockstep import LockstepError
 
-_REJECTED = (CacheError, CoordinatorUnavailable, RequestLost, LockstepError, CopiesNotDone)
+# What a call answers as a typed error (the Ray service's own calls too), not as a crash.
+REJECTED = (CacheError, CoordinatorUnavailable, RequestLost, LockstepError, CopiesNotDone)
 
 
 def _wait_ready(coord: Coordinator, rid) -> None:
@@ -84,7 +85,7 @@ def dispatch(coord: Coordinator, call: Call) -> Reply:
                 return OkReply()
             case StatsCall():
                 return StatsReply(coord.stats())
-    except _REJECTED as exc:
+    except REJECTED as exc:
         return ErrorReply(type(exc).__name__, str(exc), bool(getattr(exc, "retryable", False)))
     except Exception as exc:  # a bug: the frontend still gets a reply, and the type's name
         return ErrorReply(type(exc).__name__, f"internal error: {exc}")
@@ -129,7 +130,7 @@ def apply_requests(coord: Coordinator, requests: list[list[Call]]) -> list[list[
     try:
         with coord.batch():
             return [[dispatch(coord, call) for call in calls] for calls in requests]
-    except _REJECTED as exc:
+    except REJECTED as exc:
         err = ErrorReply(type(exc).__name__, str(exc), True)
         return [[err] * len(calls) for calls in requests]
 
@@ -172,7 +173,7 @@ def handle_many(coord: Coordinator, items: object) -> list[bytes]:
         with coord.batch():
             for call in calls:
                 replies.append(encode(dispatch(coord, call)))
-    except _REJECTED as exc:
+    except REJECTED as exc:
         # The step itself failed to send or check: every call of it is lost.
         err = encode(ErrorReply(type(exc).__name__, str(exc), True))
         replies = [err] * len(items)
@@ -192,7 +193,7 @@ def serve_network(
             return apply_requests(coord, requests)
 
     def idle() -> None:
-        with guard, contextlib.suppress(*_REJECTED):
+        with guard, contextlib.suppress(*REJECTED):
             coord.flush()
 
     return NetFrontend(config, run, 16 * call_limit(coord), idle)

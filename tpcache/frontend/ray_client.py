@@ -92,12 +92,6 @@ class Client(RequestCalls[Admitted, np.ndarray, int, None]):
                 time.sleep(delay)
                 delay = min(2.0, delay * 2)
 
-    def _call(self, call: api.Call) -> api.Reply:
-        reply = api.decode_reply(self._get(self.actor.call.remote(api.encode(call))))
-        if isinstance(reply, api.ErrorReply):
-            api.raise_reply_error(reply)
-        return reply
-
     def _op(self, method: str, *args: Any) -> Any:
         """A service method that answers ``(value, encoded ErrorReply or None)``."""
         value, error = self._get(getattr(self.actor, method).remote(*args))
@@ -106,7 +100,8 @@ class Client(RequestCalls[Admitted, np.ndarray, int, None]):
         return value
 
     def _send(self, call: api.Call, reply_type: type[api.Reply] | None) -> Any:
-        return _converted(self._call(call), reply_type)
+        reply = api.decode_reply(self._get(self.actor.call.remote(api.encode(call))))
+        return _converted(reply, reply_type)
 
     @contextmanager
     def batch(self) -> Iterator[Batch]:
@@ -144,11 +139,7 @@ class Client(RequestCalls[Admitted, np.ndarray, int, None]):
 
     def stats(self) -> dict[str, Any]:
         data = self._retried("call", api.encode(api.StatsCall()))
-        reply = api.decode_reply(data)
-        if isinstance(reply, api.ErrorReply):
-            api.raise_reply_error(reply)
-        assert isinstance(reply, api.StatsReply)
-        return dict(reply.stats)
+        return dict(checked(api.decode_reply(data), api.StatsReply).stats)
 
     def recover(self) -> None:
         """Rebuild the group now, and restart automatic recovery attempts."""

@@ -17,16 +17,13 @@ from typing import Any, TypeVar
 
 import ray
 
-from tpcache.cache.errors import CacheError
 from tpcache.coordinator.build import Endpoints, GroupConfig, build_coordinator
 from tpcache.coordinator.core import Coordinator
-from tpcache.coordinator.errors import CoordinatorUnavailable, RequestLost
 from tpcache.coordinator.ranks import RayRanks
 from tpcache.errors import TpcacheError
 from tpcache.frontend import api
-from tpcache.frontend.frontend import handle, handle_many
+from tpcache.frontend.frontend import REJECTED, handle, handle_many
 from tpcache.frontend.ray_client import DEFAULT_NAMESPACE, Client, connect
-from tpcache.workers.errors import LockstepError
 from tpcache.workers.rank import RankWorker
 
 __all__ = [
@@ -42,8 +39,6 @@ __all__ = [
     "stop_served",
 ]
 
-# What the service answers as a typed error (as the frontend does), not as Ray's.
-_REJECTED = (CacheError, CoordinatorUnavailable, RequestLost, LockstepError)
 
 _T = TypeVar("_T")
 
@@ -164,7 +159,7 @@ class CoordinatorService:
         with self._lock:
             try:
                 return fn(), None
-            except _REJECTED as exc:
+            except REJECTED as exc:  # a typed error, as the frontend answers it
                 retry = bool(getattr(exc, "retryable", False))
                 return None, api.encode(api.ErrorReply(type(exc).__name__, str(exc), retry))
 
