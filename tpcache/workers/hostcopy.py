@@ -150,7 +150,7 @@ class CopyEngine:
                 last, _ = groups[-1]
                 dst = job.dst.tolist()
                 fits = last[0].kind == job.kind and last[0].id not in self.fail
-                if fits and self.delay_s == 0 and targets.isdisjoint(dst):
+                if fits and targets.isdisjoint(dst):
                     last.append(job)
                     targets.update(dst)
                     groups[-1] = (last, ready)  # the latest job's event covers the earlier
