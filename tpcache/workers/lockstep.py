@@ -216,13 +216,14 @@ def apply_step(
     agreed_evict = _AgreedEvict(cache, group)
     for i, op in enumerate(step.ops):
         if isinstance(op, CopySync):  # one collective, entered by every rank
-            agreed_copies = sync_copies(
-                group, copies, failure is None and peer_failed_at is None, op
-            )
+            healthy = failure is None and peer_failed_at is None
+            agreed_copies = sync_copies(group, copies, healthy, op)
             results.append(OpResult())
-            if agreed_copies < 0 and failure is None and peer_failed_at is None:
-                where = "here" if copies and copies.local_done() < 0 else "on another rank"
-                failure = f"op {i} (CopySync): a host copy failed {where}"
+            if agreed_copies < 0 and healthy:
+                if copies is not None and copies.local_done() < 0:
+                    failure = f"op {i} (CopySync): a host copy failed here"
+                else:  # a peer failed: it names itself (``RankFailure.local``)
+                    peer_failed_at = i
             continue
         agreed_evict.entered = False
         if failure is None and peer_failed_at is None:
