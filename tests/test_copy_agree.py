@@ -1,18 +1,25 @@
 """The host tier's agreements without a running group: the coordinator's check of the
-copy count the ranks agreed, and the start-up agreement of the pools' sizes refusing
-pools the smallest rank cannot hold (before anything is allocated)."""
+copy count the ranks agreed, the start-up agreement of the pools' sizes refusing pools
+the smallest rank cannot hold (before anything is allocated), and a forward's bounded
+wait for its own rank's write-backs."""
 
 from __future__ import annotations
 
+import time
+
+import numpy as np
 import pytest
 import torch
 from group_helpers import group_config
 
 from tpcache.cache.errors import CacheError, HostTierError
+from tpcache.cache.host_config import HostCopy
 from tpcache.coordinator.copy_agree import CopyCompletion
 from tpcache.coordinator.step_check import odd_ranks
 from tpcache.coordinator.step_types import Closed
-from tpcache.workers.copysync import agree_pools
+from tpcache.workers.context import ForwardError
+from tpcache.workers.copysync import RankCopies, agree_pools
+from tpcache.workers.kvpool import KVPool, PoolSpec
 from tpcache.workers.ops import StepResult, encode
 from tpcache.workers.rank import CacheSpec
 
@@ -61,3 +68,33 @@ def test_pools_that_fit_are_agreed_in_whole_pages() -> None:
     cache = CacheSpec(page_size=PAGE, policy="lru", host_capacity_tokens=4 * PAGE + 3)
     spec = group_config(2, capacity_tokens=6 * PAGE + 1, cache=cache).worker_spec()
     assert agree_pools(_OneRank(), spec, torch.device("cpu")) == (6 * PAGE, 4 * PAGE)
+
+
+class _LocalWaits:
+    """What ``RankCopies.before_forward`` reads of a cache: the copies each request's
+    forward must not overtake on this rank (``HostCache.local_after``)."""
+
+    def __init__(self, after: dict[str, int]) -> None:
+        self.after = after
+
+    def local_after(self, rid: str) -> int:
+        return self.after.get(rid, 0)
+
+
+def test_a_forward_whose_write_backs_are_not_done_here_is_refused_in_time() -> None:
+    pool = KVPool(
+        PoolSpec(num_layers=1, kv_heads=2, head_dim=4, tp=1), 4 * PAGE, torch.device("cpu")
+    )
+    copies = RankCopies(pool, 4 * PAGE, PAGE)
+    try:
+        copies.before_forward(_LocalWaits({"a": 1}), ["b"], 0.0)  # "b" waits for none
+        copies.drill(1.0, [])  # the write-back below takes a second
+        copies.submit([HostCopy(0, True, np.array([1]), np.array([0]))])
+        start = time.monotonic()
+        with pytest.raises(ForwardError, match="reached 0 of the 1"):
+            copies.before_forward(_LocalWaits({"a": 1}), ["b", "a"], 0.05)
+        assert time.monotonic() - start < 0.9
+        copies.before_forward(_LocalWaits({"a": 1}), ["a"], 30.0)  # done in time
+        assert copies.local_done() == 1
+    finally:
+        copies.close()
