@@ -53,7 +53,6 @@ class RankWorker:
         self.group: TPGroup | None = None
         self.pool: KVPool | None = None
         self.cache: Cache | None = None
-        self.copies: RankCopies | None = None  # the host tier's pool and copy engine
         self.last_step = -1
         # Why this rank can apply no more steps (a step failed here) until it starts over.
         self.failed: str | None = None
@@ -102,10 +101,9 @@ class RankWorker:
         self._close_copies()
         self.pool = KVPool(self.spec.pool, capacity, self.device)
         self.cache = self.spec.cache.build(capacity, rank=True)
-        self.copies = (
+        self.models.copies = (
             RankCopies(self.pool, host, self.spec.cache.page_size) if host is not None else None
         )
-        self.models.copies = self.copies
         self.last_step = -1
         self.failed = None
         return capacity
@@ -113,7 +111,7 @@ class RankWorker:
     def _close_copies(self) -> None:
         if self.copies is not None:
             self.copies.close()
-            self.copies = self.models.copies = None
+            self.models.copies = None
 
     def attach(self, group: TPGroup) -> None:
         """Use ``group`` (``TPGroup.attach`` of a process group the caller owns) as this
@@ -232,6 +230,11 @@ class RankWorker:
     @property
     def runner(self) -> ModelRunner | None:
         return self.models.runner
+
+    @property
+    def copies(self) -> RankCopies | None:
+        """The host tier's pool and copy engine (None without one), which forwards wait on."""
+        return self.models.copies
 
     @property
     def tokens_computed(self) -> int:
