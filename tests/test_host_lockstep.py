@@ -102,6 +102,7 @@ def test_a_copy_that_fails_on_one_rank_fails_everywhere_and_nothing_leaks(group)
     assert len(failures) == 1 and "host copy failed" in failures[0], failures
     # Named after the rank whose copy failed, not a peer that heard of it by the MIN.
     assert "rank 1 failed" in failures[0] and "rank 0 failed" not in failures[0], failures
+    assert failures[0].count("step ") == 1, failures  # the step is named once
     stats = coord.stats()
     assert stats["recoveries"] == 1 and stats["divergences"] == 0
     coord.sync()

@@ -222,10 +222,10 @@ class StepPipeline:
         if isinstance(cause, DivergenceError):
             self.counters.divergences += 1
             odd = odd_by_digest(self.ranks, at.digest)
-            self._break(DivergenceError(at.step, f"{cause}; odd rank(s): {list(odd)}", odd))
+            self._break(DivergenceError(at.step, f"{cause.detail}; odd rank(s): {list(odd)}", odd))
         self.counters.rank_failures += 1
         if isinstance(cause, RankFailure):
-            self._break(RankFailure(at.step, str(cause)))
+            self._break(RankFailure(at.step, cause.detail))
         kind = "died" if exc.dead else "failed"
         self._break(
             RankFailure(at.step, f"rank {exc.rank} {kind}: {type(cause).__name__}: {cause}")
