@@ -38,8 +38,8 @@ class CopyCompletion:
         self.agreed = 0
 
     def note(self, results: list[StepResult]) -> int | None:
-        """Take one step's results from every rank; the ranks whose agreed count differs
-        from rank 0's (a MIN gives every rank the same), else None."""
+        """Take one step's results from every rank; the first rank whose agreed count
+        differs from rank 0's (a MIN gives every rank the same), else None."""
         counts = [r.copies_done for r in results]
         odd = [r.rank for r in results if r.copies_done != counts[0]]
         if odd:
