@@ -34,10 +34,12 @@ class EchoWorker:
         return (self.rank, x)
 
 
-def run_rank(rank: int, attach: Attach, slow_s: float = 0.0) -> tuple[threading.Thread, RankLoop]:
-    """A rank's channel loop on a thread of this process."""
+def run_rank(
+    rank: int, attach: Attach, slow_s: float = 0.0, worker: EchoWorker | None = None
+) -> tuple[threading.Thread, RankLoop]:
+    """A rank's channel loop on a thread of this process (around ``worker`` if given)."""
     loop = RankLoop()
-    worker = EchoWorker(rank, slow_s)
+    worker = worker or EchoWorker(rank, slow_s)
     t = threading.Thread(target=serve, args=(worker, rank, attach, loop, 0.02), daemon=True)
     t.start()
     return t, loop

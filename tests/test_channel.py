@@ -1,5 +1,5 @@
 """The step channel alone (``tpcache.workers.channel``): the coordinator's hub and the
-ranks' loops over real ZMQ sockets (IPC, and CURVE TCP on loopback), with stand-in
+ranks' loops over real sockets (Unix sockets, and ZMQ CURVE TCP on loopback), with stand-in
 workers that answer with the length and hash of each step (``channel_helpers``)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 
 import msgspec
 import pytest
-from channel_helpers import expected, rank_process, run_rank
+from channel_helpers import EchoWorker, expected, rank_process, run_rank
 
 from tpcache.workers.channel import CALL, STEPS, ChannelError, RankErrors, StepHub
 from tpcache.workers.channel_loop import pack, unpack
@@ -125,7 +125,9 @@ def test_a_slow_reader_holds_the_writer_back_and_nothing_is_lost() -> None:
     send waits for it and, past its timeout, fails naming rank 1 without having sent the
     message to it; everything sent before arrives whole and in order."""
     hub = StepHub(2, set(), "", hwm=2)
-    loops = start(hub, slow={1: 0.5})
+    first = EchoWorker(0)
+    loops = [run_rank(0, hub.attach[0], worker=first), run_rank(1, hub.attach[1], 0.5)]
+    hub.wait_connected(10.0, never_dead)
     try:
         payload = [os.urandom(256 << 10)]  # fills the socket buffers on the way fast
         sent = []
@@ -137,8 +139,9 @@ def test_a_slow_reader_holds_the_writer_back_and_nothing_is_lost() -> None:
         print(f"{len(sent)} messages went before the writer was held back")
         for ticket in sent:  # the reader catches up: every one arrives, in order
             assert hub.collect(ticket, 30.0, never_dead)[1] == [expected(payload[0])]
-        # The message that timed out never reached rank 1 (whole or not at all); rank 0
-        # got it; replies carry their ticket, so the next message is answered as itself.
+        # The message that timed out reached no rank (every rank gets a message or none
+        # does); replies carry their ticket, so the next message is answered as itself.
+        assert len(first.seen) == len(sent)
         t = hub.send(STEPS, [b"after"], 10.0)
         assert hub.collect(t, 30.0, never_dead)[1] == [expected(b"after")]
     finally:
@@ -194,7 +197,7 @@ def test_shutdown_with_steps_in_flight_returns_and_the_loops_leave() -> None:
 def test_curve_tcp_for_remote_ranks_lets_in_only_their_keys() -> None:
     hub = StepHub(2, {1}, "127.0.0.1")
     a0, a1 = hub.attach
-    assert a0.endpoint.startswith("ipc://") and a0.server_key is None
+    assert a0.endpoint.startswith("unix://") and a0.server_key is None
     assert a1.endpoint.startswith("tcp://127.0.0.1:") and a1.server_key and a1.keypair
     # A client with another key pair is not let in: no hello ever arrives.
     import dataclasses
@@ -214,3 +217,66 @@ def test_curve_tcp_for_remote_ranks_lets_in_only_their_keys() -> None:
         assert hub.collect(t, 5.0, never_dead) == [[expected(b"over curve")]] * 2
     finally:
         stop(hub, loops)
+
+
+def test_the_socket_is_private_and_a_stranger_is_not_a_rank() -> None:
+    """The local ranks' socket sits in a directory only this user can enter; a process
+    that connects to it without one of the hub's identities is dropped, never counted as
+    a rank, and the real ranks connect and are answered as before."""
+    import socket
+    import stat
+
+    from tpcache.workers.unix_link import send_frame
+
+    hub = StepHub(2, set(), "")
+    path = hub.attach[0].endpoint.removeprefix("unix://")
+    assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) & 0o077 == 0
+    stranger = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stranger.connect(path)
+    send_frame(stranger, b"H" + b"r0-forged")
+    with pytest.raises(ChannelError, match="did not connect"):
+        hub.wait_connected(0.5, never_dead)
+    stranger.settimeout(5.0)
+    assert stranger.recv(1) == b""  # the hub closed it
+    stranger.close()
+    loops = start(hub)
+    try:
+        t = hub.send(STEPS, [b"mine"], 5.0)
+        assert hub.collect(t, 5.0, never_dead) == [[expected(b"mine")]] * 2
+    finally:
+        stop(hub, loops)
+
+
+def test_a_rank_that_stops_reading_mid_message_never_blocks_the_writer() -> None:
+    """Rank 1 is stopped (SIGSTOP) and sent 64 MB, far more than a socket buffer holds:
+    the send fails naming it at its timeout, after rank 0 has taken the message whole;
+    rank 1's stream is cut (it may end inside the message), so the next send fails at
+    once, and once it runs again its loop leaves instead of reading half a message."""
+    hub = StepHub(2, set(), "")
+    first = EchoWorker(0)
+    loop0 = run_rank(0, hub.attach[0], worker=first)
+    proc = mp.get_context("spawn").Process(target=rank_process, args=(1, hub.attach[1]))
+    proc.start()
+    try:
+        hub.wait_connected(60.0, never_dead)
+        os.kill(proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(ChannelError) as caught:
+            hub.send(STEPS, [bytes(64 << 20)], 1.0)
+        assert caught.value.rank == 1 and caught.value.dead
+        assert "stopped reading" in str(caught.value)
+        assert 1.0 <= time.monotonic() - t0 < 5.0
+        deadline = time.monotonic() + 10
+        while not first.seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert first.seen == [64 << 20]
+        with pytest.raises(ChannelError) as caught:
+            hub.send(STEPS, [b"z"], 1.0)
+        assert caught.value.rank == 1 and caught.value.dead
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.join(10)
+        assert proc.exitcode == 0  # its loop left: the hub's end was gone
+    finally:
+        stop(hub, [loop0])
+        if proc.is_alive():
+            proc.kill()

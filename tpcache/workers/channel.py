@@ -1,16 +1,17 @@
 """The step channel: how the coordinator reaches its ranks on every step, off the Ray RPC
 path (a Ray actor call costs ~30x a bare broadcast here).
 
-One ZMQ ROUTER socket in the coordinator (``StepHub``), one DEALER in each rank
-(``serve``), connected once per group and generation. Ranks on the coordinator's node
-connect over IPC, to a socket file in a directory only its user can read; ranks on other
-nodes over TCP, where the hub is a CURVE server that lets in only the key pairs it made
-for those ranks (handed to them through the Ray setup call, which Ray's token protects).
-Ray keeps placement, start, restart, naming and the setup calls.
+The coordinator holds the hub (``StepHub``); each rank runs a loop (``serve``),
+connected once per group and generation. Ranks on the coordinator's node connect to a
+Unix socket in a directory only its user can read (``unix_link.py``: a third of ZMQ
+IPC's cost per message); ranks on other nodes reach a ZMQ ROUTER over TCP, where the hub
+is a CURVE server that lets in only the key pairs it made for those ranks (handed to
+them through the Ray setup call, which Ray's token protects). Ray keeps placement, start,
+restart, naming and the setup calls.
 
-Messages (one ZMQ frame each, after the ROUTER's identity frame: a kind byte, the
-message's number, its parts as one msgpack array: ``channel_loop.pack``), each numbered
-by the hub (its ticket, 8 bytes) and answered under the same number:
+Messages (one frame each: a kind byte, the message's number, its parts as one msgpack
+array: ``channel_loop.pack``), each numbered by the hub (its ticket, 8 bytes) and
+answered under the same number:
 - hub -> rank ``STEPS [step, ...]``: encoded ``Step``s, applied in order, each with its
   own collectives (``RankWorker.apply``); ``CALL [pickle((method, args, only))]``: a
   ``RankWorker`` method, in order with the steps, on every rank or on rank ``only``
@@ -20,16 +21,18 @@ by the hub (its ticket, 8 bytes) and answered under the same number:
 Pickle is used only between the hub and ranks it authenticated (IPC by file mode, TCP by
 CURVE keys).
 
-The hub never blocks forever: a send to a rank that stopped reading fails after the
-caller's timeout; a rank that is gone fails the send at once (``ROUTER_MANDATORY``); a
-wait for replies ends at its timeout or when ``dead()`` names a rank.
+The hub never blocks forever: a send to a rank with ``hwm`` messages unanswered (it
+stopped reading) fails after the caller's timeout, before any rank is sent the message; a
+rank that is gone fails the send at once (its socket closed, or ``ROUTER_MANDATORY``); a
+wait for replies ends at its timeout, when a rank's socket closes or when ``dead()``
+names a rank.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
+import select
 import shutil
 import tempfile
 import time
@@ -45,6 +48,7 @@ from tpcache.workers.channel_loop import (
     HELLO,
     STEPS,
     STOP,
+    UNIX,
     Attach,
     ChannelError,
     RankLoop,
@@ -52,16 +56,8 @@ from tpcache.workers.channel_loop import (
     serve,
     unpack,
 )
-from tpcache.workers.netsec import (
-    allow_clients,
-    make_server,
-    new_keypair,
-    release_clients,
-)
-
-# Plain ints: pyzmq's enum flags cost an Enum call per use on the per-step path.
-_POLLIN, _EVENTS, _NOBLOCK = int(zmq.POLLIN), int(zmq.EVENTS), int(zmq.NOBLOCK)
-_RCVMORE, _MORE_NOBLOCK = int(zmq.RCVMORE), int(zmq.SNDMORE | zmq.NOBLOCK)
+from tpcache.workers.tcp_link import POLLIN, POLLOUT, TcpLinks
+from tpcache.workers.unix_link import UnixLinks
 
 # The protocol's names, for the hub's users and the ranks alike.
 __all__ = [
@@ -77,8 +73,8 @@ __all__ = [
 
 
 class StepHub:
-    """The coordinator's side: one ROUTER per kind of rank (IPC for ranks on its node,
-    CURVE TCP for the others), replies kept per rank in order.
+    """The coordinator's side: a Unix socket per rank on its node (``UnixLinks``), a
+    CURVE TCP ROUTER for the others (``TcpLinks``), replies kept per rank in order.
 
     Messages are numbered from 0 (``send`` returns the number, the ticket); every rank
     answers each in order, and ``collect(ticket)`` takes that ticket's replies, whatever
@@ -89,63 +85,38 @@ class StepHub:
 
     def __init__(self, world_size: int, remote_ranks: set[int], host: str, hwm: int = 1000) -> None:
         self.world_size = world_size
-        self.hwm = hwm  # messages queued per rank (here and there) before a send waits
-        self._ctx = zmq.Context()
+        self.hwm = hwm  # messages unanswered per rank before a send waits
         self._dir = tempfile.mkdtemp(prefix="tpcache-ch-")  # mode 0700
-        self._sockets: dict[str, zmq.Socket] = {}
-        self._zap = False
-        self.attach: list[Attach] = []
+        self._remote = remote_ranks
+        self._replies: list[dict[int, list[bytes]]] = [{} for _ in range(world_size)]
+        self._unanswered = [0] * world_size  # messages sent to each rank, not answered
+        self._sent = 0
+        self._hello: set[int] = set()
+        # Made once (a socket's poll() builds one per call); plain poll(2) unless a ZMQ
+        # socket must be polled too.
+        self._poller = zmq.Poller() if remote_ranks else select.poll()
+        self._tcp: TcpLinks | None = None
+        self._unix: UnixLinks | None = None
+        tag = os.urandom(4).hex()
+        idents = {r: f"r{r}-{tag}".encode() for r in range(world_size)}
+        local = {idents[r]: r for r in range(world_size) if r not in remote_ranks}
+        path = f"{self._dir}/steps.sock"
         try:
-            self._open(remote_ranks, host)
+            if local:
+                flags = (POLLIN, POLLOUT) if remote_ranks else (select.POLLIN, select.POLLOUT)
+                self._unix = UnixLinks(path, local, HELLO, self._poller, flags)
+            if remote_ranks:
+                remote = {idents[r]: r for r in remote_ranks}
+                self._tcp = TcpLinks(remote, host, hwm, self._poller)
         except BaseException:
             self.close()
             raise
-        self._rank_of = {a.identity: r for r, a in enumerate(self.attach)}
-        self._sock_of = [
-            self._sockets["tcp" if r in remote_ranks else "ipc"] for r in range(world_size)
+        self.attach = [
+            self._tcp.attach[r]
+            if self._tcp is not None and r in remote_ranks
+            else Attach(UNIX + path, idents[r], hwm=hwm)
+            for r in range(world_size)
         ]
-        self._replies: list[dict[int, list[bytes]]] = [{} for _ in range(world_size)]
-        self._poller = zmq.Poller()  # made once: a socket's poll() builds one per call
-        for sock in self._sockets.values():
-            self._poller.register(sock, _POLLIN)
-        self._sent = 0
-        self._hello: set[int] = set()
-
-    def _open(self, remote: set[int], host: str) -> None:
-        tag = os.urandom(4).hex()
-        local = set(range(self.world_size)) - remote
-        ipc = tcp = ""
-        if local:
-            sock = self._router()
-            ipc = f"ipc://{self._dir}/steps.sock"
-            sock.bind(ipc)
-            self._sockets["ipc"] = sock
-        keys: dict[int, tuple[str, str]] = {}
-        server_public = None
-        if remote:
-            public, secret = new_keypair()
-            server_public = public
-            keys = {r: new_keypair() for r in remote}
-            allow_clients(self._ctx, tuple(k[0] for k in keys.values()))
-            self._zap = True
-            sock = self._router()
-            make_server(sock, secret)
-            sock.bind(f"tcp://{host}:*")
-            tcp = sock.get(zmq.LAST_ENDPOINT).decode()
-            self._sockets["tcp"] = sock
-        for r in range(self.world_size):
-            ident = f"r{r}-{tag}".encode()
-            if r in remote:
-                self.attach.append(Attach(tcp, ident, server_public, keys[r], self.hwm))
-            else:
-                self.attach.append(Attach(ipc, ident, hwm=self.hwm))
-
-    def _router(self) -> zmq.Socket:
-        sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        sock.setsockopt(zmq.SNDHWM, self.hwm)
-        return sock
 
     # ---- connecting ---------------------------------------------------------------------
     def wait_connected(self, timeout: float, dead: Callable[[], int | None]) -> None:
@@ -160,36 +131,56 @@ class StepHub:
     def send(self, kind: bytes, frames: list[bytes], timeout: float) -> int:
         """Send one message to every rank; returns its ticket. Raises ``ChannelError``
         naming a rank that is gone or has not read for ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        for r in range(self.world_size):
+            if r not in self._remote:
+                self._wait_room(r, deadline, timeout)
         ticket = self._sent
         self._sent += 1
         body = pack(kind, ticket.to_bytes(8, "big"), frames)
         for r in range(self.world_size):
-            self._send_one(r, body, timeout)
+            if r in self._remote:
+                assert self._tcp is not None
+                self._tcp.send(r, body, deadline, timeout, self._drain)
+            else:
+                assert self._unix is not None
+                self._unix.send(r, body)
+            self._unanswered[r] += 1
+        self._flush(deadline, timeout)
         return ticket
 
-    def _send_one(self, rank: int, body: bytes, timeout: float) -> None:
-        sock = self._sock_of[rank]
-        identity = self.attach[rank].identity
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                # Copied, not zero-copy: steps are small, and zero-copy sends start
-                # pyzmq's garbage-collector thread, seen in a hang at interpreter exit.
-                # The identity frame is where a full queue (EAGAIN) or a gone rank
-                # (EHOSTUNREACH) fails, so a message is sent whole or not at all.
-                sock.send(identity, _MORE_NOBLOCK)
-                sock.send(body, _NOBLOCK)
-                return
-            except zmq.Again:  # its queue is full: it stopped reading
-                if time.monotonic() > deadline:
-                    raise ChannelError(
-                        rank, f"stopped reading (nothing taken in {timeout:g}s)"
-                    ) from None
-                self._drain(0.01)
-            except zmq.ZMQError as exc:  # EHOSTUNREACH: not connected any more
+    def _flush(self, deadline: float, timeout: float) -> None:
+        """Until every local rank's socket has taken the whole message (a large one does
+        not fit in a socket's buffer); replies are read meanwhile, so that a rank blocked
+        on sending one goes on reading. A rank that has not taken it by ``deadline`` is
+        dropped: its stream ends inside a message."""
+        unix = self._unix
+        while unix is not None and (late := unix.unsent()) is not None:
+            if time.monotonic() > deadline:
+                unix.drop(late)
                 raise ChannelError(
-                    rank, f"is not connected to the step channel ({exc})", dead=True
-                ) from None
+                    late, f"stopped reading (a message not taken in {timeout:g}s)", dead=True
+                )
+            self._drain(0.01)
+
+    def _wait_room(self, rank: int, deadline: float, timeout: float) -> None:
+        """Until local ``rank`` may be sent one more message: it is connected and has
+        fewer than ``hwm`` unanswered (checked for every local rank before the message
+        goes to any: it goes to all of them or to none)."""
+        while True:
+            link = self._link(rank)
+            if link.closed:
+                raise ChannelError(rank, "is not connected to the step channel", dead=True)
+            if self._unanswered[rank] < self.hwm:
+                return
+            if time.monotonic() > deadline:
+                raise ChannelError(rank, f"stopped reading (nothing taken in {timeout:g}s)")
+            self._drain(0.01)
+
+    def _link(self, rank: int):
+        if self._unix is None or rank not in self._unix.by_rank:
+            raise ChannelError(rank, "has not connected to the step channel", dead=True)
+        return self._unix.by_rank[rank]
 
     def ready(self, ticket: int) -> bool:
         """Whether every rank has answered ``ticket`` (reads what has arrived; no wait)."""
@@ -259,20 +250,18 @@ class StepHub:
         return self._replies[rank].pop(ticket, None)
 
     def _drain(self, wait_s: float) -> None:
-        for sock, _ in self._poller.poll(int(wait_s * 1000)):
-            # Asked, not tried: a recv that finds nothing raises zmq.Again, and building
-            # that exception cost more than a small step's reply (results/group_timings.md).
-            while sock.getsockopt(_EVENTS) & _POLLIN:
-                parts = [sock.recv(_NOBLOCK)]
-                while sock.getsockopt(_RCVMORE):
-                    parts.append(sock.recv(_NOBLOCK))
-                self._take_in(parts)
+        unix, tcp = self._unix, self._tcp
+        for key, events in self._poller.poll(int(wait_s * 1000)):
+            if unix is not None and unix.owns(key):
+                got = unix.on_event(key, events)
+            elif tcp is not None and tcp.owns(key):
+                got = tcp.on_event()
+            else:
+                continue
+            for rank, body in got:
+                self._take_in(rank, body)
 
-    def _take_in(self, parts: list[bytes]) -> None:
-        rank = self._rank_of.get(parts[0])
-        if rank is None or len(parts) != 2:
-            return  # not one of this generation's ranks
-        body = parts[1]
+    def _take_in(self, rank: int, body: bytes) -> None:
         kind = body[:1]
         if kind == HELLO:
             self._hello.add(rank)
@@ -282,6 +271,13 @@ class StepHub:
         except msgspec.DecodeError:
             return
         self._replies[rank][int.from_bytes(body[1:9], "big")] = [kind, *frames]
+        self._unanswered[rank] -= 1
+
+    def _closed(self) -> int | None:
+        """A local rank whose socket has closed, if any: its process is gone."""
+        if self._unix is None:
+            return None
+        return next((r for r, link in self._unix.by_rank.items() if link.closed), None)
 
     def _check(
         self, deadline: float, dead: Callable[[], int | None], what: str, ticket: int = -1
@@ -289,6 +285,9 @@ class StepHub:
         gone = dead()
         if gone is not None:
             raise ChannelError(gone, "is gone (its process died)", dead=True)
+        closed = self._closed()
+        if closed is not None and ticket not in self._replies[closed]:
+            raise ChannelError(closed, "is gone (its socket closed)", dead=True)
         if time.monotonic() >= deadline:
             late = [r for r in range(self.world_size) if ticket not in self._replies[r]]
             if ticket < 0:
@@ -298,17 +297,16 @@ class StepHub:
     def stop_ranks(self) -> None:
         """Ask every connected rank to leave its loop (best effort, no wait)."""
         for r in range(self.world_size):
-            with contextlib.suppress(zmq.ZMQError):
-                self._sock_of[r].send_multipart([self.attach[r].identity, STOP], _NOBLOCK)
+            if self._tcp is not None and r in self._remote:
+                self._tcp.stop(r, STOP)
+            elif self._unix is not None and r in self._unix.by_rank:
+                self._unix.send(r, STOP)
 
     def close(self) -> None:
-        for sock in self._sockets.values():
-            sock.close(linger=0)
-        self._sockets = {}
-        if self._zap:
-            release_clients(self._ctx)
-            self._zap = False
-        self._ctx.term()
+        for links in (self._unix, self._tcp):
+            if links is not None:
+                links.close()
+        self._unix = self._tcp = None
         shutil.rmtree(self._dir, ignore_errors=True)
 
 

@@ -5,6 +5,8 @@ DEALER loop that applies the hub's messages in order and answers each under its 
 from __future__ import annotations
 
 import pickle
+import select
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -15,9 +17,11 @@ import zmq
 
 from tpcache.errors import TpcacheError
 from tpcache.workers.netsec import make_client
+from tpcache.workers.unix_link import FrameReader, send_frame
 
 STEPS, CALL, STOP = b"S", b"C", b"X"
 HELLO, RESULTS, REPLY, ERROR = b"H", b"R", b"P", b"E"
+UNIX = "unix://"  # the endpoint of a rank on the hub's node: its socket's path follows
 
 _encode_frames = msgspec.msgpack.Encoder().encode
 _decode_frames = msgspec.msgpack.Decoder(list[bytes]).decode
@@ -74,8 +78,56 @@ class RankLoop:
 
 
 def serve(worker: Any, rank: int, attach: Attach, loop: RankLoop, poll_s: float = 0.1) -> int:
-    """Run the channel loop of ``worker`` (a ``RankWorker``) until ``STOP`` or ``loop.stop``;
-    returns the number of messages handled. Errors a message raises go back to the hub."""
+    """Run the channel loop of ``worker`` (a ``RankWorker``) until ``STOP``, ``loop.stop``
+    or the hub's end is gone; returns the number of messages handled. Errors a message
+    raises go back to the hub. ``attach.endpoint``: ``unix://`` a rank on the hub's node,
+    ``tcp://`` one on another node."""
+    if attach.endpoint.startswith(UNIX):
+        return _serve_unix(worker, rank, attach, loop, poll_s)
+    return _serve_zmq(worker, rank, attach, loop, poll_s)
+
+
+def _answer(worker: Any, body: bytes, loop: RankLoop) -> bytes:
+    """The reply body to the message ``body``."""
+    loop.busy_since = time.monotonic()
+    try:
+        out, reply = _run(worker, body[:1], body)
+    finally:
+        loop.busy_since = None
+    return pack(out, body[1:9], reply)
+
+
+def _serve_unix(worker: Any, rank: int, attach: Attach, loop: RankLoop, poll_s: float) -> int:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    handled = 0
+    try:
+        sock.connect(attach.endpoint[len(UNIX) :])
+        send_frame(sock, HELLO + attach.identity)
+        reader = FrameReader(sock)
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        wait_ms = int(poll_s * 1000)
+        while not loop.stop.is_set():
+            body = reader.next()
+            if body is None:
+                # The wait is bounded so that ``loop.stop`` is seen; what has arrived is
+                # read whole (the hub writes a message at once or not at all).
+                if poller.poll(wait_ms) and not reader.fill():
+                    break  # the hub is gone
+                continue
+            if body[:1] == STOP:
+                break
+            send_frame(sock, _answer(worker, body, loop))
+            handled += 1
+    except OSError:  # the hub's end is gone (reset, or a broken pipe on a reply)
+        pass
+    finally:
+        sock.close()
+        loop.done.set()
+    return handled
+
+
+def _serve_zmq(worker: Any, rank: int, attach: Attach, loop: RankLoop, poll_s: float) -> int:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     handled = 0
@@ -94,15 +146,9 @@ def serve(worker: Any, rank: int, attach: Attach, loop: RankLoop, poll_s: float 
             if not poller.poll(wait_ms):
                 continue
             body = sock.recv()
-            kind = body[:1]
-            if kind == STOP:
+            if body[:1] == STOP:
                 break
-            loop.busy_since = time.monotonic()
-            try:
-                out, reply = _run(worker, kind, body)
-            finally:
-                loop.busy_since = None
-            sock.send(pack(out, body[1:9], reply))
+            sock.send(_answer(worker, body, loop))
             handled += 1
     finally:
         sock.close(linger=0)
