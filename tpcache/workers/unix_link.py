@@ -2,10 +2,10 @@
 rank, each message a length-prefixed frame.
 
 Why not ZMQ IPC (what this path was first): on the 2-core machine a 200-byte broadcast
-to 2 processes with an ack from each costs 132 us and 192 us of CPU over ZMQ IPC, and
-37-46 us and 58 us over Unix sockets (``scripts/bench_links.py``): ZMQ hands every
-message to an I/O thread on each side, two more wake-ups per direction, which is most of
-a small step's cost. A Unix socket wakes the blocked reader directly.
+to 2 processes with an answer from each takes 139 us and 147 us of CPU over ZMQ IPC, and
+41 us and 47 us over Unix sockets (``scripts/bench_links.py``, load average 4.9): ZMQ
+hands every message to an I/O thread on each side, two more wake-ups per direction,
+which is most of a small step's cost. A Unix socket wakes the blocked reader directly.
 
 The socket lives in the hub's directory (mode 0700): only the user that runs the ranks
 can connect, and a connection counts only once it names an identity the hub made.
