@@ -9,7 +9,7 @@ same bytes as a step sent to every rank over the same path, where every rank doe
 bare all-reduce of one element and answers (what a step cannot avoid).
 
     .venv/bin/python scripts/bench_lockstep.py [--tp 2 4] [--transport channel ray]
-        [--steps 60] [--rounds 3] [--json]
+        [--steps 60] [--piped-steps 300] [--rounds 3] [--json]
 
 ``vs_ray`` is, for each channel row, the Ray row's unpipelined step latency over the
 channel's (the median of the per-round ratios).
@@ -213,8 +213,14 @@ class Acc:
         return cls([], [], [], [], [], [], [], [])
 
 
-def measure_round(cell: Cell, acc: Acc, batch: int, steps: int, r: int, tag: str) -> None:
-    """One round of (floor, unpipelined, pipelined, paired) for one cell."""
+def measure_round(
+    cell: Cell, acc: Acc, batch: int, steps: tuple[int, int], r: int, tag: str
+) -> None:
+    """One round of (floor, unpipelined, pipelined, paired) for one cell; ``steps``:
+    (unpipelined, pipelined) steps a run. A pipelined run is longer: at ~1,000 steps/s,
+    60 steps last 60 ms, of which filling and draining 4 messages in flight is a tenth;
+    an engine runs the pipeline for as long as it serves."""
+    steps, piped_steps = steps
     acc.floor += floor_samples(cell.coord, steps, step_bytes(batch))
     acc.ping += floor_samples(cell.coord, steps, step_bytes(batch), collective=False)
     order: list[tuple[bool, int, list[Sample]]] = [
@@ -224,7 +230,8 @@ def measure_round(cell: Cell, acc: Acc, batch: int, steps: int, r: int, tag: str
     ]
     k = r % len(order)
     for pipelined, coalesce, into in order[k:] + order[:k]:
-        into.append(cell.run(batch, steps, pipelined, 1000 * r + batch, coalesce))
+        n = piped_steps if pipelined else steps
+        into.append(cell.run(batch, n, pipelined, 1000 * r + batch, coalesce))
         if tag != "evict":
             cell.coord.reset()
             cell.coord.sync()
@@ -325,7 +332,8 @@ def compare(
             for r in range(args.rounds):
                 k = r % len(transports)
                 for t in transports[k:] + transports[:k]:
-                    measure_round(cells[t][0], accs[t], batch, args.steps, r, tag)
+                    steps = (args.steps, args.piped_steps)
+                    measure_round(cells[t][0], accs[t], batch, steps, r, tag)
             got = {t: summarize(cells[t][0], accs[t], batch, tag) for t in transports}
             if "ray" in got and "channel" in got:
                 ratios = [
@@ -356,6 +364,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--piped-steps", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-evict", action="store_true", help="skip the evicting-cache rows")
     ap.add_argument(
@@ -374,11 +383,22 @@ def main() -> None:
             rows += compare(tp, args.transport, 64 * 16, [8], args, "evict")
     if args.json:
         print(
-            json.dumps({"machine": where, "steps": args.steps, "rounds": args.rounds, "rows": rows})
+            json.dumps(
+                {
+                    "machine": where,
+                    "steps": args.steps,
+                    "piped_steps": args.piped_steps,
+                    "rounds": args.rounds,
+                    "rows": rows,
+                }
+            )
         )
         return
     print(f"lockstep benchmark on {where}")
-    print(f"{args.steps} steps x {args.rounds} rounds per cell; medians; floor sampled each round")
+    print(
+        f"{args.steps} steps ({args.piped_steps} pipelined) x {args.rounds} rounds per cell; "
+        "medians; floor sampled each round"
+    )
     head = (
         f"{'tp':>2} {'path':>7} {'batch':>5} {'cache':>5} {'floor':>6} {'step':>6} {'xflr':>5} "
         f"{'xflr_p':>6} {'ping':>5} {'xping':>5} {'vs_ray':>6} "
@@ -405,7 +425,7 @@ def main() -> None:
             f"{r['gain_bound_all_cores']:>4.2f} {r['machine_busy_unpipelined']:>4.2f} {r['machine_busy_pipelined']:>6.2f}"
         )
     print(
-        "path: the step path (channel: ZMQ step channel; ray: an actor call per rank); "
+        "path: the step path (channel: the step channel, Unix sockets on one node; ray: an actor call per rank); "
         "vs_ray: the Ray path's unpipelined step latency over the channel's (median of "
         "per-round ratios); ms columns: floor, step (unpipelined latency), mirror (coordinator's calls before the "
         "send), rkops (slowest rank's ops + digest); xflr: step / floor; xflr_p: the same "
