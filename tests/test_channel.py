@@ -280,3 +280,50 @@ def test_a_rank_that_stops_reading_mid_message_never_blocks_the_writer() -> None
         stop(hub, [loop0])
         if proc.is_alive():
             proc.kill()
+
+
+def test_frames_split_anywhere_come_out_whole_and_in_order() -> None:
+    """The local path's framing alone, over a socket pair: frames of every size (empty,
+    a header's length, larger than the reader's chunk) written in pieces cut at random
+    points, headers included, come out whole and in order; the reader's buffer is
+    compacted as it goes (it never holds more than a chunk and a frame)."""
+    import socket
+    import threading
+
+    from tpcache.workers.unix_link import _CHUNK, FrameReader, frame
+
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    bodies = [
+        rng.randbytes(rng.choice([0, 1, 7, 8, 9, 300, 70_000, 3 * _CHUNK + 5])) for _ in range(400)
+    ]
+    wire = b"".join(b"".join(frame(b)) for b in bodies)
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+
+    def write() -> None:
+        pos = 0
+        while pos < len(wire):
+            n = rng.randrange(1, 20_000)
+            a.sendall(wire[pos : pos + n])
+            pos += n
+        a.close()
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    reader = FrameReader(b)
+    got: list[bytes] = []
+    biggest = 0
+    while True:
+        body = reader.next()
+        if body is not None:
+            got.append(body)
+            continue
+        if not reader.fill():
+            break
+        biggest = max(biggest, len(reader._buf))
+    writer.join()
+    b.close()
+    assert got == bodies
+    assert reader.next() is None
+    assert biggest <= 2 * _CHUNK + max(map(len, bodies)) + 8
