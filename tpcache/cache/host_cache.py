@@ -59,6 +59,7 @@ from tpcache.cache.errors import (
 from tpcache.cache.host_config import HostAdmitResult, HostConfig, HostCopy, HostMatchResult
 from tpcache.cache.host_inserts import check_lent, revive
 from tpcache.cache.host_moves import load
+from tpcache.cache.host_pool import HostPool
 from tpcache.cache.host_tree import HostTree
 from tpcache.cache.host_waits import CopyWaits
 from tpcache.cache.insert import insert_key
@@ -112,7 +113,7 @@ class HostCache(OnePoolCache):
         tree = HostTree(
             alloc,
             policy_key(config.policy),
-            PageAllocator(config.num_host_pages, config.page_size),
+            HostPool(config.num_host_pages, config.page_size),
             config.through_hits,
             record_events=config.record_events,
             record_copies=config.record_copies,

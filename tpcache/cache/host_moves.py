@@ -1,9 +1,8 @@
 """The moves of the host tier: what leaves the device, what the host pool drops, what a
 load or an insert brings back.
 
-- ``evict_device``: device candidates (``HostTree.leaves``) in policy order. A node with
-  a host copy becomes host-only; under write-back one without is written to the host
-  first; one that finds no host room is deleted with its host-only subtree.
+- ``evict_device`` (``host_evict.py``): device candidates in policy order leave the
+  device, by the moves here (``write_to_host``'s pages, ``_drop_subtree``).
 - ``_drop_host_leaves``: host-only leaves (``HostTree.host_leaves``) in policy order are
   deleted until the pages fit (pinned ones, being loaded, are skipped).
 - ``to_device``: a host-only node gets device pages (a load, or the pages of a request
@@ -16,14 +15,12 @@ Every move keeps the tree's counters, the digest terms (a node's term covers its
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tpcache.cache.allocator import CACHED, HELD
 from tpcache.cache.events import BlockRemoved, BlockStored
-from tpcache.cache.evict import Freed, record_evict
 from tpcache.cache.hashing import block_hashes
 from tpcache.cache.keys import join_pages
 from tpcache.cache.node import _EMPTY_PAGES, _MASK, page_terms
@@ -82,101 +79,6 @@ def _announce(tree: HostTree, node: Any, medium: str, stored: bool) -> None:
 
 
 # ---- device -> host ---------------------------------------------------------------------
-class _Writes:
-    """The write-backs of one eviction that took host pages from the free FIFO, kept back
-    so that they take them in one ``alloc`` (the pages, the FIFO and the tags end the same
-    as node-by-node allocs: no free comes between them). Flushed, in order, before any
-    other host-pool move of the eviction and at its end; a node in it is host-only
-    already except for its ``host`` and ``pages`` and its copy, started at the flush."""
-
-    __slots__ = ("nodes", "pages")
-
-    def __init__(self) -> None:
-        self.nodes: list[tuple[Any, np.ndarray]] = []  # (node, its device pages)
-        self.pages = 0
-
-    def flush(self, tree: HostTree) -> None:
-        if not self.pages:
-            return
-        host = tree.host_alloc.alloc(self.pages, CACHED)
-        shifted = host + tree.offset
-        start = tree.copies.start
-        k = 0
-        for node, device in self.nodes:
-            n = device.size
-            node.host = host[k : k + n]
-            start(True, device, node.host)
-            _retier(tree, node, shifted[k : k + n])
-            k += n
-        self.nodes = []
-        self.pages = 0
-
-
-def evict_device(tree: HostTree, num_pages: int) -> Freed:
-    """``HostTree.evict``: device candidates in policy order until ``num_pages`` device
-    pages are freed or none is left; the pages go back in one free group. Times the call."""
-    started = time.perf_counter()
-    out = Freed()
-    freed: list[np.ndarray] = []
-    writes = _Writes()
-    pop = tree.leaves.pop
-    while out.full < num_pages and (node := pop()) is not None:
-        if (
-            node.dev
-            and not node.lock
-            and node.alive
-            and not (node.children and has_dev_child(node))
-        ):
-            _leave_device(tree, node, out, freed, writes)
-    writes.flush(tree)
-    if freed:
-        pages = freed[0] if len(freed) == 1 else join_pages(freed)
-        tree.alloc.free(pages, CACHED, checked=False)
-    return record_evict(tree, out, started)
-
-
-def _leave_device(
-    tree: HostTree, node: Any, out: Freed, freed: list[np.ndarray], writes: _Writes
-) -> None:
-    n = node.pages.size
-    out.full += n
-    out.dead.append(node)
-    freed.append(node.pages)
-    tree.cached_pages -= n
-    if node.host.size:  # a copy already (write-through): only the device's pages go
-        tree.copy_pages -= n
-        tree.host_sum = (tree.host_sum - copy_term(node.host, node.pages)) & _MASK
-        moved = True
-    elif tree.through is not None:
-        moved = False
-    elif tree.host_alloc.num_free - writes.pages >= n:  # write-back from the free FIFO
-        # The node goes straight to host-only (never counted in ``copy_pages``): its
-        # device pages leave it now, and whoever gets them next waits for the copy.
-        writes.nodes.append((node, node.pages))
-        writes.pages += n
-        _wrote(tree, node, n)
-        moved = True
-    else:  # write-back, if the host can drop enough for it
-        writes.flush(tree)
-        host = _take_host(tree, n)
-        moved = host is not None
-        if moved:
-            _started_write(tree, node, host)
-    if moved:
-        if tree.record_events:
-            _announce(tree, node, tree.medium, stored=False)
-        if node.host.size:  # (a node in ``writes`` gets its pages at the flush)
-            _retier(tree, node, node.host + tree.offset)
-        node.dev = False
-        if not node.children:
-            tree.host_leaves.push(node)
-    else:
-        _drop_subtree(tree, node)
-    parent = node.parent  # a device candidate now? (``HostTree._queue``, inline)
-    if parent.dev and not parent.lock and parent.alive and not has_dev_child(parent):
-        tree.leaves.push(parent)
-
-
 def _take_host(tree: HostTree, n: int) -> np.ndarray | None:
     """``n`` host pages for a copy, by host eviction if needed; None if they cannot be had."""
     alloc = tree.host_alloc
@@ -252,6 +154,7 @@ def _drop_host_leaves(tree: HostTree, n: int) -> np.ndarray | None:
     if n > have + tree.host_only_pages():
         return None
     pop = tree.host_leaves.pop
+    events = tree.record_events
     skipped = []
     freed = []
     while have < n:
@@ -264,9 +167,11 @@ def _drop_host_leaves(tree: HostTree, n: int) -> np.ndarray | None:
             skipped.append(node)
             continue
         _delete(tree, node)
-        freed.append(node.host)
-        have += node.host.size
-        _announce(tree, node, HOST, stored=False)
+        host = node.host
+        freed.append(host)
+        have += host.size
+        if events:
+            _announce(tree, node, HOST, stored=False)
         parent = node.parent
         if not (parent.dev or parent.children):
             tree.host_leaves.push(parent)
@@ -301,20 +206,26 @@ def load(tree: HostTree, hosts: list[Any], pages: np.ndarray) -> int:
     n = sum([h.pages.size for h in hosts])
     own = pages[:n].copy()  # the nodes' own arrays from now on (one copy, cut)
     tree.alloc.retag(own, HELD, CACHED, checked=False)
+    frees: list[np.ndarray] | None = [] if tree.through is None else None
     k = 0
     for h in hosts:
         m = h.pages.size
-        _on_device(tree, h, own[k : k + m], True)
+        _on_device(tree, h, own[k : k + m], True, frees)
         h.pinned = False
         k += m
+    if frees:  # each node's host copy its own free group, in order, as one call
+        tree.host_alloc.free_groups(frees)
     return n
 
 
-def _on_device(tree: HostTree, node: Any, pages: np.ndarray, loaded: bool) -> None:
+def _on_device(
+    tree: HostTree, node: Any, pages: np.ndarray, loaded: bool, frees: list | None = None
+) -> None:
     """Host-only ``node`` is on the device in ``pages`` (the tree's already): its copy
     starts if ``loaded``; write-back frees the host copy then (exclusive tiers; copies run
     in id order, so whoever gets the host pages next writes them after the load read
-    them), write-through keeps it."""
+    them), write-through keeps it. ``frees``: where write-back leaves the host copy for
+    the caller to free (else it is freed here)."""
     n = pages.size
     if loaded:
         tree.copies.start(False, pages, node.host)
@@ -327,7 +238,10 @@ def _on_device(tree: HostTree, node: Any, pages: np.ndarray, loaded: bool) -> No
     if events:
         _announce(tree, node, tree.medium, stored=True)
     if tree.through is None:
-        tree.host_alloc.free(node.host, CACHED, checked=False)
+        if frees is None:
+            tree.host_alloc.free(node.host, CACHED, checked=False)
+        else:
+            frees.append(node.host)
         tree.host_pages -= n
         node.host = _EMPTY_PAGES
         if events:

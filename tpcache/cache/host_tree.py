@@ -12,8 +12,9 @@ host prefix beyond it.
 
 Two eviction orders, both the cache's policy: ``leaves`` (device nodes with no lock and
 no device child: what an eviction moves off the device) and ``host_leaves`` (host-only
-nodes with no child: what a full host pool drops). The moves are in ``host_moves.py``,
-the full walk of ``check_integrity`` in ``host_check.py``.
+nodes with no child: what a full host pool drops). Both are ``RunOrder``s
+(``host_order.py``). The moves are in ``host_moves.py`` (eviction from the device:
+``host_evict.py``), the full walk of ``check_integrity`` in ``host_check.py``.
 
 Copies: every move between the tiers is a copy started in ``copies`` (ids in order).
 The tree's decisions never wait for a copy: a page leaves a node (is freed, or given to
@@ -33,9 +34,10 @@ import numpy as np
 from tpcache.cache.errors import LockError
 from tpcache.cache.evict import Freed
 from tpcache.cache.host_config import HostCopy
-from tpcache.cache.host_moves import evict_device, has_dev_child, write_to_host
+from tpcache.cache.host_evict import evict_device
+from tpcache.cache.host_moves import has_dev_child, write_to_host
+from tpcache.cache.host_order import RunOrder
 from tpcache.cache.node import _EMPTY_PAGES, Node
-from tpcache.cache.order import EvictionOrder
 from tpcache.cache.policies import KeyFn
 from tpcache.cache.tree import RadixTree
 
@@ -69,6 +71,8 @@ class CopyLog:
         # Owned here: written as copies start, read by ``pending_on``.
         self.touch = np.zeros(device_pages, np.int64) if defer else None
         self.loads = np.zeros(device_pages, np.int64) if defer else None
+        # Nothing per copy is kept (a replay): ``started_many`` may count copies at once.
+        self.counts_only = not keep and not defer
 
     def start(self, to_host: bool, device: np.ndarray, host: np.ndarray) -> int:
         cid = self.started
@@ -82,6 +86,11 @@ class CopyLog:
         if self.keep:
             self.records.append(HostCopy(cid, to_host, device.copy(), host.copy()))
         return cid
+
+    def started_many(self, k: int) -> None:
+        """``k`` copies start (``counts_only``): what ``start`` would count, nothing else."""
+        self.started += k
+        self.completed = self.started
 
     def pending_on(self, pages: np.ndarray, loads: bool) -> int:
         """1 + the id of the last copy not known done that touches one of the device
@@ -130,8 +139,9 @@ class HostTree(RadixTree):
 
     def _clear(self) -> None:
         super()._clear()
+        self.leaves = RunOrder(self.key_fn)  # (the base tree's order, in runs)
         self.host_alloc.reset()
-        self.host_leaves = EvictionOrder(self.key_fn)  # host-only nodes without children
+        self.host_leaves = RunOrder(self.key_fn)  # host-only nodes without children
         self.host_pages = 0  # host pages the tree holds (host-only nodes and copies)
         self.copy_pages = 0  # of them, copies of device-resident nodes
         self.host_sum = 0  # digest of the copies: each host page with its device page
