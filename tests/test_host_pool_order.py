@@ -82,7 +82,8 @@ def _lru(n: _Node) -> tuple[int, ...]:
 @pytest.mark.parametrize("seed", range(8))
 def test_run_order_pops_as_the_heap_does(seed: int) -> None:
     """Pushes mostly in key order (as the tiered tree's are), some not, keys changed
-    while queued, forgets and compactions: the same nodes come out in the same order."""
+    while queued, forgets, compactions and rekeys: the same nodes come out in the same
+    order."""
     print("seed", seed)
     rng = np.random.default_rng(seed)
     nodes = [_Node(i, int(rng.integers(0, 50))) for i in range(300)]
@@ -103,6 +104,11 @@ def test_run_order_pops_as_the_heap_does(seed: int) -> None:
         elif op < 8:
             runs.forget(node)
             heap.forget(node)
+        elif step % 1500 == 0:  # every key changes at once (a stateful policy's rekey)
+            for n in nodes:
+                n.last_access = int(rng.integers(0, tick))
+            runs.rekey()
+            heap.rekey()
         else:
             assert runs.pop() is heap.pop(), f"step {step}"
         assert len(runs) == len(heap)

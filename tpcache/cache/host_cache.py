@@ -146,7 +146,8 @@ class HostCache(OnePoolCache):
         return HostMatchResult(res.prefix_len, res.pages, res.handle, self.page_size, host)
 
     def _admit(self, a: Asked, evict: bool | Evictor, namespace: Any) -> HostAdmitResult:
-        no_namespaces(namespace)
+        if namespace is not None:
+            no_namespaces(namespace)
         rid, key, prio, total = a
         room = self._room
         ps = self.page_size
@@ -172,9 +173,7 @@ class HostCache(OnePoolCache):
             raise
         loaded = load(tree, hosts, pages) * ps if hosts else 0
         if hosts:  # the request's lock moves to the end of what was loaded
-            tree.lock(hosts[-1])
-            tree.unlock(node)
-            node = hosts[-1]
+            node = self._extend_lock(hosts)
             path = path + hosts
         row = join_pages([*map(pages_of, path), pages[loaded // ps :]])
         tree.touch(path, queue=False)
@@ -182,6 +181,18 @@ class HostCache(OnePoolCache):
         c = tree.copies  # (a new request waits for nothing unless copies are pending)
         wait = self._waits.record(rid, row) if c.started != c.completed else 0
         return HostAdmitResult(pos + loaded, row, total, ps, loaded, wait)
+
+    def _extend_lock(self, hosts: list[Any]) -> Any:
+        """``lock(hosts[-1])`` then ``unlock`` of the node above ``hosts[0]`` (locked by the
+        admit), without the two walks to the root: their locks and protected pages end the
+        same (the node above keeps its count, so nothing there becomes a candidate).
+        Returns the new end of the lock."""
+        tree = self.tree
+        for h in hosts:
+            if h.lock == 0:
+                tree.protected_pages += h.pages.size
+            h.lock += 1
+        return hosts[-1]
 
     def _unpin(self, hosts: list[Any]) -> None:
         for h in hosts:

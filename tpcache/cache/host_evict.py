@@ -38,10 +38,11 @@ class _Writes:
     other host-pool move of the eviction and at its end; a node in it is host-only
     already except for its ``host`` and ``pages`` and its copy, started at the flush."""
 
-    __slots__ = ("nodes", "pages")
+    __slots__ = ("devices", "nodes", "pages")
 
     def __init__(self) -> None:
-        self.nodes: list[tuple[Any, np.ndarray]] = []  # (node, its device pages)
+        self.nodes: list[Any] = []
+        self.devices: list[np.ndarray] = []  # each node's device pages
         self.pages = 0
 
     def flush(self, tree: HostTree) -> None:
@@ -52,7 +53,7 @@ class _Writes:
         copies = tree.copies
         start = None if copies.counts_only else copies.start
         k = 0
-        for node, device in self.nodes:
+        for node, device in zip(self.nodes, self.devices, strict=True):
             n = device.size
             node.host = host[k : k + n]
             if start is not None:
@@ -64,7 +65,8 @@ class _Writes:
             k += n
         if start is None:
             copies.started_many(len(self.nodes))
-        self.nodes.clear()  # (cleared, not replaced: ``evict_device`` holds the list)
+        self.nodes.clear()  # (cleared, not replaced: ``evict_device`` holds the lists)
+        self.devices.clear()
         self.pages = 0
 
 
@@ -79,7 +81,7 @@ def evict_device(tree: HostTree, num_pages: int) -> Freed:
     dead = out.dead
     freed: list[np.ndarray] = []
     writes = _Writes()
-    queued = writes.nodes
+    queued, devices = writes.nodes, writes.devices
     pop, push = tree.leaves.pop, tree.leaves.push
     host_push = tree.host_leaves.push
     host_alloc = tree.host_alloc
@@ -93,7 +95,8 @@ def evict_device(tree: HostTree, num_pages: int) -> Freed:
             out.full += n
             dead.append(node)
             freed.append(pages)
-            queued.append((node, pages))
+            queued.append(node)
+            devices.append(pages)
             writes.pages += n
             tree.cached_pages -= n
             tree.host_pages += n
@@ -130,12 +133,14 @@ def _leave_device(
     elif tree.host_alloc.num_free - writes.pages >= n:  # write-back from the free FIFO
         # The node goes straight to host-only (never counted in ``copy_pages``): its
         # device pages leave it now, and whoever gets them next waits for the copy.
-        writes.nodes.append((node, node.pages))
+        writes.nodes.append(node)
+        writes.devices.append(node.pages)
         writes.pages += n
         _wrote(tree, node, n)
         moved = True
     else:  # write-back, if the host can drop enough for it
-        writes.flush(tree)
+        if writes.pages:
+            writes.flush(tree)
         host = _take_host(tree, n)
         moved = host is not None
         if moved:

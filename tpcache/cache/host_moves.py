@@ -155,6 +155,7 @@ def _drop_host_leaves(tree: HostTree, n: int) -> np.ndarray | None:
         return None
     pop = tree.host_leaves.pop
     events = tree.record_events
+    nodes, pb = tree.nodes, 4 * tree.ps
     skipped = []
     freed = []
     while have < n:
@@ -166,7 +167,11 @@ def _drop_host_leaves(tree: HostTree, n: int) -> np.ndarray | None:
         if node.pinned:
             skipped.append(node)
             continue
-        _delete(tree, node)
+        del node.parent.children[node.kb[:pb]]  # (``_delete``, inline)
+        del nodes[node.id]
+        node.alive = False
+        tree.digest_sum = (tree.digest_sum - node.term) & _MASK
+        node.kb = b""
         host = node.host
         freed.append(host)
         have += host.size
@@ -206,6 +211,9 @@ def load(tree: HostTree, hosts: list[Any], pages: np.ndarray) -> int:
     n = sum([h.pages.size for h in hosts])
     own = pages[:n].copy()  # the nodes' own arrays from now on (one copy, cut)
     tree.alloc.retag(own, HELD, CACHED, checked=False)
+    if tree.through is None and not tree.record_events and tree.copies.counts_only:
+        _load_plain(tree, hosts, own)
+        return n
     frees: list[np.ndarray] | None = [] if tree.through is None else None
     k = 0
     for h in hosts:
@@ -216,6 +224,32 @@ def load(tree: HostTree, hosts: list[Any], pages: np.ndarray) -> int:
     if frees:  # each node's host copy its own free group, in order, as one call
         tree.host_alloc.free_groups(frees)
     return n
+
+
+def _load_plain(tree: HostTree, hosts: list[Any], own: np.ndarray) -> None:
+    """``load``'s nodes under write-back, with no events and no copy kept: each node as
+    ``_on_device`` does it, the counters once."""
+    forget = tree.host_leaves.forget
+    frees = []
+    k = 0
+    for h in hosts:
+        m = h.pages.size
+        pages = own[k : k + m]
+        if h.states is None:  # (``_retier``, inline: an unhashed node has no term)
+            h.pages = pages
+        else:
+            _retier(tree, h, pages)
+        h.dev = True
+        forget(h)
+        frees.append(h.host)
+        h.host = _EMPTY_PAGES
+        h.pinned = False
+        k += m
+    tree.copies.started_many(len(hosts))
+    tree.loaded_pages += k
+    tree.cached_pages += k
+    tree.host_pages -= k
+    tree.host_alloc.free_groups(frees)  # each node's host copy its own free group, in order
 
 
 def _on_device(

@@ -63,10 +63,21 @@ class RunOrder(EvictionOrder):
         live = self.live
         return {(k, n.id) for k, n in (*self.heap, *self.tail) if live.get(n) == k}
 
-    def _compact(self) -> None:
-        # Every live entry, sorted: one run, and an empty heap.
+    def rekey(self) -> None:
+        # Every key may change: one sorted run of them all, and an empty heap.
+        key_fn = self.key_fn
+        self.live = {node: key_fn(node) for node in self.live}
         self.tail = deque(sorted(((k, node) for node, k in self.live.items()), key=_key))
         self.heap = []
+
+    def _compact(self) -> None:
+        # Stale entries out of both, in linear time: the run stays sorted, the heap is
+        # rebuilt from its live entries (as ``EvictionOrder._compact``, which heapifies).
+        live = self.live
+        self.tail = deque(e for e in self.tail if live.get(e[1]) == e[0])
+        heap = [e for e in self.heap if live.get(e[1]) == e[0]]
+        heapq.heapify(heap)
+        self.heap = heap
 
 
 def _key(entry: tuple[tuple[int, ...], Any]) -> tuple[int, ...]:

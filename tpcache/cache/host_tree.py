@@ -152,7 +152,10 @@ class HostTree(RadixTree):
         upper.dev = child.dev  # type: ignore[attr-defined]
         upper.pinned = child.pinned  # type: ignore[attr-defined]
         host = child.host  # type: ignore[attr-defined]
-        if host.size:
+        if not child.dev:  # type: ignore[attr-defined]  # host-only: pages are host + offset
+            upper.host = upper.pages - self.offset  # type: ignore[attr-defined]
+            child.host = child.pages - self.offset  # type: ignore[attr-defined]
+        elif host.size:
             cut = at // self.ps
             upper.host = host[:cut].copy()  # type: ignore[attr-defined]
             child.host = host[cut:].copy()  # type: ignore[attr-defined]
