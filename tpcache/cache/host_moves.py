@@ -87,7 +87,7 @@ def _take_host(tree: HostTree, n: int) -> np.ndarray | None:
     freed = _drop_host_leaves(tree, n)
     if freed is None:
         return None
-    return alloc.recycle(freed, CACHED, n, CACHED)
+    return alloc.recycle(freed, CACHED, n, CACHED)  # (the dropped nodes' pages: theirs to sort)
 
 
 def _started_write(tree: HostTree, node: Any, host: np.ndarray) -> None:

@@ -13,9 +13,18 @@ free is caught as in the base allocator.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
-from tpcache.cache.allocator import CACHED, FREE, PageAllocator, log_one_group, ring_put
+from tpcache.cache.allocator import (
+    CACHED,
+    FREE,
+    PageAllocator,
+    log_one_group,
+    ring_put,
+    ring_take,
+)
 
 
 class HostPool(PageAllocator):
@@ -47,23 +56,62 @@ class HostPool(PageAllocator):
         self._sync_tags()  # a page queued twice leaves the FREE count short: caught below
         super().check_integrity()
 
+    def alloc(self, n: int, tag: int = CACHED, *, copy: bool = True) -> np.ndarray:
+        counts = self._counts
+        if not 0 <= n <= counts[FREE]:
+            return super().alloc(n, tag, copy=copy)  # (it raises)
+        head, fifo = self._head, self._fifo
+        pages = ring_take(fifo, head, n)
+        if copy and pages.base is fifo:
+            pages = pages.copy()
+        self._head = (head + n) % self.num_pages
+        counts[FREE] -= n
+        counts[tag] += n
+        return pages
+
+    def recycle(self, pages: np.ndarray, owner: int, n: int, tag: int) -> np.ndarray:
+        """``free(pages, owner, checked=False)`` then ``alloc(n, tag)`` in one step (the
+        host tier's write into a full pool): the group goes to the FIFO's tail and ``n``
+        come off its head, as the two calls do. ``pages`` (int64) are the caller's to give
+        up: they are sorted in place."""
+        counts = self._counts
+        m = pages.size
+        if m < 2 or n > counts[FREE] + m or pages.dtype != np.int64:
+            return super().recycle(pages, owner, n, tag)  # (it raises if n does not fit)
+        pages.sort(kind="stable")
+        self._free_log = log_one_group(self._free_log, int(np.add.reduce(pages)), m)
+        head, fifo = self._head, self._fifo
+        ring_put(fifo, (head + counts[FREE]) % self.num_pages, pages)
+        taken = ring_take(fifo, head, n)
+        if taken.base is fifo:
+            taken = taken.copy()
+        self._head = (head + n) % self.num_pages
+        counts[owner] -= m
+        counts[FREE] += m - n
+        counts[tag] += n
+        return taken
+
     def free_groups(self, groups: list[np.ndarray], owner: int = CACHED) -> None:
         """``free(g, owner, checked=False)`` for each of ``groups`` in order (one free group
-        each): the same FIFO and free log, in fewer numpy calls."""
-        groups = [g for g in groups if g.size]  # an empty free is no group (``free``)
-        if len(groups) <= 1:
-            if groups:
-                self.free(groups[0], owner, checked=False)
+        each): the same FIFO and free log, in fewer numpy calls. The groups are the
+        caller's to give up: int64 ones are sorted in place."""
+        groups = [g if g.dtype == np.int64 else g.astype(np.int64) for g in groups if g.size]
+        if not groups:  # (an empty free is no group, as in ``free``)
             return
-        sizes = [g.size for g in groups]
-        pages = np.concatenate([np.sort(g, kind="stable") for g in groups])
-        if pages.dtype != np.int64:
-            pages = pages.astype(np.int64)
-        starts = np.cumsum([0, *sizes[:-1]])
-        sums = np.add.reduceat(pages, starts).tolist()
-        log = self._free_log
-        for s, n in zip(sums, sizes, strict=True):
-            log = log_one_group(log, s, n)
-        self._free_log = log
-        ring_put(self._fifo, (self._head + self._counts[FREE]) % self.num_pages, pages)
-        self._set(pages, owner, FREE)
+        for g in groups:
+            g.sort(kind="stable")
+        if len(groups) == 1:
+            pages = groups[0]
+            self._free_log = log_one_group(self._free_log, int(np.add.reduce(pages)), pages.size)
+        else:
+            sizes = [g.size for g in groups]
+            pages = np.concatenate(groups)
+            sums = np.add.reduceat(pages, [0, *itertools.accumulate(sizes[:-1])]).tolist()
+            log = self._free_log
+            for total, n in zip(sums, sizes, strict=True):
+                log = log_one_group(log, total, n)
+            self._free_log = log
+        counts = self._counts
+        ring_put(self._fifo, (self._head + counts[FREE]) % self.num_pages, pages)
+        counts[owner] -= pages.size
+        counts[FREE] += pages.size
