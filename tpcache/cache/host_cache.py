@@ -72,7 +72,7 @@ from tpcache.cache.keys import (
     slots_to_pages,
 )
 from tpcache.cache.namespace import as_namespace
-from tpcache.cache.node import pages_of
+from tpcache.cache.node import descend, pages_of
 from tpcache.cache.policies import policy_key
 from tpcache.cache.protocol import Evictor
 from tpcache.cache.radix import OnePoolCache
@@ -152,9 +152,14 @@ class HostCache(OnePoolCache):
         room = self._room
         ps = self.page_size
         tree = self.tree
-        found = tree.descend(key, (key.size - 1) // ps * ps)
-        check_sign(key, found[1] + found[3])
-        path, pos, partial, common, hosts, hpart, hcommon = tree.tier_cut(*found)
+        path, pos, partial, common = descend(tree.root, ps, key, (key.size - 1) // ps * ps, 0)
+        check_sign(key, pos + common)
+        if (path and not path[-1].dev) or (partial is not None and not partial.dev):
+            path, pos, partial, common, hosts, hpart, hcommon = tree.tier_cut(
+                path, pos, partial, common
+            )
+        else:  # all on the device (``tier_cut``'s last case, inline: most admits)
+            hosts, hpart, hcommon = [], None, 0
         need = -(-total // ps) - (pos + common) // ps  # the host part's pages included
         if need > self.alloc.num_free:
             room.check(need, path, partial, common, evict)
@@ -219,9 +224,15 @@ class HostCache(OnePoolCache):
     # ---- the lifecycle's hooks: host-only nodes on the way, and copy waits ---------------
     def _walk_start(self, req: Any, key: np.ndarray, pages: np.ndarray, start_pos: int) -> Any:
         tree = self.tree
-        if tree.host_pages != tree.copy_pages:  # (``revive``'s own first check, inline)
-            revive(tree, key, pages, req.node, start_pos, HELD)
-        return req.node  # no namespaces here: the walk starts at the request's own node
+        node = req.node
+        # ``revive``'s own first checks, inline (most walks meet nothing host-only): any
+        # host-only node at all, and a child where the walk starts.
+        if (
+            tree.host_pages != tree.copy_pages
+            and key[start_pos : start_pos + self.page_size].tobytes() in node.children
+        ):
+            revive(tree, key, pages, node, start_pos, HELD)
+        return node  # no namespaces here: the walk starts at the request's own node
 
     def _row_changed(self, req: Any) -> None:
         c = self.tree.copies  # its new pages may be ones a write-back still reads

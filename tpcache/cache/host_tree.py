@@ -48,8 +48,16 @@ class HostNode(Node):
 
     __slots__ = ("dev", "host", "pinned")
 
-    def __init__(self, *args: Any) -> None:  # as Node's
-        super().__init__(*args)
+    def __init__(
+        self,
+        node_id: int,
+        parent: Node | None,
+        key: bytes,
+        pages: np.ndarray,
+        states: np.ndarray | None,
+        tick: int,
+    ) -> None:  # as Node's (named, not ``*args``: a node is made per split and leaf)
+        Node.__init__(self, node_id, parent, key, pages, states, tick)
         self.dev = True  # ``pages`` are device pages (else host ids + offset)
         self.host = _EMPTY_PAGES  # host pages holding a copy (all or none of them)
         self.pinned = False  # being loaded by an admit: no host eviction takes it
