@@ -72,6 +72,8 @@ def match_in(tree: RadixTree, key: np.ndarray, n: int, namespace: Any) -> tuple[
     """The namespace checked (``as_namespace``; ``None``: the default one) and the match
     of ``key[:n]`` in it (``RadixTree.match_walk``; nothing where it has no anchor).
     Changes nothing; raises ``InvalidNamespace``."""
+    if namespace is None:  # the default namespace, most calls: no check to make
+        return None, tree.match_walk(key, n)
     space = as_namespace(namespace)
     if space is None:
         return None, tree.match_walk(key, n)

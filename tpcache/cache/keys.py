@@ -16,6 +16,7 @@ from tpcache.cache.errors import InvalidSlots, InvalidTokens
 
 MAX_TOKEN_ID = 2**31 - 1
 _INT32 = np.dtype(np.int32)
+_INT64 = np.dtype(np.int64)
 
 TokenLike = Any  # list[int] | np.ndarray | torch.Tensor
 
@@ -72,16 +73,20 @@ def as_tokens(
     ``defer_sign``: an int32 array is not scanned for negatives here; the caller must
     call ``check_sign`` for the part it did not match against cached keys.
     """
-    arr = _to_numpy(tokens, "tokens", InvalidTokens)
-    if arr.size == 0:
-        if not allow_empty:
-            raise InvalidTokens("tokens must not be empty")
-        return np.zeros(0, dtype=np.int32)
-    if arr.dtype is not _INT32 and arr.dtype != _INT32:  # "is": the common case, fast
-        lo, hi = int(arr.min()), int(arr.max())
-        if lo < 0 or hi > MAX_TOKEN_ID:
-            raise InvalidTokens(f"token ids must be in [0, {MAX_TOKEN_ID}], got [{lo}, {hi}]")
-        return arr.astype(np.int32)  # a new contiguous array
+    arr = tokens
+    # The common case (a checked key, a decoded op's tokens) in one test: a plain 1-D int32
+    # array with tokens, which needs none of _to_numpy's conversions.
+    if not (type(arr) is np.ndarray and arr.dtype is _INT32 and arr.ndim == 1 and arr.size):
+        arr = _to_numpy(tokens, "tokens", InvalidTokens)
+        if arr.size == 0:
+            if not allow_empty:
+                raise InvalidTokens("tokens must not be empty")
+            return np.zeros(0, dtype=np.int32)
+        if arr.dtype != _INT32:
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < 0 or hi > MAX_TOKEN_ID:
+                raise InvalidTokens(f"token ids must be in [0, {MAX_TOKEN_ID}], got [{lo}, {hi}]")
+            return arr.astype(np.int32)  # a new contiguous array
     if not defer_sign and min_value(arr) < 0:
         raise InvalidTokens(f"token ids must be >= 0, got {min_value(arr)}")
     if not arr.flags.c_contiguous or (copy and not is_frozen(arr)):
@@ -191,14 +196,14 @@ def join_pages(parts: Iterable[np.ndarray]) -> np.ndarray:
     their buffers (results/group_timings.md). Every page array of the cache is int64 (the
     allocator's ids), which this relies on: it joins bytes, it does not convert.
     """
-    return np.frombuffer(bytearray().join(parts), np.int64)
+    return np.frombuffer(bytearray().join(parts), _INT64)
 
 
 def read_only(arr: np.ndarray) -> np.ndarray:
     """A read-only view of ``arr``: what a result may show of an array the cache keeps
     using (a request's row), so that a caller cannot write into the cache's state."""
     view = arr.view()
-    view.flags.writeable = False
+    view.setflags(write=False)  # half the cost of setting flags.writeable
     return view
 
 

@@ -135,14 +135,19 @@ _FEW_PAGES = 4  # up to this many pages a node is hashed in Python ints (chain_f
 
 
 def hash_nodes(tree, nodes: list) -> None:
-    """Chain states and digest terms of ``nodes``, whose parents are all hashed, in
-    batches of about ``_BATCH_PAGES`` pages (``PageHasher.chain_runs``)."""
+    """Chain states and digest terms of ``nodes``, whose parents are all hashed: nodes of
+    up to ``_FEW_PAGES`` pages one by one in Python ints (``hash_node``: a step's new
+    leaves are mostly that short, and the batch's numpy calls cost more for them), the
+    others in batches of about ``_BATCH_PAGES`` pages (``PageHasher.chain_runs``)."""
     pb = 4 * tree.hasher.page_size
     batch: list = []
     sizes: list[int] = []
     pages = 0
     for node in nodes:
         size = len(node.kb) // pb
+        if size <= _FEW_PAGES:
+            hash_node(tree, node)
+            continue
         if batch and pages + size > _BATCH_PAGES:
             _hash_batch(tree, batch, sizes)
             batch, sizes, pages = [], [], 0
@@ -180,25 +185,29 @@ def _hash_batch(tree, batch: list, sizes: list[int]) -> None:
 
 
 def hash_node(tree, node) -> None:
-    """Chain states and digest term of ``node`` and of its unhashed ancestors."""
+    """Chain states and digest terms of ``node`` and of its unhashed ancestors."""
     chain = []
-    while node is not tree.root and node.states is None:
+    root = tree.root
+    while node is not root and node.states is None:
         chain.append(node)
         node = node.parent
+    hasher = tree.hasher
+    total = tree.digest_sum
     for n in reversed(chain):
         parent = n.parent
         parent_state = int(parent.states[-1]) if parent.states.size else seed_of(tree, parent)
         if n.pages.size <= _FEW_PAGES:
-            states = tree.hasher.chain_few(n.kb, parent_state)
+            states = hasher.chain_few(n.kb, parent_state)
             term = 0
             for s, p in zip(states, n.pages.tolist(), strict=True):
                 term += s * (p + _K)
             n.term = term & _MASK
             n.states = np.array(states, dtype=np.uint64)
         else:
-            n.states = tree.hasher.chain(np.frombuffer(n.kb, dtype=np.int32), parent_state)
+            n.states = hasher.chain(np.frombuffer(n.kb, dtype=np.int32), parent_state)
             n.term = page_terms(n.states, n.pages)
-        tree.digest_sum = (tree.digest_sum + n.term) & _MASK
+        total += n.term
+    tree.digest_sum = total & _MASK
 
 
 class Node:

@@ -257,7 +257,8 @@ class PrefixCache:
         insert_key(
             self.tree, tail, pages, req.priority, start=start, trusted=True, want_pages=False
         )
-        self.alloc.free(req.pages[n // ps :], HELD, checked=False)
+        if n // ps < req.pages.size:  # a partial last page (or pages past the output)
+            self.alloc.free(req.pages[n // ps :], HELD, checked=False)
         self._release(req)
         return n
 

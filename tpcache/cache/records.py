@@ -125,12 +125,15 @@ class AdmitResult:
         return pages_to_slots(self.pages, self.page_size, self.num_tokens)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RequestRow:
     """A running request as the cache holds it (read-only views, valid until the request
     next changes): the tokens it was given so far, the pages of its row, the slots it
     holds (``num_tokens``: tokens with KV, or about to have it) and how many of its
-    leading tokens are the tree's (``cached_tokens``)."""
+    leading tokens are the tree's (``cached_tokens``).
+
+    The caller's record, as ``MatchResult`` (not frozen: the coordinator and the ranks
+    read a row on every finish and forward, and a frozen record costs a microsecond)."""
 
     rid: int | str
     tokens: np.ndarray

@@ -30,12 +30,11 @@ from tpcache.coordinator.step_types import (
 )
 from tpcache.coordinator.steps import StepPipeline
 from tpcache.events.publisher import EventPublisher
-from tpcache.workers.oplog import evict_result, logged_admit, logged_extend
+from tpcache.workers.oplog import evict_result, logged_admit, logged_extend, logged_finish
 from tpcache.workers.ops import (
     Abort,
     CacheUnfinished,
     Evict,
-    Finish,
     OpResult,
     Reset,
     pack_tokens,
@@ -217,11 +216,8 @@ class Coordinator:
 
         def run() -> int:
             rid = self._running_id(request_id)
-            out = as_tokens(output_tokens, allow_empty=True)
-            row = self.mirror.request_row(rid)
-            out = out[: max(0, row.num_tokens - row.tokens.size)]
-            n = self.mirror.finish(rid, out)
-            self.steps.emit(Finish(rid, pack_tokens(out)), OpResult(prefix_len=n))
+            n, op, expected = logged_finish(self.mirror, rid, output_tokens)
+            self.steps.emit(op, expected)
             return n
 
         return self.steps.run(run)

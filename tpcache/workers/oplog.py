@@ -1,7 +1,7 @@
 """The op log's records of one cache call: the op the coordinator's mirror logs for every
-rank to repeat (``logged_admit``, ``logged_extend``), and the ``OpResult`` every rank must
-report for it (``admit_result``, ``evict_result``). No collective here: how a rank applies
-an op and agrees on it is ``lockstep.py``'s.
+rank to repeat (``logged_admit``, ``logged_extend``, ``logged_finish``), and the
+``OpResult`` every rank must report for it (``admit_result``, ``evict_result``). No
+collective here: how a rank applies an op and agrees on it is ``lockstep.py``'s.
 """
 
 from __future__ import annotations
@@ -10,12 +10,13 @@ from typing import Any
 
 import numpy as np
 
-from tpcache.cache.keys import TokenLike, int_sum
+from tpcache.cache.keys import TokenLike, as_tokens, int_sum, key_bytes
 from tpcache.cache.namespace import CacheNamespace, as_namespace
 from tpcache.cache.reqtable import check_request_id
-from tpcache.workers.ops import Admit, Extend, OpNamespace, OpResult, pack_tokens
+from tpcache.workers.ops import Admit, Extend, Finish, OpNamespace, OpResult, pack_tokens
 
 RequestId = int | str
+_OP_TOKENS = np.dtype("<i4")  # pack_tokens' dtype
 
 
 def admit_result(got, evicted: tuple[int, ...] = (0,)) -> OpResult:
@@ -24,9 +25,15 @@ def admit_result(got, evicted: tuple[int, ...] = (0,)) -> OpResult:
     ``evicted``: pages freed per pool by its eviction."""
     ps, n, pages = got.page_size, got.num_tokens, got.pages
     full, rest = divmod(n, ps)
-    total = ps * ps * int_sum(pages[:full]) + full * (ps * (ps - 1) // 2)
-    if rest:
-        total += rest * ps * int(pages[full]) + rest * (rest - 1) // 2
+    if pages.size <= _FEW_PAGES:  # Python ints: cheaper than numpy calls on a short row
+        ids = pages.tolist()
+        total = ps * ps * sum(ids[:full]) + full * (ps * (ps - 1) // 2)
+        if rest:
+            total += rest * ps * ids[full] + rest * (rest - 1) // 2
+    else:
+        total = ps * ps * int_sum(pages[:full]) + full * (ps * (ps - 1) // 2)
+        if rest:
+            total += rest * ps * int(pages[full]) + rest * (rest - 1) // 2
     return OpResult(got.prefix_len, n, total, *_pair(evicted))
 
 
@@ -47,7 +54,13 @@ def _pair(pools: tuple[int, ...]) -> tuple[int, int]:
 
 
 def _evicted(before: tuple[int, ...], after: tuple[int, ...]) -> tuple[int, ...]:
+    if before == after:  # most calls evict nothing
+        return _NONE_EVICTED
     return tuple(b - a for a, b in zip(before, after, strict=True))
+
+
+_NONE_EVICTED = (0,)  # as _pair reads it: no page of any pool
+_FEW_PAGES = 64
 
 
 # ---- the mirror's side: a call, and the op every rank must repeat -------------------------
@@ -69,13 +82,28 @@ def logged_admit(
     rid = check_request_id(rid)  # the plain id the op log carries
     marks = mirror.eviction_marks()
     got = mirror.admit(rid, tokens, priority, reserve=reserve, namespace=ns)
-    # The mirror's checked int32 tokens (its copy, or the caller's immutable buffer).
-    key = mirror.request_row(rid).tokens
+    if type(tokens) is np.ndarray and tokens.dtype == _OP_TOKENS:
+        data = key_bytes(tokens)  # the values the mirror checked, as they are: no row to read
+    else:  # the mirror's checked int32 tokens (its copy, or the caller's immutable buffer)
+        data = pack_tokens(mirror.request_row(rid).tokens)
     ask = _pair(mirror.eviction_ask)
     space = as_namespace(ns)  # valid: the mirror took it
     op_ns = None if space is None else OpNamespace(space.lora_id, space.lora_name, space.salt)
-    op = Admit(rid, pack_tokens(key), priority, ask[0], ask[1], reserve, op_ns)
+    op = Admit(rid, data, priority, ask[0], ask[1], reserve, op_ns)
     return got, op, admit_result(got, _evicted(marks, mirror.eviction_marks()))
+
+
+def logged_finish(mirror, rid: RequestId, output: TokenLike) -> tuple[int, Finish, OpResult]:
+    """Finish ``rid`` on the ``mirror``; returns the cached length, the ``Finish`` op every
+    rank applies and the result each must report. Every output token is validated; only
+    those that have slots (and so can be cached) go in the op, so an output longer than
+    the request's KV costs the ranks nothing. Raises what ``mirror.finish`` raises (and
+    ``InvalidTokens`` for the output), having changed nothing."""
+    out = as_tokens(output, allow_empty=True)
+    row = mirror.request_row(rid)
+    out = out[: max(0, row.num_tokens - row.tokens.size)]
+    n = mirror.finish(rid, out)
+    return n, Finish(rid, key_bytes(out)), OpResult(prefix_len=n)
 
 
 def op_namespace(ns: OpNamespace | None) -> CacheNamespace | None:
