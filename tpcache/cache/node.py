@@ -198,10 +198,8 @@ def hash_node(tree, node) -> None:
         parent_state = int(parent.states[-1]) if parent.states.size else seed_of(tree, parent)
         if n.pages.size <= _FEW_PAGES:
             states = hasher.chain_few(n.kb, parent_state)
-            term = 0
-            for s, p in zip(states, n.pages.tolist(), strict=True):
-                term += s * (p + _K)
-            n.term = term & _MASK
+            # page_terms in Python ints: sum(state * (page + K)), the two sums in C
+            n.term = (sum(map(operator.mul, states, n.pages.tolist())) + _K * sum(states)) & _MASK
             n.states = np.array(states, dtype=np.uint64)
         else:
             n.states = hasher.chain(np.frombuffer(n.kb, dtype=np.int32), parent_state)
