@@ -67,7 +67,7 @@ def insert_key(
         revive = tree._revivable(path, partial, differ)
     else:
         known = dups = _EMPTY_PAGES
-    fresh = pages[k:]
+    fresh = pages[k:] if k else pages  # no view to make when nothing was cached
     if not trusted:
         mine = np.concatenate((dups, fresh)) if dups.size else fresh
         try:
@@ -96,7 +96,7 @@ def insert_key(
     if dups.size:
         tree.alloc.free(dups, owner, checked=False)
     if have < n:
-        end = add_leaf(tree, end, key[have:], fresh.copy(), priority, owner)
+        end = add_leaf(tree, end, key[have:] if have else key, fresh.copy(), priority, owner)
     else:
         tree._queue(end)
     if tree.window is not None:
