@@ -135,19 +135,14 @@ _FEW_PAGES = 4  # up to this many pages a node is hashed in Python ints (chain_f
 
 
 def hash_nodes(tree, nodes: list) -> None:
-    """Chain states and digest terms of ``nodes``, whose parents are all hashed: nodes of
-    up to ``_FEW_PAGES`` pages one by one in Python ints (``hash_node``: a step's new
-    leaves are mostly that short, and the batch's numpy calls cost more for them), the
-    others in batches of about ``_BATCH_PAGES`` pages (``PageHasher.chain_runs``)."""
+    """Chain states and digest terms of ``nodes``, whose parents are all hashed, in
+    batches of about ``_BATCH_PAGES`` pages (``PageHasher.chain_runs``)."""
     pb = 4 * tree.hasher.page_size
     batch: list = []
     sizes: list[int] = []
     pages = 0
     for node in nodes:
         size = len(node.kb) // pb
-        if size <= _FEW_PAGES:
-            hash_node(tree, node)
-            continue
         if batch and pages + size > _BATCH_PAGES:
             _hash_batch(tree, batch, sizes)
             batch, sizes, pages = [], [], 0
