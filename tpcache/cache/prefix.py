@@ -115,8 +115,7 @@ class PrefixCache:
         pages = slots_to_pages(slot_ids[:n], self.page_size)
         prio = as_priority(priority)
         start = lent_insert_start(self.tree, namespace, pages)
-        have, _, _ = insert_key(self.tree, key[:n], pages, prio, owner=LENT, start=start)
-        return have
+        return insert_key(self.tree, key[:n], pages, prio, owner=LENT, start=start)[0]
 
     def alloc_slots(self, num_tokens: int) -> np.ndarray:
         check_count(num_tokens, "alloc_slots' num_tokens")
