@@ -8,6 +8,8 @@ finished with the first 4 tail tokens as its output. Three callers of the same c
   ``CacheSpec(page_size=16).build(1 << 20, rank=True)``);
 - ``apply``: what a rank runs, ``lockstep.apply_op`` on ops decoded from an encoded
   step (decoding not timed: the transport's);
+- ``step``: a rank's whole step, ``lockstep.apply_step`` (8 pairs' ops, then the digest
+  with the hashing of the step's new leaves), per pair;
 - ``mirror``: what the coordinator runs per call (``oplog.logged_admit``, and its
   finish: the checked output cut to the row's slots, ``mirror.finish``, the op);
 
@@ -42,12 +44,12 @@ import numpy as np
 
 from tpcache.cache.keys import as_tokens
 from tpcache.workers import oplog
-from tpcache.workers.lockstep import apply_op, local_evict
+from tpcache.workers.lockstep import apply_op, apply_step, local_evict
 from tpcache.workers.ops import Admit, Finish, Step, decode_step, encode, pack_tokens
 from tpcache.workers.spec import CacheSpec
 
 BATCH = 8
-MODES = ("cache", "apply", "mirror", "digest")
+MODES = ("cache", "apply", "step", "mirror", "digest")
 
 
 def machine() -> str:
@@ -100,6 +102,23 @@ def run_apply(pairs: int, seed: int) -> float:
     t0 = time.process_time()
     for op in ops:
         apply_op(cache, op, evict_fn)
+    return time.process_time() - t0
+
+
+def run_step(pairs: int, seed: int) -> float:
+    """A rank's whole step (``apply_step``: its ops, then its digest) per batch of 8 pairs;
+    the step channel's kind (no peer check), so no collective is entered."""
+    shared, prompts, outs = workload(pairs, seed)
+    cache = fresh_cache(shared)
+    steps = []
+    for s in range(0, pairs, BATCH):
+        ops = []
+        for i in range(s, min(s + BATCH, pairs)):
+            ops += [Admit(i, pack_tokens(prompts[i])), Finish(i, pack_tokens(outs[i]))]
+        steps.append(decode_step(encode(Step(s, ops, peer_check=False))))
+    t0 = time.process_time()
+    for step in steps:
+        apply_step(cache, None, 0, step)  # type: ignore[arg-type]
     return time.process_time() - t0
 
 
