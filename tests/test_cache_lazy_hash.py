@@ -93,6 +93,19 @@ def test_chain_runs_equals_each_runs_chain():
             assert np.array_equal(got, want), (ps, sizes)
 
 
+def test_chain_pages_equals_chain_runs_of_one_page_runs():
+    rng, hashers = seeded_hashers(4711)
+    for hasher in hashers:
+        ps = hasher.page_size
+        for count in (2, 3, 8, 33):
+            runs = [random_run(rng, ps, 1) for _ in range(count)]
+            parents = np.array([p for _, p in runs], dtype=np.uint64)
+            key = np.concatenate([k for k, _ in runs])
+            ones = np.ones(count, dtype=np.int64)
+            want = hasher.chain_runs(key, np.arange(count, dtype=np.int64), ones, parents)
+            assert np.array_equal(hasher.chain_pages(key, parents), want), (ps, count)
+
+
 def test_batches_larger_than_the_cap_and_deep_pending_chains():
     # Pending nodes over several batches (more than _BATCH_PAGES pages), one node longer
     # than a batch, and chains of pending parents (a conversation growing turn by turn

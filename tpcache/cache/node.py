@@ -158,7 +158,6 @@ def _hash_batch(tree, batch: list, sizes: list[int]) -> None:
         hash_node(tree, batch[0])
         return
     firsts = [0, *itertools.accumulate(sizes[:-1])]
-    starts = np.array(firsts, dtype=np.int64)
     parents = np.array(
         [
             int(n.parent.states[-1]) if n.parent.states.size else seed_of(tree, n.parent)
@@ -167,10 +166,15 @@ def _hash_batch(tree, batch: list, sizes: list[int]) -> None:
         dtype=np.uint64,
     )
     key = np.frombuffer(b"".join(n.kb for n in batch), dtype=np.int32)
-    states = tree.hasher.chain_runs(key, starts, np.array(sizes, dtype=np.int64), parents)
     # page_terms of every node at once: sum of state * (page + K) over each node's pages.
     pages = np.concatenate([n.pages for n in batch]).view(np.uint64)
-    terms = np.add.reduceat(states * (pages + np.uint64(_K)), starts).tolist()
+    if pages.size == len(batch):  # one page each (a step's new leaves, most often)
+        states = tree.hasher.chain_pages(key, parents)
+        terms = (states * (pages + np.uint64(_K))).tolist()
+    else:
+        starts = np.array(firsts, dtype=np.int64)
+        states = tree.hasher.chain_runs(key, starts, np.array(sizes, dtype=np.int64), parents)
+        terms = np.add.reduceat(states * (pages + np.uint64(_K)), starts).tolist()
     total = tree.digest_sum
     for n, a, m, term in zip(batch, firsts, sizes, terms, strict=True):
         n.states = states[a : a + m].copy()  # own arrays: no node pins the batch's
