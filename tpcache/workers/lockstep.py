@@ -148,7 +148,7 @@ def apply_op(cache, op: Op, evict_fn: EvictFn) -> OpResult:
                 op.priority,
                 evict=evictor,
                 reserve=op.reserve,
-                namespace=None if op.namespace is None else op_namespace(op.namespace),
+                namespace=op_namespace(op.namespace),
             )
             return admit_result(got, evictor.evicted)
         case Finish():

@@ -25,15 +25,11 @@ def admit_result(got, evicted: tuple[int, ...] = (0,)) -> OpResult:
     ``evicted``: pages freed per pool by its eviction."""
     ps, n, pages = got.page_size, got.num_tokens, got.pages
     full, rest = divmod(n, ps)
-    if pages.size <= _FEW_PAGES:  # Python ints: cheaper than numpy calls on a short row
-        ids = pages.tolist()
-        total = ps * ps * sum(ids[:full]) + full * (ps * (ps - 1) // 2)
-        if rest:
-            total += rest * ps * ids[full] + rest * (rest - 1) // 2
-    else:
-        total = ps * ps * int_sum(pages[:full]) + full * (ps * (ps - 1) // 2)
-        if rest:
-            total += rest * ps * int(pages[full]) + rest * (rest - 1) // 2
+    # Python ints on a short row: cheaper than numpy calls there.
+    head = sum(pages[:full].tolist()) if pages.size <= _FEW_PAGES else int_sum(pages[:full])
+    total = ps * ps * head + full * (ps * (ps - 1) // 2)
+    if rest:
+        total += rest * ps * int(pages[full]) + rest * (rest - 1) // 2
     return OpResult(got.prefix_len, n, total, *_pair(evicted))
 
 
