@@ -329,3 +329,23 @@ def test_frames_split_anywhere_come_out_whole_and_in_order() -> None:
     assert got == bodies
     assert reader.next() is None
     assert biggest <= 2 * _CHUNK + max(map(len, bodies)) + 8
+
+
+def test_a_send_before_a_local_rank_connects_fails_at_once_naming_it() -> None:
+    """Nothing is queued for a rank the hub has never heard from: the send fails at
+    once, naming the first such rank, and no ticket is taken."""
+    hub = StepHub(2, set(), "")
+    loops = [run_rank(1, hub.attach[1])]
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ChannelError) as caught:
+            hub.send(STEPS, [b"early"], 5.0)
+        assert caught.value.rank == 0 and caught.value.dead
+        assert "has not connected" in str(caught.value)
+        assert time.monotonic() - t0 < 1.0
+        loops.append(run_rank(0, hub.attach[0]))
+        hub.wait_connected(10.0, never_dead)
+        t = hub.send(STEPS, [b"now"], 5.0)
+        assert t == 0 and hub.collect(t, 5.0, never_dead) == [[expected(b"now")]] * 2
+    finally:
+        stop(hub, loops)
