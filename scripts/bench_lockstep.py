@@ -79,6 +79,7 @@ class Sample:
     busy: float  # machine-wide busy fraction during the run
     collectives: float  # collectives per step per rank
     rank_ops_ms: float  # median, slowest rank's ops + digest before the step's collective
+    evicted_pages: int  # by the run's admits (0 in a "large" cell: checked)
 
 
 class Cell:
@@ -97,6 +98,7 @@ class Cell:
         coord.config = CoordinatorConfig(max_inflight=4 if pipelined else 1, coalesce=coalesce)
         shared, tails = workload(batch, steps, seed)
         c0 = self.collectives()
+        ev0 = coord.mirror.stats().evicted_pages[0]
         msg0 = coord.counters.messages
         coord.counters.rank_ops_s.clear()
         lat, mir = [], []
@@ -117,6 +119,7 @@ class Cell:
         cpu1 = sum(proc_cpu_s(p) for p in self.pids)
         per_rank = (self.collectives() - c0) / len(self.pids[1:]) / steps
         ops = list(coord.counters.rank_ops_s)
+        evicted = coord.mirror.stats().evicted_pages[0] - ev0
         return Sample(
             lat,
             mir,
@@ -126,6 +129,7 @@ class Cell:
             (m1[0] - m0[0]) / max(1, m1[1] - m0[1]),
             per_rank,
             statistics.median(ops) * 1e3 if ops else float("nan"),
+            evicted,
         )
 
     def calls(self, shared: np.ndarray, tails: np.ndarray) -> None:
@@ -232,6 +236,11 @@ def measure_round(
     for pipelined, coalesce, into in order[k:] + order[:k]:
         n = piped_steps if pipelined else steps
         into.append(cell.run(batch, n, pipelined, 1000 * r + batch, coalesce))
+        if tag != "evict" and into[-1].evicted_pages:
+            # Evicting ops each enter an all-reduce: such a run measures another workload.
+            raise SystemExit(
+                f"a '{tag}' run evicted {into[-1].evicted_pages} pages: the cache is too small"
+            )
         if tag != "evict":
             cell.coord.reset()
             cell.coord.sync()
@@ -376,8 +385,11 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="tpb", dir="/tmp")
     ray.init(num_cpus=4, include_dashboard=False, _temp_dir=tmp, log_to_driver=False)
     rows = []
+    # Room for every request of the longest run without eviction (each caches one page of
+    # its own beyond the shared prefix), twice over.
+    large = 2 * 16 * (max(args.steps, args.piped_steps) * max(args.batch) + 16)
     for tp in args.tp:
-        rows += compare(tp, args.transport, 1 << 18, args.batch, args, "large")
+        rows += compare(tp, args.transport, large, args.batch, args, "large")
         if not args.no_evict:
             # 64 pages: the shared prefix stays, each admit evicts an older request's page.
             rows += compare(tp, args.transport, 64 * 16, [8], args, "evict")
