@@ -251,8 +251,9 @@ def test_the_socket_is_private_and_a_stranger_is_not_a_rank() -> None:
 
 def test_a_rank_that_stops_reading_mid_message_never_blocks_the_writer() -> None:
     """Rank 1 is stopped (SIGSTOP) and sent 16 MB, far more than a socket buffer holds:
-    the send fails naming it at its timeout, after rank 0 has taken the message whole;
-    rank 1's stream is cut (it may end inside the message), so the next send fails at
+    the send returns at once (the hub's writer takes the rest), rank 0 gets the message
+    whole, and at the send's timeout rank 1 is cut off: the wait for the answers fails
+    naming it, its stream is cut (it may end inside the message), the next send fails at
     once, and once it runs again its loop leaves instead of reading half a message."""
     hub = StepHub(2, set(), "")
     first = EchoWorker(0)
@@ -263,18 +264,18 @@ def test_a_rank_that_stops_reading_mid_message_never_blocks_the_writer() -> None
         hub.wait_connected(60.0, never_dead)
         os.kill(proc.pid, signal.SIGSTOP)
         t0 = time.monotonic()
+        ticket = hub.send(STEPS, [bytes(16 << 20)], 3.0)  # time enough for rank 0, even loaded
+        assert time.monotonic() - t0 < 1.5, "the send waited for a rank that is not reading"
         with pytest.raises(ChannelError) as caught:
-            hub.send(STEPS, [bytes(16 << 20)], 3.0)  # time enough for rank 0, even loaded
+            hub.collect(ticket, 30.0, never_dead)
         assert caught.value.rank == 1 and caught.value.dead
         assert "stopped reading" in str(caught.value)
         assert 3.0 <= time.monotonic() - t0 < 10.0
-        deadline = time.monotonic() + 30
-        while not first.seen and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert first.seen == [16 << 20]
+        assert first.seen == [16 << 20]  # rank 0 answered before rank 1 was cut
         with pytest.raises(ChannelError) as caught:
             hub.send(STEPS, [b"z"], 1.0)
         assert caught.value.rank == 1 and caught.value.dead
+        assert "stopped reading" in str(caught.value)
         os.kill(proc.pid, signal.SIGCONT)
         proc.join(10)
         assert proc.exitcode == 0  # its loop left: the hub's end was gone
@@ -282,6 +283,34 @@ def test_a_rank_that_stops_reading_mid_message_never_blocks_the_writer() -> None
         stop(hub, [loop0])
         if proc.is_alive():
             proc.kill()
+
+
+def test_a_large_message_to_a_busy_rank_does_not_hold_the_sender() -> None:
+    """Both ranks are busy 1.5 s with a step; a message of 8 MB (far more than a socket
+    buffer holds) sent meanwhile returns at once instead of waiting for them to read, a
+    small one after it too, and both arrive whole and in order once the ranks are free.
+    The writer's thread is gone after close."""
+    hub = StepHub(2, set(), "")
+    workers = [EchoWorker(0, 1.5), EchoWorker(1, 1.5)]
+    loops = [run_rank(r, hub.attach[r], worker=workers[r]) for r in range(2)]
+    hub.wait_connected(10.0, never_dead)
+    try:
+        first = hub.send(STEPS, [b"busy"], 10.0)
+        time.sleep(0.2)  # the ranks are in their step now
+        big = os.urandom(8 << 20)
+        t0 = time.monotonic()
+        t1 = hub.send(STEPS, [big], 30.0)
+        t2 = hub.send(STEPS, [b"small"], 30.0)
+        sent_s = time.monotonic() - t0
+        assert sent_s < 0.5, f"the sends took {sent_s:.2f}s: they waited for busy ranks"
+        assert hub.collect(first, 30.0, never_dead)[0] == [expected(b"busy")]
+        assert hub.collect(t1, 30.0, never_dead) == [[expected(big)], [expected(big)]]
+        assert hub.collect(t2, 30.0, never_dead) == [[expected(b"small")]] * 2
+        assert [w.seen for w in workers] == [[4, 8 << 20, 5]] * 2
+    finally:
+        writer = hub._unix.writer._thread if hub._unix is not None else None
+        stop(hub, loops)
+        assert writer is not None and not writer.is_alive()
 
 
 def test_frames_split_anywhere_come_out_whole_and_in_order() -> None:

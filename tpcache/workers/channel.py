@@ -25,7 +25,9 @@ The hub never blocks forever: a send to a rank with ``hwm`` messages unanswered 
 stopped reading) fails after the caller's timeout, before any rank is sent the message; a
 rank that is gone fails the send at once (its socket closed, or ``ROUTER_MANDATORY``); a
 wait for replies ends at its timeout, when a rank's socket closes or when ``dead()``
-names a rank.
+names a rank. Nor does it wait for a busy rank to read: what a local rank's socket
+cannot take at once goes out on the hub's writer thread (``unix_writer.py``), which cuts
+off a rank that has not taken a message within the send's timeout.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ from tpcache.workers.channel_loop import (
     serve,
     unpack,
 )
-from tpcache.workers.tcp_link import POLLIN, POLLOUT, TcpLinks
+from tpcache.workers.tcp_link import POLLIN, TcpLinks
 from tpcache.workers.unix_link import UnixLinks
 
 # The protocol's names, for the hub's users and the ranks alike.
@@ -103,8 +105,8 @@ class StepHub:
         path = f"{self._dir}/steps.sock"
         try:
             if local:
-                flags = (POLLIN, POLLOUT) if remote_ranks else (select.POLLIN, select.POLLOUT)
-                self._unix = UnixLinks(path, local, HELLO, self._poller, flags)
+                pollin = POLLIN if remote_ranks else select.POLLIN
+                self._unix = UnixLinks(path, local, HELLO, self._poller, pollin)
             if remote_ranks:
                 remote = {idents[r]: r for r in remote_ranks}
                 self._tcp = TcpLinks(remote, host, hwm, self._poller)
@@ -130,7 +132,12 @@ class StepHub:
     # ---- messages -----------------------------------------------------------------------
     def send(self, kind: bytes, frames: list[bytes], timeout: float) -> int:
         """Send one message to every rank; returns its ticket. Raises ``ChannelError``
-        naming a rank that is gone or has not read for ``timeout`` seconds."""
+        naming a rank that is gone or has not read for ``timeout`` seconds.
+
+        A local rank's message is queued whole: what its socket cannot take at once (a
+        message larger than the socket's buffer, while the rank is busy) is written by
+        the hub's writer thread, which cuts the rank off if it has not taken it within
+        ``timeout``; the hub's next call then names it (``collect``, ``send``)."""
         deadline = time.monotonic() + timeout
         for r in range(self.world_size):
             if r not in self._remote:
@@ -144,24 +151,9 @@ class StepHub:
                 self._tcp.send(r, body, deadline, timeout, self._drain)
             else:
                 assert self._unix is not None
-                self._unix.send(r, body)
+                self._unix.send(r, body, timeout)
             self._unanswered[r] += 1
-        self._flush(deadline, timeout)
         return ticket
-
-    def _flush(self, deadline: float, timeout: float) -> None:
-        """Until every local rank's socket has taken the whole message (a large one does
-        not fit in a socket's buffer); replies are read meanwhile, so that a rank blocked
-        on sending one goes on reading. A rank that has not taken it by ``deadline`` is
-        dropped: its stream ends inside a message."""
-        unix = self._unix
-        while unix is not None and (late := unix.unsent()) is not None:
-            if time.monotonic() > deadline:
-                unix.drop(late)
-                raise ChannelError(
-                    late, f"stopped reading (a message not taken in {timeout:g}s)", dead=True
-                )
-            self._drain(0.01)
 
     def _wait_room(self, rank: int, deadline: float, timeout: float) -> None:
         """Until local ``rank`` may be sent one more message: it is connected and has
@@ -170,7 +162,7 @@ class StepHub:
         while True:
             link = self._link(rank)
             if link.closed:
-                raise ChannelError(rank, "is not connected to the step channel", dead=True)
+                raise ChannelError(rank, link.why or "is gone", dead=True)
             if self._unanswered[rank] < self.hwm:
                 return
             if time.monotonic() > deadline:
@@ -287,7 +279,9 @@ class StepHub:
             raise ChannelError(gone, "is gone (its process died)", dead=True)
         closed = self._closed()
         if closed is not None and ticket not in self._replies[closed]:
-            raise ChannelError(closed, "is gone (its socket closed)", dead=True)
+            assert self._unix is not None
+            why = self._unix.by_rank[closed].why or "is gone (its socket closed)"
+            raise ChannelError(closed, why, dead=True)
         if time.monotonic() >= deadline:
             late = [r for r in range(self.world_size) if ticket not in self._replies[r]]
             if ticket < 0:
@@ -300,7 +294,7 @@ class StepHub:
             if self._tcp is not None and r in self._remote:
                 self._tcp.stop(r, STOP)
             elif self._unix is not None and r in self._unix.by_rank:
-                self._unix.send(r, STOP)
+                self._unix.send(r, STOP, 1.0)
 
     def close(self) -> None:
         for links in (self._unix, self._tcp):

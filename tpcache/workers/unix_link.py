@@ -13,8 +13,13 @@ can connect, and a connection counts only once it names an identity the hub made
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import threading
+import time
 from collections import deque
+
+from tpcache.workers.unix_writer import LinkWriter
 
 _HEADER = 8  # a frame's length, little-endian
 _CHUNK = 1 << 18  # bytes read per recv
@@ -72,36 +77,72 @@ def send_frame(sock: socket.socket, body: bytes) -> None:
 
 
 class UnixLink:
-    """The hub's end of one rank's socket, never blocking: what cannot be written at once
-    waits in ``out`` for ``flush`` (called again when the socket can take more), so that a
-    message is queued whole or not at all; ``closed`` once the rank's end is gone."""
+    """The hub's end of one rank's socket, never blocking the hub: what the socket cannot
+    take at once waits in ``out`` for the hub's writer thread (``unix_writer.py``), so
+    that a message is queued whole or not at all and a rank busy with a long step does
+    not hold the coordinator. ``closed`` once the rank's end is gone or the writer cut it
+    (``why`` says which).
+
+    ``out``, ``closed`` and ``why`` are owned under ``lock``: the hub's thread queues and
+    reads, the writer writes and cuts. Each part in ``out`` keeps the deadline (and the
+    timeout it came from) of its message: a rank that has not taken a message by then
+    has stopped reading."""
 
     def __init__(self, sock: socket.socket) -> None:
         sock.setblocking(False)
         self.sock = sock
         self.fd = sock.fileno()
         self.reader = FrameReader(sock)
-        self.out: deque[memoryview] = deque()
+        self.lock = threading.Lock()
+        self.out: deque[tuple[memoryview, float, float]] = deque()
         self.closed = False
+        self.why: str | None = None
 
-    def queue(self, body: bytes) -> None:
-        """Send ``body`` as one frame: now as far as the socket takes it, later the rest."""
-        self.out.extend(memoryview(part) for part in frame(body))
-        self.flush()
+    def queue(self, body: bytes, timeout: float) -> bool:
+        """Send ``body`` as one frame: now as far as the socket takes it, the rest by the
+        writer within ``timeout`` seconds. True if some is left for the writer."""
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            if self.closed:
+                return False
+            idle = not self.out
+            self.out.extend((memoryview(part), deadline, timeout) for part in frame(body))
+            if idle:  # (else the writer is on it: the order stays)
+                self._write()
+            return bool(self.out)
 
-    def flush(self) -> None:
+    def write(self, now: float) -> bool:
+        """The writer's turn: write what the socket takes, and cut the link if its oldest
+        message is past its deadline. True while bytes are left."""
+        with self.lock:
+            self._write()
+            if self.out and self.out[0][1] <= now:
+                timeout = self.out[0][2]
+                self._gone(f"stopped reading (a message not taken in {timeout:g}s)")
+                # Its stream may end inside a message: the rank's loop sees the end and
+                # leaves instead of reading half of it (the hub's thread closes the fd).
+                with contextlib.suppress(OSError):
+                    self.sock.shutdown(socket.SHUT_RDWR)
+            return bool(self.out)
+
+    def deadline(self) -> float | None:
+        with self.lock:
+            return self.out[0][1] if self.out else None
+
+    def _write(self) -> None:
         out = self.out
         try:
             while out:
-                sent = self.sock.send(out[0])
-                if sent == len(out[0]):
+                part, deadline, timeout = out[0]
+                sent = self.sock.send(part)
+                if sent == len(part):
                     out.popleft()
                 else:
-                    out[0] = out[0][sent:]
+                    out[0] = (part[sent:], deadline, timeout)
         except BlockingIOError:
             pass
         except OSError:  # EPIPE, ECONNRESET: the rank's end is gone
-            self.gone()
+            self._gone("is gone (its socket closed)")
 
     def read(self) -> list[bytes]:
         """The whole frames that have arrived (none if nothing has)."""
@@ -122,8 +163,14 @@ class UnixLink:
             frames.append(body)
         return frames
 
-    def gone(self) -> None:
-        self.closed = True
+    def gone(self, why: str = "is gone (its socket closed)") -> None:
+        with self.lock:
+            self._gone(why)
+
+    def _gone(self, why: str) -> None:
+        if not self.closed:
+            self.closed = True
+            self.why = why
         self.out.clear()
 
     def close(self) -> None:
@@ -134,21 +181,21 @@ class UnixLink:
 class UnixLinks:
     """The hub's side of every local rank: a listening socket at ``path`` and, once a
     connection names one of ``identities`` in its first frame (``hello`` + identity), that
-    rank's link. Registers its sockets in ``poller`` (``select.poll`` or ``zmq.Poller``,
-    whose flags ``pollin``/``pollout`` are) and is driven by the hub's poll loop."""
+    rank's link. Registers its sockets for reading in ``poller`` (``select.poll`` or
+    ``zmq.Poller``, whose flag ``pollin`` is) and is driven by the hub's poll loop; what a
+    socket cannot take at once goes out on the writer thread (``LinkWriter``)."""
 
     def __init__(
-        self, path: str, identities: dict[bytes, int], hello: bytes, poller, flags: tuple[int, int]
+        self, path: str, identities: dict[bytes, int], hello: bytes, poller, pollin: int
     ) -> None:
         self.path = path
         self.identities = identities
         self.hello = hello
         self.poller = poller
-        self.pollin, self.pollout = flags
+        self.pollin = pollin
         self.by_rank: dict[int, UnixLink] = {}
         self._by_fd: dict[int, UnixLink] = {}
         self._rank_of: dict[int, int] = {}  # fd -> rank, once it said hello
-        self._wants_out: set[int] = set()
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             listener.bind(path)
@@ -159,6 +206,7 @@ class UnixLinks:
             raise
         self.listener = listener
         poller.register(listener.fileno(), self.pollin)
+        self.writer = LinkWriter()
 
     def owns(self, fd: object) -> bool:
         return fd == self.listener.fileno() or fd in self._by_fd
@@ -170,10 +218,8 @@ class UnixLinks:
             self._accept()
             return []
         link = self._by_fd[fd]
-        if events & self.pollout:
-            link.flush()
         got = []
-        for body in link.read() if events & ~self.pollout else ():
+        for body in link.read():
             rank = self._rank_of.get(fd)
             if rank is not None:
                 got.append((rank, body))
@@ -185,41 +231,25 @@ class UnixLinks:
                 self.by_rank[rank] = link
                 got.append((rank, self.hello))
             else:  # not one of this generation's ranks
-                link.gone()
+                link.close()
                 break
-        self.watch(link)
+        self._forget_if_closed(link)
         return got
 
-    def send(self, rank: int, body: bytes) -> None:
+    def send(self, rank: int, body: bytes, timeout: float) -> None:
+        """Queue ``body`` for ``rank``: written now as far as its socket takes it, the rest
+        by the writer, which cuts the link if the rank has not taken it in ``timeout``
+        seconds (the hub then names the rank at its next call)."""
         link = self.by_rank[rank]
-        link.queue(body)
-        self.watch(link)
+        if link.queue(body, timeout):
+            self.writer.want(link)
+        self._forget_if_closed(link)
 
-    def unsent(self) -> int | None:
-        """A rank whose link still holds bytes it could not write yet, if any."""
-        return next((r for r, link in self.by_rank.items() if link.out), None)
-
-    def drop(self, rank: int) -> None:
-        """Close ``rank``'s link (its stream may end inside a message: it cannot be used
-        again, and the rank's loop sees the end and leaves)."""
-        link = self.by_rank[rank]
-        link.gone()
-        self.watch(link)
-        link.close()
-
-    def watch(self, link: UnixLink) -> None:
-        """Poll ``link`` for room to write while it has bytes waiting; forget it once gone."""
+    def _forget_if_closed(self, link: UnixLink) -> None:
         fd = link.fd
-        if link.closed:
-            if fd in self._by_fd:
-                self.poller.unregister(fd)
-                del self._by_fd[fd]
-                self._wants_out.discard(fd)
-            return
-        wants = bool(link.out)
-        if wants != (fd in self._wants_out):
-            self.poller.modify(fd, self.pollin | (self.pollout if wants else 0))
-            (self._wants_out.add if wants else self._wants_out.discard)(fd)
+        if link.closed and fd in self._by_fd:
+            self.poller.unregister(fd)
+            del self._by_fd[fd]
 
     def _accept(self) -> None:
         while True:
@@ -232,6 +262,7 @@ class UnixLinks:
             self.poller.register(link.fd, self.pollin)
 
     def close(self) -> None:
+        self.writer.close()  # first: it may still write to the sockets closed below
         for link in [*self._by_fd.values(), *self.by_rank.values()]:
             link.close()
         self._by_fd.clear()
