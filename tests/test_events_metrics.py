@@ -213,6 +213,9 @@ def test_metrics_agree_with_stats(group):
     assert m["tpcache_step_latency_seconds_count"] == stats["steps_done"]
     assert m["tpcache_evict_seconds_count"] > 0
     assert abs(m["tpcache_prefix_hit_rate"] - stats["hit_rate"]) < 1e-12
+    # No host tier here: no host series, no host keys.
+    assert not [k for k in m if k.startswith("tpcache_host_")]
+    assert not [k for k in stats if k.startswith("host_")]
 
 
 def test_bad_events_endpoint_fails_at_start(ray_cluster):

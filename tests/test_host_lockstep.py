@@ -5,8 +5,11 @@ coordinator compares every rank's digest with the mirror's after every step)."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
+import urllib.request
 
+import numpy as np
 import pytest
 from drill_worker import DrillWorker
 from group_helpers import group_config
@@ -16,6 +19,7 @@ from tpcache.coordinator.copy_agree import CopiesNotDone
 from tpcache.frontend.api import AdmitCall, AdmitReply, CachedReply, FinishCall
 from tpcache.frontend.frontend import dispatch
 from tpcache.frontend.service import start_group
+from tpcache.harness.demo import DemoRequest, run_demo
 from tpcache.workers.context import ForwardError, build_forward
 from tpcache.workers.lockstep import RankFailure
 from tpcache.workers.rank import CacheSpec
@@ -31,7 +35,8 @@ def host_config(**kw):
 
 @pytest.fixture(scope="module")
 def group(ray_cluster):
-    coord = start_group(host_config(), worker_cls=DrillWorker)
+    cfg = dataclasses.replace(host_config(), metrics_port=0)
+    coord = start_group(cfg, worker_cls=DrillWorker)
     yield coord
     coord.close()
 
@@ -138,6 +143,78 @@ def test_a_forward_that_waits_too_long_is_refused_in_time(group) -> None:
     coord.wait_ready([205], 30.0)
     coord.finish(205)
     coord.sync()
+
+
+def scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {
+        name: float(value)
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+        for name, _, value in [line.rpartition(" ")]
+    }
+
+
+def test_stats_and_metrics_show_the_host_tier(group) -> None:
+    """What the host tier did is in ``stats()`` and the metrics, as the mirror counts it:
+    the host hits are exactly the tokens the admits reported loaded, and the host pool's
+    figures add up to its capacity."""
+    coord = group
+    before = coord.stats()
+    loaded = hits = 0
+    for i, p in enumerate(prompts(21, 20)):
+        got = coord.admit(300 + i, p)
+        loaded += got.host_hit_length
+        hits += got.prefix_len
+        coord.wait_ready([300 + i], 20.0)
+        coord.finish(300 + i)
+    coord.sync()
+    stats = coord.stats()
+    tier = coord.mirror.host_tier()
+    assert loaded > 0 and stats["host_hit_tokens"] - before["host_hit_tokens"] == loaded
+    assert stats["hit_tokens"] - before["hit_tokens"] == hits >= loaded
+    assert stats["written_back_tokens"] > before["written_back_tokens"]
+    assert stats["written_back_tokens"] == tier.written_tokens
+    assert stats["host_evicted_tokens"] == tier.host_evicted_tokens
+    assert stats["host_capacity"] == 256 == tier.sizes.capacity
+    total = stats["host_free"] + stats["host_evictable"] + stats["host_protected"]
+    assert total == stats["host_capacity"] and stats["host_evictable"] > 0
+    # (Copies the last steps started are agreed done at a later step: some may pend.)
+    assert stats["copies_pending"] == coord.mirror.copies_pending() == tier.copies_pending
+    m = scrape(coord.metrics_port)
+    assert m["tpcache_host_hit_tokens_total"] == stats["host_hit_tokens"]
+    assert m["tpcache_host_written_tokens_total"] == stats["written_back_tokens"]
+    assert m["tpcache_host_evicted_tokens_total"] == stats["host_evicted_tokens"]
+    assert m["tpcache_host_capacity_tokens"] == 256
+    assert m["tpcache_host_free_tokens"] == stats["host_free"]
+    assert m["tpcache_host_evictable_tokens"] == stats["host_evictable"]
+    assert m["tpcache_host_copy_tokens"] == stats["host_protected"]
+    assert m["tpcache_host_copies_pending"] == stats["copies_pending"]
+
+
+def test_the_demo_splits_its_hits_by_tier(group) -> None:
+    """``run_demo`` on a coordinator that ran before (its counters are not the run's):
+    each run's matched tokens split into device and host hits, the host ones exactly
+    what the mirror loaded during that run, whatever ran before it."""
+    coord = group
+    coord.reset()
+    coord.sync()
+    chat = [
+        DemoRequest(400 + i, np.array(p, dtype=np.int32), np.array([1, 2], dtype=np.int32))
+        for i, p in enumerate(prompts(23, 40))
+    ]
+    for run in range(2):
+        tier = coord.mirror.host_tier()
+        requests = [dataclasses.replace(r, rid=r.rid + 100 * run) for r in chat]
+        got = run_demo(coord, requests, batch=1)
+        after = coord.mirror.host_tier()
+        assert got["lockstep_verified"] and got["host_capacity_tokens"] == 256
+        assert got["host_hit_tokens"] == after.loaded_tokens - tier.loaded_tokens > 0
+        assert got["written_back_tokens"] == after.written_tokens - tier.written_tokens > 0
+        assert got["host_evicted_tokens"] == after.host_evicted_tokens - tier.host_evicted_tokens
+        assert got["device_hit_tokens"] == got["matched_tokens"] - got["host_hit_tokens"] > 0
+        assert got["loaded_tokens"] == got["host_hit_tokens"]
+    assert tier.loaded_tokens > 0  # the second run's counters did not start from zero
 
 
 @pytest.mark.parametrize(

@@ -76,7 +76,7 @@ from tpcache.cache.node import descend, pages_of
 from tpcache.cache.policies import policy_key
 from tpcache.cache.protocol import Evictor
 from tpcache.cache.radix import OnePoolCache
-from tpcache.cache.records import CacheSizes
+from tpcache.cache.records import CacheSizes, HostTierStats
 from tpcache.cache.reqtable import (
     Asked,
     RequestId,
@@ -302,6 +302,16 @@ class HostCache(OnePoolCache):
             "copies_started": t.copies.started,
             "copies_completed": t.copies.completed,
         }
+
+    def host_tier(self) -> HostTierStats:
+        t, ps = self.tree, self.page_size
+        return HostTierStats(
+            self.host_sizes(),
+            t.written_pages * ps,
+            t.loaded_pages * ps,
+            t.host_evicted_pages * ps,
+            self.copies_pending(),
+        )
 
     def take_copies(self) -> list[HostCopy]:
         """The copies started since the last call, in id order (empty unless

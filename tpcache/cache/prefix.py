@@ -54,7 +54,7 @@ from tpcache.cache.tallies import cache_digest, pool_sizes
 from tpcache.cache.tree_check import check_cache
 
 if TYPE_CHECKING:
-    from tpcache.cache.records import CacheStats, Handle, RequestRow
+    from tpcache.cache.records import CacheStats, Handle, HostTierStats, RequestRow
 
 
 class PrefixCache:
@@ -281,6 +281,9 @@ class PrefixCache:
         tree = self.tree
         tree.unlock(req.node, tree.find_top(req.node, req.mark) if req.mark else None)
         self.reqs.remove(req.rid)
+
+    def host_tier(self) -> HostTierStats | None:
+        return None  # (``HostCache`` has one)
 
     # No copy log here (a host tier has one): nothing pending, every forward may run.
     def copies_pending(self) -> int:

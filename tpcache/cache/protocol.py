@@ -28,6 +28,7 @@ from tpcache.cache.records import (
     CacheStats,
     EvictResult,
     Handle,
+    HostTierStats,
     MatchResult,
     RequestRow,
 )
@@ -265,6 +266,10 @@ class Cache(Protocol):
     def reset(self) -> None:
         """Drop every cached prefix and running request (handles given out before name
         nothing after); announce ``AllBlocksCleared`` if recording events."""
+        ...
+
+    def host_tier(self) -> HostTierStats | None:
+        """The host tier's pool and moves, or None for a cache without one. Pure."""
         ...
 
     # ---- the copy log (a host tier's; a cache without one has nothing pending) ----------

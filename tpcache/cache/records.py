@@ -160,6 +160,20 @@ class CacheStats:
     tombstoned_nodes: int
 
 
+@dataclass(frozen=True, slots=True)
+class HostTierStats:
+    """A host tier's pool and its moves since the cache was made (a reset included), in
+    tokens; statistics only, never a decision (``Cache.host_tier``). ``sizes``: the host
+    pool (evictable: host-only pages; protected: copies of device-resident nodes).
+    ``loaded_tokens`` are the host hits: an admit loads what it matched on the host."""
+
+    sizes: CacheSizes
+    written_tokens: int  # copied to the host (write-back or write-through)
+    loaded_tokens: int
+    host_evicted_tokens: int  # dropped by the host pool's own eviction
+    copies_pending: int  # started and not yet agreed done
+
+
 @dataclass(frozen=True)
 class CacheSizes:
     """Token counts. Conservation: free + evictable + protected + held == capacity."""

@@ -36,3 +36,23 @@ def cache_digest(cache: PrefixCache) -> int:
     return fold_fields(
         fmix64_int(t.digest_sum ^ 0x5A17), (*fields, len(cache.reqs), *t.digest_fields())
     )
+
+
+def host_figures(cache: PrefixCache) -> dict[str, int]:
+    """A host tier's pool and moves in tokens (``Cache.host_tier``; none without one), as
+    a coordinator's ``stats()`` reports them: since the cache was made, a reset included.
+    ``host_hit_tokens`` (loaded back) are part of the prefix hits."""
+    tier = cache.host_tier()
+    if tier is None:
+        return {}
+    s = tier.sizes
+    return {
+        "host_capacity": s.capacity,
+        "host_free": s.free,
+        "host_evictable": s.evictable,
+        "host_protected": s.protected,
+        "host_hit_tokens": tier.loaded_tokens,
+        "written_back_tokens": tier.written_tokens,
+        "host_evicted_tokens": tier.host_evicted_tokens,
+        "copies_pending": tier.copies_pending,
+    }

@@ -127,6 +127,12 @@ def _print_summary(s: dict, batch: int) -> None:
         f"  hit rate        {s['hit_rate']:.4f}  ({s['matched_tokens']:,} of {s['prompt_tokens']:,} prompt tokens)"
     )
     print(f"  capacity        {s['capacity_tokens']:,} tokens, evicted {s['evicted_tokens']:,}")
+    if "host_capacity_tokens" in s:
+        print(
+            f"  host tier       {s['host_capacity_tokens']:,} tokens; hits {s['device_hit_tokens']:,}"
+            f" on the device, {s['host_hit_tokens']:,} loaded from the host; written back"
+            f" {s['written_back_tokens']:,}, dropped {s['host_evicted_tokens']:,}"
+        )
     print(
         f"  steps/s         {s['steps_per_s']:.1f}  ({s['steps']:,} steps in {s['elapsed_s']:.1f} s)"
     )

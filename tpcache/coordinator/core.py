@@ -21,6 +21,7 @@ from tpcache.cache.namespace import CacheNamespace
 from tpcache.cache.protocol import Cache
 from tpcache.cache.radix import AdmitResult
 from tpcache.cache.reqtable import check_count, check_request_id
+from tpcache.cache.tallies import host_figures
 from tpcache.coordinator.copy_agree import wait_ready
 from tpcache.coordinator.step_types import (
     CoordinatorConfig,
@@ -313,6 +314,8 @@ class Coordinator:
             "events_published": self.event_stats()[0] if self.event_stats else 0,
             "events_dropped": self.event_stats()[1] if self.event_stats else 0,
             "metrics_port": self.metrics_port,
+            # A host tier's pool and moves, from the mirror (as evicted_tokens is).
+            **host_figures(self.mirror),
         }
 
     def close(self) -> None:

@@ -70,6 +70,26 @@ _GAUGES = {
     "recovering": ("tpcache_group_recovering", "1 while recovery attempts go on"),
 }
 
+# A host tier's series, only where the cache has one (``Coordinator.stats``' host keys).
+_HOST_COUNTERS = {
+    "host_hit_tokens": ("tpcache_host_hit_tokens", "Prompt tokens loaded back from the host tier"),
+    "written_back_tokens": ("tpcache_host_written_tokens", "Tokens copied to the host tier"),
+    "host_evicted_tokens": (
+        "tpcache_host_evicted_tokens",
+        "Tokens dropped from the host tier by its eviction",
+    ),
+}
+_HOST_GAUGES = {
+    "host_capacity": ("tpcache_host_capacity_tokens", "KV slots in the host pool"),
+    "host_free": ("tpcache_host_free_tokens", "Free slots in the host pool"),
+    "host_evictable": ("tpcache_host_evictable_tokens", "Host-only cached tokens"),
+    "host_protected": (
+        "tpcache_host_copy_tokens",
+        "Host copies of tokens also cached on the device",
+    ),
+    "copies_pending": ("tpcache_host_copies_pending", "Host copies started, not yet agreed done"),
+}
+
 
 class _StatsCollector:
     def __init__(self, coord: Observed) -> None:
@@ -85,6 +105,11 @@ class _StatsCollector:
             else:
                 value = float(bool(stats[key])) if key == "broken" else float(stats[key])
             yield GaugeMetricFamily(name, doc, value=value, labels=None)
+        if "host_capacity" in stats:
+            for key, (name, doc) in _HOST_COUNTERS.items():
+                yield CounterMetricFamily(name, doc, value=stats[key])
+            for key, (name, doc) in _HOST_GAUGES.items():
+                yield GaugeMetricFamily(name, doc, value=float(stats[key]), labels=None)
 
 
 class MetricsError(TpcacheError, RuntimeError):

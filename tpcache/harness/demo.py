@@ -87,6 +87,7 @@ def run_demo(
     breaks."""
     prompt_tokens = matched = done = 0
     step_s: list[float] = []
+    before = coord.stats()  # a host tier's counters: this run's are the difference
     started = time.perf_counter()
     for chunk in _chunks(requests, batch):
         t0 = time.perf_counter()
@@ -127,4 +128,26 @@ def run_demo(
         "rank_digests": digests,
         "mirror_digest": mirror,
         "lockstep_verified": all(d == mirror for d in digests) and stats["divergences"] == 0,
+        **host_summary(before, stats, matched),
+    }
+
+
+def host_summary(before: dict, after: dict, matched: int) -> dict:
+    """A host tier's figures over a run, from ``stats()`` before and after it
+    (``tpcache replay --json``'s names), none without one: the run's ``matched`` tokens
+    split by tier (a host hit is loaded back), tokens written back and dropped."""
+    if "host_capacity" not in after:
+        return {}
+
+    def ran(key: str) -> int:
+        return after[key] - before.get(key, 0)
+
+    host = ran("host_hit_tokens")
+    return {
+        "host_capacity_tokens": after["host_capacity"],
+        "device_hit_tokens": matched - host,
+        "host_hit_tokens": host,
+        "loaded_tokens": host,
+        "written_back_tokens": ran("written_back_tokens"),
+        "host_evicted_tokens": ran("host_evicted_tokens"),
     }
