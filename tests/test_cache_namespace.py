@@ -20,8 +20,6 @@ from tpcache.cache.events import (
     decode_batch,
     encode_batch,
 )
-from tpcache.cache.host_cache import HostCache
-from tpcache.cache.host_config import HostConfig
 from tpcache.cache.namespace import CacheNamespace, make_namespace
 from tpcache.cache.radix import CacheConfig, RadixCache
 
@@ -146,21 +144,6 @@ def test_a_bad_namespace_changes_nothing(bad: object) -> None:
         c.admit_prefix_len(R(1, 9), bad)
     assert (snapshot(c), ns_view(c), c.running_ids()) == before
     assert isinstance(InvalidNamespace("x"), CacheError)
-
-
-def test_the_host_tier_refuses_namespaces_and_changes_nothing() -> None:
-    c = HostCache(HostConfig(64, 2, host_capacity_tokens=64))
-    before = snapshot(c)
-    with pytest.raises(InvalidNamespace, match="host-tier cache keys no namespaces"):
-        c.admit(0, R(1, 9), namespace=A)
-    assert snapshot(c) == before
-    with pytest.raises(InvalidNamespace, match="host-tier cache keys no namespaces"):
-        c.match_prefix(R(1, 9), A)
-    with pytest.raises(InvalidNamespace, match="host-tier cache keys no namespaces"):
-        c.insert(R(1, 2), c.alloc_slots(2), namespace=B)
-    assert c.sizes().held == 2  # the lent slots, not cached
-    assert c.running_ids() == []
-    assert c.admit(0, R(1, 9), namespace=CacheNamespace()).prefix_len == 0  # the default
 
 
 def test_chunked_prefill_and_abort_stay_in_the_namespace() -> None:

@@ -3,6 +3,7 @@ one salt to the other, and each pass hits exactly what a one-salt run hits."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -45,7 +46,21 @@ def test_cli_replay_with_two_salts_prints_each_pass() -> None:
     assert out.returncode == 0, out.stderr
     lines = [ln for ln in out.stdout.splitlines() if ln.strip().startswith("salt ")]
     assert len(lines) == 2 and lines[0].split("hit rate")[1] == lines[1].split("hit rate")[1]
-    bad = subprocess.run(
-        [*cmd, "--host-capacity", "4096"], capture_output=True, text=True, timeout=120
-    )
-    assert bad.returncode == 2 and "InvalidNamespace" in bad.stderr
+    # With a host tier too: each salt's pass hits only its own, on either tier, and a
+    # host that holds what the small device pool cannot gives each pass what an infinite
+    # cache does.
+    small = ["--limit", "200", "--scale", "1/16", "--salt", "x", "--salt", "y", "--json"]
+    runs = [
+        subprocess.run(
+            [sys.executable, "-m", "tpcache", "replay", *small, *extra],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        for extra in ([], ["--capacity", "8000", "--host-capacity", "400000"])
+    ]
+    assert [r.returncode for r in runs] == [0, 0], [r.stderr for r in runs]
+    inf, host = (json.loads(r.stdout) for r in runs)
+    want = [p["matched_tokens"] for p in inf["passes"]]
+    assert [p["matched_tokens"] for p in host["passes"]] == want and want[0] == want[1] > 0
+    assert host["host_hit_tokens"] > 0

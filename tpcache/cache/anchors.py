@@ -5,7 +5,8 @@ An anchor holds no page, the base lock 1 (and, with a window, the base SWA lock 
 it is never an eviction candidate and never tombstoned; the locks of requests below it
 add to it as to any ancestor. It exists exactly while it has children: it is made by
 the first insert below it and deleted by the eviction that deletes its last child
-(``evict.delete``), so nothing leaks. No event announces it; its namespace shows in the
+(``evict.delete``; with a host tier, the host pool's eviction or a drop of a node without
+host room: ``host_moves.py``), so nothing leaks. No event announces it; its namespace shows in the
 events of the blocks below it (``lora_id``, ``lora_name``) and in their hashes, whose
 chain starts from the namespace's seed. The digest covers it through the node count and
 those hashes: two ranks that applied the same ops have the same anchors.

@@ -39,6 +39,10 @@ by ``alloc_slots`` have no op in a lockstep, and a single process completes ever
 it starts. This never makes an admit fail or wait for a copy. Without ``defer_copies``
 nothing ever waits (a replay).
 
+Namespaces (LoRA adapters, cache salts) are the base tree's anchors: a match, an insert
+and a load walk from the request's anchor, and an anchor goes when its last child does,
+from either tier (``host_moves.py``).
+
 The hybrid (SWA) cache has no host tier: ``HostConfig`` is a one-pool configuration.
 The contracts of every method: ``protocol.Cache``.
 """
@@ -50,12 +54,8 @@ from typing import Any
 import numpy as np
 
 from tpcache.cache.allocator import HELD, LENT, PageAllocator
-from tpcache.cache.errors import (
-    HostTierError,
-    IntegrityError,
-    InvalidNamespace,
-    OutOfCapacity,
-)
+from tpcache.cache.anchors import anchor_of, insert_start, lent_insert_start
+from tpcache.cache.errors import HostTierError, IntegrityError, OutOfCapacity
 from tpcache.cache.host_config import HostAdmitResult, HostConfig, HostCopy, HostMatchResult
 from tpcache.cache.host_inserts import check_lent, revive
 from tpcache.cache.host_moves import load
@@ -71,7 +71,7 @@ from tpcache.cache.keys import (
     join_pages,
     slots_to_pages,
 )
-from tpcache.cache.namespace import as_namespace
+from tpcache.cache.namespace import CacheNamespace, as_namespace, is_anchor
 from tpcache.cache.node import descend, pages_of
 from tpcache.cache.policies import policy_key
 from tpcache.cache.protocol import Evictor
@@ -87,14 +87,9 @@ from tpcache.cache.tree_check import check_cache
 __all__ = ["HostCache", "HostConfig"]
 
 
-def no_namespaces(namespace: Any) -> None:
-    """Raise ``InvalidNamespace`` for any namespace but the default one: the host tier's
-    moves do not keep namespace anchors (yet)."""
-    if namespace is not None and as_namespace(namespace) is not None:
-        raise InvalidNamespace(
-            "the host-tier cache keys no namespaces (LoRA adapter, cache salt); use the"
-            " device-only or the hybrid cache for namespaced requests"
-        )
+def _no_match() -> tuple[list[Any], int, Any, int]:
+    """``descend``'s result in a namespace with no anchor (a new path list each time)."""
+    return [], 0, None, 0
 
 
 class HostCache(OnePoolCache):
@@ -125,18 +120,18 @@ class HostCache(OnePoolCache):
 
     # ---- matches --------------------------------------------------------------------------
     def admit_prefix_len(self, tokens: TokenLike, namespace: Any = None) -> int:
-        no_namespaces(namespace)
         key = as_tokens(tokens)
-        _, pos, _, common = self.tree.descend(
-            key, (key.size - 1) // self.page_size * self.page_size
-        )
+        start = self._start(namespace)[1]
+        n = (key.size - 1) // self.page_size * self.page_size
+        _, pos, _, common = _no_match() if start is None else self.tree.descend(key, n, start)
         return pos + common  # the host part too: an admit loads it
 
     def match_prefix(self, tokens: TokenLike, namespace: Any = None) -> HostMatchResult:
-        no_namespaces(namespace)
         key = as_tokens(tokens, defer_sign=True)
         tree = self.tree
-        found = tree.descend(key, key.size // self.page_size * self.page_size)
+        start = self._start(namespace)[1]
+        n = key.size // self.page_size * self.page_size
+        found = _no_match() if start is None else tree.descend(key, n, start)
         check_sign(key, found[1] + found[3])
         path, pos, partial, common, *_ = tree.tier_cut(*found)
         host = found[1] + found[3] - pos - common
@@ -145,14 +140,26 @@ class HostCache(OnePoolCache):
         res = self._match_result(path, pos)
         return HostMatchResult(res.prefix_len, res.pages, res.handle, self.page_size, host)
 
+    def _start(self, namespace: Any) -> tuple[CacheNamespace | None, Any]:
+        """``namespace`` checked (``InvalidNamespace``) and where its matches walk from:
+        the root, its anchor, or None (no anchor: nothing is cached in it). Pure."""
+        space = None if namespace is None else as_namespace(namespace)
+        if space is None:
+            return None, self.tree.root
+        return space, anchor_of(self.tree, space)
+
     def _admit(self, a: Asked, evict: bool | Evictor, namespace: Any) -> HostAdmitResult:
-        if namespace is not None:
-            no_namespaces(namespace)
         rid, key, prio, total = a
         room = self._room
         ps = self.page_size
         tree = self.tree
-        path, pos, partial, common = descend(tree.root, ps, key, (key.size - 1) // ps * ps, 0)
+        if namespace is None:  # (``_start``'s first case, inline: most admits)
+            space, start = None, tree.root
+        else:
+            space, start = self._start(namespace)
+        path, pos, partial, common = (
+            _no_match() if start is None else descend(start, ps, key, (key.size - 1) // ps * ps, 0)
+        )
         check_sign(key, pos + common)
         if (path and not path[-1].dev) or (partial is not None and not partial.dev):
             path, pos, partial, common, hosts, hpart, hcommon = tree.tier_cut(
@@ -182,7 +189,7 @@ class HostCache(OnePoolCache):
             path = path + hosts
         row = join_pages([*map(pages_of, path), pages[loaded // ps :]])
         tree.touch(path, queue=False)
-        self.reqs.add(rid, key, row, total, (pos + loaded) // ps, node, prio, 0)
+        self.reqs.add(rid, key, row, total, (pos + loaded) // ps, node, prio, 0, space)
         c = tree.copies  # (a new request waits for nothing unless copies are pending)
         wait = self._waits.record(rid, row) if c.started != c.completed else 0
         return HostAdmitResult(pos + loaded, row, total, ps, loaded, wait)
@@ -197,6 +204,11 @@ class HostCache(OnePoolCache):
             if h.lock == 0:
                 tree.protected_pages += h.pages.size
             h.lock += 1
+        above = hosts[0].parent
+        if above is not tree.root and is_anchor(above):
+            # Nothing matched on the device: the admit locked the root (no node), so the
+            # namespace's anchor above the loaded path takes the lock a walk would give.
+            above.lock += 1
         return hosts[-1]
 
     def _unpin(self, hosts: list[Any]) -> None:
@@ -209,22 +221,27 @@ class HostCache(OnePoolCache):
     def insert(
         self, tokens: TokenLike, slots: TokenLike, priority: int = 0, namespace: Any = None
     ) -> int:
-        no_namespaces(namespace)
         key = as_tokens(tokens)
         slot_ids = as_slots(slots, key.size, self.alloc.num_pages * self.page_size)
         n = key.size // self.page_size * self.page_size
         pages = slots_to_pages(slot_ids[:n], self.page_size)
         prio = as_priority(priority)
-        if self.tree.host_only_pages():
-            check_lent(self.tree, key[:n], pages)
-            revive(self.tree, key[:n], pages, self.tree.root, 0, LENT)
-        have, _, _ = insert_key(self.tree, key[:n], pages, prio, owner=LENT)
+        tree = self.tree
+        # The namespace's anchor (made only once the pages are known to be the caller's:
+        # a new anchor has nothing below it, so none can be the tree's).
+        start = lent_insert_start(tree, namespace, pages)
+        if tree.host_only_pages():
+            check_lent(tree, key[:n], pages, start)
+            revive(tree, key[:n], pages, start or tree.root, 0, LENT)
+        have, _, _ = insert_key(tree, key[:n], pages, prio, owner=LENT, start=start)
         return have
 
     # ---- the lifecycle's hooks: host-only nodes on the way, and copy waits ---------------
     def _walk_start(self, req: Any, key: np.ndarray, pages: np.ndarray, start_pos: int) -> Any:
         tree = self.tree
         node = req.node
+        if req.space is not None:  # its anchor, made if the walk goes below the root
+            node = insert_start(tree, node, req.space, key.size > start_pos)
         # ``revive``'s own first checks, inline (most walks meet nothing host-only): any
         # host-only node at all, and a child where the walk starts.
         if (
@@ -232,7 +249,7 @@ class HostCache(OnePoolCache):
             and key[start_pos : start_pos + self.page_size].tobytes() in node.children
         ):
             revive(tree, key, pages, node, start_pos, HELD)
-        return node  # no namespaces here: the walk starts at the request's own node
+        return node
 
     def _row_changed(self, req: Any) -> None:
         c = self.tree.copies  # its new pages may be ones a write-back still reads

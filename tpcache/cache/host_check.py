@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tpcache.cache.allocator import CACHED, FREE
+from tpcache.cache.anchors import check_anchor, check_spaces, is_anchor
 from tpcache.cache.errors import IntegrityError
 from tpcache.cache.host_moves import copy_term, has_dev_child
 from tpcache.cache.node import _MASK, page_terms
@@ -34,6 +35,10 @@ def check_host_tree(tree: HostTree) -> None:
     host_pages: list[np.ndarray] = []
     digest = host_sum = 0
     for node in nodes:
+        if is_anchor(node):  # a namespace's: no pages on either tier, never queued
+            check_anchor(tree, node)
+            _check_tier(tree, node)
+            continue
         _check_node(tree, node)
         _check_tier(tree, node)
         if node.dev:  # type: ignore[attr-defined]
@@ -70,6 +75,7 @@ def check_host_tree(tree: HostTree) -> None:
         )
     if digest & _MASK != tree.digest_sum:
         raise IntegrityError(f"tree digest {tree.digest_sum:#x} != recomputed {digest & _MASK:#x}")
+    check_spaces(tree)
     c = tree.copies
     if not 0 <= c.completed <= c.started:
         raise IntegrityError(f"copies: {c.completed} completed of {c.started} started")

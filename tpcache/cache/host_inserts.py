@@ -42,10 +42,11 @@ def revive(
         at += n
 
 
-def check_lent(tree: HostTree, key: np.ndarray, pages: np.ndarray) -> None:
+def check_lent(tree: HostTree, key: np.ndarray, pages: np.ndarray, start: Any = None) -> None:
     """Raise ``InvalidSlots`` (nothing changed) unless every given page is the tree's
-    device page at its place or a page lent to the caller. Pure."""
-    path, pos, partial, common = tree.descend(key, key.size)
+    device page at its place (below ``start``, a namespace's anchor, or the root) or a
+    page lent to the caller. Pure."""
+    path, pos, partial, common = tree.descend(key, key.size, start)
     pieces = list(map(pages_of, path))
     if partial is not None:
         pieces.append(partial.pages[: common // tree.ps])

@@ -20,9 +20,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tpcache.cache.allocator import CACHED, HELD
+from tpcache.cache.anchors import drop_anchor, namespace_of
 from tpcache.cache.events import BlockRemoved, BlockStored
 from tpcache.cache.hashing import block_hashes
 from tpcache.cache.keys import join_pages
+from tpcache.cache.namespace import is_anchor
 from tpcache.cache.node import _EMPTY_PAGES, _MASK, page_terms
 
 if TYPE_CHECKING:
@@ -67,13 +69,16 @@ def _announce(tree: HostTree, node: Any, medium: str, stored: bool) -> None:
         return
     parent = node.parent
     parent_hash = int(block_hashes(parent.states[-1:])[0]) if parent.states.size else None
+    space = namespace_of(tree, parent)
     tree.events.append(
         BlockStored(
             block_hashes=hashes,
             parent_block_hash=parent_hash,
             token_ids=node.key.tolist(),
             block_size=tree.ps,
+            lora_id=None if space is None else space.lora_id,
             medium=medium,
+            lora_name=None if space is None else space.lora_name,
         )
     )
 
@@ -131,6 +136,13 @@ def _drop_subtree(tree: HostTree, node: Any) -> None:
         _announce(tree, child, HOST, stored=False)
     _delete(tree, node)
     _announce(tree, node, tree.medium, stored=False)
+    _drop_empty_anchor(tree, node.parent)
+
+
+def _drop_empty_anchor(tree: HostTree, node: Any) -> None:
+    """A namespace's anchor that just lost its last child goes too (``anchors.py``)."""
+    if not node.children and is_anchor(node):
+        drop_anchor(tree, node)
 
 
 def _delete(tree: HostTree, node: Any) -> None:
@@ -180,6 +192,8 @@ def _drop_host_leaves(tree: HostTree, n: int) -> np.ndarray | None:
         parent = node.parent
         if not (parent.dev or parent.children):
             tree.host_leaves.push(parent)
+        elif not parent.children and is_anchor(parent):  # (an anchor is "on the device")
+            drop_anchor(tree, parent)
     for node in skipped:
         tree.host_leaves.push(node)
     if not freed:

@@ -90,7 +90,8 @@ class Cache(Protocol):
         a tenant's cache salt) keys the KV besides the tokens: the request matches, and
         its finish and ``cache_unfinished`` cache, only in that namespace (equal tokens
         in another never share KV; block hashes differ). ``None``: the default one.
-        The host-tier cache refuses any other (``InvalidNamespace``)."""
+        With a host tier the namespace holds on the host too: a host hit is one in the
+        request's namespace."""
         ...
 
     def extend(self, rid: RequestId, n: int, *, evict: EvictArg = True) -> np.ndarray:
