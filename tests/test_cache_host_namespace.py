@@ -11,7 +11,7 @@ import random
 import pytest
 from ns_helpers import ns_view
 
-from tpcache.cache.errors import InvalidNamespace
+from tpcache.cache.errors import InvalidNamespace, InvalidSlots
 from tpcache.cache.events import BlockRemoved, BlockStored
 from tpcache.cache.host_cache import HostCache, HostConfig
 from tpcache.cache.namespace import CacheNamespace, is_anchor
@@ -146,6 +146,21 @@ def test_a_lent_insert_in_a_namespace_revives_its_host_nodes() -> None:
     assert (got.prefix_len, got.host_hit_length) == (4, 0)
     assert got.pages[:2].tolist() == (slots[::2] // 2).tolist()
     c.finish(3)
+    c.check_integrity()
+
+
+def test_a_lent_insert_of_pages_not_lent_makes_no_anchor() -> None:
+    """Pages the caller was not lent, for a namespace with nothing cached yet: refused
+    (``InvalidSlots``) before its anchor is made; nothing changes."""
+    c = make(2, dev=8, host=8)
+    run(c, 1, blocks(2, 1, 2), A)
+    c.evict(4)  # something host-only, so the insert's host checks run too
+    held = c.admit(2, blocks(2, 5, 6))  # pages a request holds, not the caller's
+    before = (c.digest(), ns_view(c), c.sizes())
+    with pytest.raises(InvalidSlots):
+        c.insert(blocks(2, 5, 6), held.slots, namespace=B)
+    assert (c.digest(), ns_view(c), c.sizes()) == before and anchors(c) == 1
+    c.abort(2)
     c.check_integrity()
 
 

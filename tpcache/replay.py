@@ -229,18 +229,16 @@ def hybrid_summary(cache: HybridCache) -> dict[str, Any]:
 def host_summary(cache: HostCache, matched: int) -> dict[str, Any]:
     """The host tier's figures: hits split by tier (a host hit is loaded back: its tokens
     are the loaded ones), tokens loaded and written back."""
-    counts = cache.host_counts()
-    ps = cache.page_size
-    host_hits = counts["loaded_pages"] * ps
+    tier = cache.host_tier()
     return {
-        "host_capacity_tokens": cache.host_sizes().capacity,
+        "host_capacity_tokens": tier.sizes.capacity,
         "write_policy": cache.config.write_policy,
-        "device_hit_tokens": matched - host_hits,
-        "host_hit_tokens": host_hits,
-        "loaded_tokens": counts["loaded_pages"] * ps,
-        "written_back_tokens": counts["written_pages"] * ps,
-        "host_evicted_tokens": counts["host_evicted_pages"] * ps,
-        "host_cached_tokens_end": cache.host_sizes().cached,
+        "device_hit_tokens": matched - tier.loaded_tokens,
+        "host_hit_tokens": tier.loaded_tokens,
+        "loaded_tokens": tier.loaded_tokens,
+        "written_back_tokens": tier.written_tokens,
+        "host_evicted_tokens": tier.host_evicted_tokens,
+        "host_cached_tokens_end": tier.sizes.cached,
     }
 
 

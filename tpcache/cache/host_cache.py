@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 
 from tpcache.cache.allocator import HELD, LENT, PageAllocator
-from tpcache.cache.anchors import anchor_of, insert_start, lent_insert_start
+from tpcache.cache.anchors import insert_start, lent_insert_start, match_in
 from tpcache.cache.errors import HostTierError, IntegrityError, OutOfCapacity
 from tpcache.cache.host_config import HostAdmitResult, HostConfig, HostCopy, HostMatchResult
 from tpcache.cache.host_inserts import check_lent, revive
@@ -71,7 +71,6 @@ from tpcache.cache.keys import (
     join_pages,
     slots_to_pages,
 )
-from tpcache.cache.namespace import CacheNamespace, as_namespace, is_anchor
 from tpcache.cache.node import descend, pages_of
 from tpcache.cache.policies import policy_key
 from tpcache.cache.protocol import Evictor
@@ -85,11 +84,6 @@ from tpcache.cache.reqtable import (
 from tpcache.cache.tree_check import check_cache
 
 __all__ = ["HostCache", "HostConfig"]
-
-
-def _no_match() -> tuple[list[Any], int, Any, int]:
-    """``descend``'s result in a namespace with no anchor (a new path list each time)."""
-    return [], 0, None, 0
 
 
 class HostCache(OnePoolCache):
@@ -121,17 +115,14 @@ class HostCache(OnePoolCache):
     # ---- matches --------------------------------------------------------------------------
     def admit_prefix_len(self, tokens: TokenLike, namespace: Any = None) -> int:
         key = as_tokens(tokens)
-        start = self._start(namespace)[1]
         n = (key.size - 1) // self.page_size * self.page_size
-        _, pos, _, common = _no_match() if start is None else self.tree.descend(key, n, start)
+        _, pos, _, common = match_in(self.tree, key, n, namespace)[1]
         return pos + common  # the host part too: an admit loads it
 
     def match_prefix(self, tokens: TokenLike, namespace: Any = None) -> HostMatchResult:
         key = as_tokens(tokens, defer_sign=True)
         tree = self.tree
-        start = self._start(namespace)[1]
-        n = key.size // self.page_size * self.page_size
-        found = _no_match() if start is None else tree.descend(key, n, start)
+        _, found = match_in(tree, key, key.size // self.page_size * self.page_size, namespace)
         check_sign(key, found[1] + found[3])
         path, pos, partial, common, *_ = tree.tier_cut(*found)
         host = found[1] + found[3] - pos - common
@@ -140,26 +131,17 @@ class HostCache(OnePoolCache):
         res = self._match_result(path, pos)
         return HostMatchResult(res.prefix_len, res.pages, res.handle, self.page_size, host)
 
-    def _start(self, namespace: Any) -> tuple[CacheNamespace | None, Any]:
-        """``namespace`` checked (``InvalidNamespace``) and where its matches walk from:
-        the root, its anchor, or None (no anchor: nothing is cached in it). Pure."""
-        space = None if namespace is None else as_namespace(namespace)
-        if space is None:
-            return None, self.tree.root
-        return space, anchor_of(self.tree, space)
-
     def _admit(self, a: Asked, evict: bool | Evictor, namespace: Any) -> HostAdmitResult:
         rid, key, prio, total = a
         room = self._room
         ps = self.page_size
         tree = self.tree
-        if namespace is None:  # (``_start``'s first case, inline: most admits)
-            space, start = None, tree.root
+        n = (key.size - 1) // ps * ps
+        if namespace is None:  # (``match_in``'s first case, inline: most admits)
+            space, found = None, descend(tree.root, ps, key, n, 0)
         else:
-            space, start = self._start(namespace)
-        path, pos, partial, common = (
-            _no_match() if start is None else descend(start, ps, key, (key.size - 1) // ps * ps, 0)
-        )
+            space, found = match_in(tree, key, n, namespace)
+        path, pos, partial, common = found
         check_sign(key, pos + common)
         if (path and not path[-1].dev) or (partial is not None and not partial.dev):
             path, pos, partial, common, hosts, hpart, hcommon = tree.tier_cut(
@@ -185,7 +167,7 @@ class HostCache(OnePoolCache):
             raise
         loaded = load(tree, hosts, pages) * ps if hosts else 0
         if hosts:  # the request's lock moves to the end of what was loaded
-            node = self._extend_lock(hosts)
+            node = self._extend_lock(hosts, node)
             path = path + hosts
         row = join_pages([*map(pages_of, path), pages[loaded // ps :]])
         tree.touch(path, queue=False)
@@ -194,21 +176,23 @@ class HostCache(OnePoolCache):
         wait = self._waits.record(rid, row) if c.started != c.completed else 0
         return HostAdmitResult(pos + loaded, row, total, ps, loaded, wait)
 
-    def _extend_lock(self, hosts: list[Any]) -> Any:
-        """``lock(hosts[-1])`` then ``unlock`` of the node above ``hosts[0]`` (locked by the
-        admit), without the two walks to the root: their locks and protected pages end the
-        same (the node above keeps its count, so nothing there becomes a candidate).
-        Returns the new end of the lock."""
+    def _extend_lock(self, hosts: list[Any], locked: Any) -> Any:
+        """``lock(hosts[-1])`` then ``unlock(locked)``, the node the admit locked, without
+        the two walks to the root: their locks and protected pages end the same. Only the
+        nodes from ``hosts[-1]`` up to ``locked`` change: ``hosts``, and what lies between
+        ``hosts[0]`` and ``locked`` (a namespace's anchor, when nothing matched on the
+        device and the admit locked the root). Returns the new end of the lock."""
         tree = self.tree
         for h in hosts:
             if h.lock == 0:
                 tree.protected_pages += h.pages.size
             h.lock += 1
         above = hosts[0].parent
-        if above is not tree.root and is_anchor(above):
-            # Nothing matched on the device: the admit locked the root (no node), so the
-            # namespace's anchor above the loaded path takes the lock a walk would give.
+        while above is not locked and above is not tree.root:
+            if above.lock == 0:
+                tree.protected_pages += above.pages.size
             above.lock += 1
+            above = above.parent
         return hosts[-1]
 
     def _unpin(self, hosts: list[Any]) -> None:

@@ -192,8 +192,8 @@ def _drop_host_leaves(tree: HostTree, n: int) -> np.ndarray | None:
         parent = node.parent
         if not (parent.dev or parent.children):
             tree.host_leaves.push(parent)
-        elif not parent.children and is_anchor(parent):  # (an anchor is "on the device")
-            drop_anchor(tree, parent)
+        else:  # (an anchor is "on the device")
+            _drop_empty_anchor(tree, parent)
     for node in skipped:
         tree.host_leaves.push(node)
     if not freed:
