@@ -55,7 +55,7 @@ class LinkWriter:
                     return
                 links = list(self._pending)
             deadlines = [d for link in links if (d := link.deadline()) is not None]
-            wait_s = min(deadlines, default=time.monotonic()) - time.monotonic()
+            wait_s = min(deadlines) - time.monotonic() if deadlines else 0.0
             poller = select.poll()
             for link in links:
                 poller.register(link.fd, select.POLLOUT)
