@@ -35,8 +35,6 @@ from __future__ import annotations
 import os
 import pickle
 import select
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 
@@ -58,6 +56,7 @@ from tpcache.workers.channel_loop import (
     serve,
     unpack,
 )
+from tpcache.workers.hub_dir import HubDir
 from tpcache.workers.tcp_link import POLLIN, TcpLinks
 from tpcache.workers.unix_link import UnixLinks
 
@@ -88,8 +87,8 @@ class StepHub:
     def __init__(self, world_size: int, remote_ranks: set[int], host: str, hwm: int = 1000) -> None:
         self.world_size = world_size
         self.hwm = hwm  # messages unanswered per rank before a send waits
-        self._dir = tempfile.mkdtemp(prefix="tpcache-ch-")  # mode 0700
         self._remote = remote_ranks
+        self._dir: HubDir | None = None
         self._replies: list[dict[int, list[bytes]]] = [{} for _ in range(world_size)]
         self._unanswered = [0] * world_size  # messages sent to each rank, not answered
         self._sent = 0
@@ -102,9 +101,11 @@ class StepHub:
         tag = os.urandom(4).hex()
         idents = {r: f"r{r}-{tag}".encode() for r in range(world_size)}
         local = {idents[r]: r for r in range(world_size) if r not in remote_ranks}
-        path = f"{self._dir}/steps.sock"
+        path = ""
         try:
             if local:
+                self._dir = HubDir()
+                path = self._dir.socket_path
                 pollin = POLLIN if remote_ranks else select.POLLIN
                 self._unix = UnixLinks(path, local, HELLO, self._poller, pollin)
             if remote_ranks:
@@ -140,8 +141,7 @@ class StepHub:
         ``timeout``; the hub's next call then names it (``collect``, ``send``)."""
         deadline = time.monotonic() + timeout
         for r in range(self.world_size):
-            if r not in self._remote:
-                self._wait_room(r, deadline, timeout)
+            self._wait_room(r, deadline, timeout)
         ticket = self._sent
         self._sent += 1
         body = pack(kind, ticket.to_bytes(8, "big"), frames)
@@ -156,13 +156,15 @@ class StepHub:
         return ticket
 
     def _wait_room(self, rank: int, deadline: float, timeout: float) -> None:
-        """Until local ``rank`` may be sent one more message: it is connected and has
-        fewer than ``hwm`` unanswered (checked for every local rank before the message
-        goes to any: it goes to all of them or to none)."""
+        """Until ``rank`` may be sent one more message: a local one is connected, and
+        each has fewer than ``hwm`` unanswered (checked for every rank before the message
+        goes to any: it goes to all of them or to none). A remote rank's ZMQ queues hold
+        ``hwm`` messages each way, so one with fewer unanswered has room in them."""
         while True:
-            link = self._link(rank)
-            if link.closed:
-                raise ChannelError(rank, link.why or "is gone", dead=True)
+            if rank not in self._remote:
+                link = self._link(rank)
+                if link.closed:
+                    raise ChannelError(rank, link.why or "is gone", dead=True)
             if self._unanswered[rank] < self.hwm:
                 return
             if time.monotonic() > deadline:
@@ -206,9 +208,7 @@ class StepHub:
                 grace = min(deadline, time.monotonic() + 1.0)
                 while not self._all_answered(ticket) and time.monotonic() < grace:
                     self._drain(0.02)
-                    gone = dead()
-                    if gone is not None:
-                        raise ChannelError(gone, "is gone (its process died)", dead=True)
+                    self._check_gone(dead, ticket)
                 break
             self._check(deadline, dead, f"did not answer message {ticket}", ticket)
             if lag_s is not None and first_seen is None and self._any_answer(ticket):
@@ -265,23 +265,23 @@ class StepHub:
         self._replies[rank][int.from_bytes(body[1:9], "big")] = [kind, *frames]
         self._unanswered[rank] -= 1
 
-    def _closed(self) -> int | None:
-        """A local rank whose socket has closed, if any: its process is gone."""
+    def _check_gone(self, dead: Callable[[], int | None], ticket: int) -> None:
+        """Raise ``ChannelError`` for a rank that is gone: named by ``dead()``, or a local
+        rank whose socket closed without answering ``ticket`` (any of them, not only the
+        first to close: one that answered and then closed owes nothing)."""
+        gone = dead()
+        if gone is not None:
+            raise ChannelError(gone, "is gone (its process died)", dead=True)
         if self._unix is None:
-            return None
-        return next((r for r, link in self._unix.by_rank.items() if link.closed), None)
+            return
+        for r, link in self._unix.by_rank.items():
+            if link.closed and ticket not in self._replies[r]:
+                raise ChannelError(r, link.why or "is gone (its socket closed)", dead=True)
 
     def _check(
         self, deadline: float, dead: Callable[[], int | None], what: str, ticket: int = -1
     ) -> None:
-        gone = dead()
-        if gone is not None:
-            raise ChannelError(gone, "is gone (its process died)", dead=True)
-        closed = self._closed()
-        if closed is not None and ticket not in self._replies[closed]:
-            assert self._unix is not None
-            why = self._unix.by_rank[closed].why or "is gone (its socket closed)"
-            raise ChannelError(closed, why, dead=True)
+        self._check_gone(dead, ticket)
         if time.monotonic() >= deadline:
             late = [r for r in range(self.world_size) if ticket not in self._replies[r]]
             if ticket < 0:
@@ -301,7 +301,9 @@ class StepHub:
             if links is not None:
                 links.close()
         self._unix = self._tcp = None
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            self._dir.remove()
+            self._dir = None
 
 
 class RankErrors(TpcacheError):

@@ -22,6 +22,7 @@ from tpcache.workers.unix_link import FrameReader, send_frame
 STEPS, CALL, STOP = b"S", b"C", b"X"
 HELLO, RESULTS, REPLY, ERROR = b"H", b"R", b"P", b"E"
 UNIX = "unix://"  # the endpoint of a rank on the hub's node: its socket's path follows
+_HEARTBEAT_MS = 1000  # a TCP rank's ZMTP ping interval; 5 missed: its hub is gone
 
 _encode_frames = msgspec.msgpack.Encoder().encode
 _decode_frames = msgspec.msgpack.Decoder(list[bytes]).decode
@@ -130,6 +131,7 @@ def _serve_unix(worker: Any, rank: int, attach: Attach, loop: RankLoop, poll_s: 
 def _serve_zmq(worker: Any, rank: int, attach: Attach, loop: RankLoop, poll_s: float) -> int:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
+    monitor: zmq.Socket | None = None
     handled = 0
     try:
         sock.setsockopt(zmq.LINGER, 0)
@@ -137,20 +139,35 @@ def _serve_zmq(worker: Any, rank: int, attach: Attach, loop: RankLoop, poll_s: f
         sock.setsockopt(zmq.RCVHWM, attach.hwm)
         if attach.server_key is not None:
             make_client(sock, attach.server_key, attach.keypair)
+        # ZMTP heartbeats (answered by ZMQ's I/O thread, also while a step runs): a hub
+        # whose node went silent ends the connection as a closed one would.
+        sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5 * _HEARTBEAT_MS)
+        # A DEALER reconnects on its own and tells no one its peer left: the monitor
+        # does, so the loop leaves when the hub's end is gone, as the Unix loop does
+        # (its hub may have closed without a STOP reaching this rank).
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(attach.endpoint)
         sock.send(HELLO + str(rank).encode())
         poller = zmq.Poller()  # made once: a socket's poll() builds one per call
         poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         wait_ms = int(poll_s * 1000)
         while not loop.stop.is_set():
-            if not poller.poll(wait_ms):
+            ready = poller.poll(wait_ms)
+            if not ready:
                 continue
+            if len(ready) > 1 or ready[0][0] is monitor:
+                break  # disconnected: the hub's end is gone
             body = sock.recv()
             if body[:1] == STOP:
                 break
             sock.send(_answer(worker, body, loop))
             handled += 1
     finally:
+        if monitor is not None:
+            sock.disable_monitor()
+            monitor.close(linger=0)
         sock.close(linger=0)
         ctx.term()
         loop.done.set()
