@@ -7,6 +7,7 @@ thread ranks, and both finish through ``build_coordinator``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +70,10 @@ class GroupConfig:
         # Before start_group binds an events endpoint or starts a rank.
         check_seconds("timeout_s", self.timeout_s)
         check_seconds("join_timeout_s", self.join_timeout_s)
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"tp must be an int >= 1, got {self.tp!r}")
+        if self.use_gpus is not None and not isinstance(self.use_gpus, bool):
+            raise ValueError(f"use_gpus must be True, False or None, got {self.use_gpus!r}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if self.transport not in TRANSPORTS:
@@ -98,11 +103,12 @@ class GroupConfig:
                 and k not in ("CPU", "GPU", "memory")
                 and not isinstance(v, bool)
                 and isinstance(v, int | float)
-                and v > 0
+                and 0 < v < math.inf  # (a NaN fails both)
                 for k, v in d.items()
             ):
                 raise ValueError(
-                    f"rank_resources must map custom resource names to amounts > 0, got {d!r}"
+                    "rank_resources must map custom resource names to finite amounts > 0,"
+                    f" got {d!r}"
                 )
         return dict(per[rank])
 

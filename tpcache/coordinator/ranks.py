@@ -179,9 +179,10 @@ class RayRanks:
 
     def paths(self) -> list[str]:
         """How each rank's steps travel: ``ipc`` (on this node), ``tcp+curve`` (another
-        node), or ``ray`` (actor calls, ``transport="ray"``)."""
+        node), or ``ray`` (actor calls, ``transport="ray"``); ``none`` while a channel
+        group has no channel (a recovery that failed to rejoin it)."""
         if self.path is None:
-            return ["ray"] * self.world_size
+            return ["ray" if self.transport == "ray" else "none"] * self.world_size
         return ["tcp+curve" if a.server_key else "ipc" for a in self.path.hub.attach]
 
     def call_on(self, rank: int, method: str, *args: Any, timeout: float = 60.0) -> Any:
