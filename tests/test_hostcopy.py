@@ -138,3 +138,49 @@ def test_queued_jobs_run_together_as_if_one_by_one() -> None:
         assert eng.copied_bytes == sum(j.src.size for j in jobs) * SPEC.bytes_per_slot
     finally:
         eng.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_copies_both_ways_are_exact() -> None:
+    """On CUDA a device-to-host copy lands in a pinned buffer the copy stream fills
+    later: the host pool must get the bytes only once they are there (the first CUDA
+    path wrote them from the CPU at once, before the stream had run). Large jobs, so
+    that the copy takes long enough to be seen unfinished."""
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = np.random.default_rng(seed)
+    spec = PoolSpec(num_layers=2, kv_heads=8, head_dim=128, tp=1, dtype="float16")
+    dev = KVPool(spec, 1 << 15, torch.device("cuda:0"))
+    host = host_pool(dev, 1 << 14)
+    back = KVPool(spec, 1 << 14, torch.device("cuda:0"))
+    eng = CopyEngine(dev, host)
+    eng_back = CopyEngine(back, host)
+    try:
+        for it in range(4):
+            for layer in range(spec.num_layers):
+                for buf in dev.layer_buffers(layer):
+                    buf.normal_()
+            torch.cuda.synchronize()
+            src = rng.permutation(1 << 15)[: 1 << 13].astype(np.int64)
+            dst = rng.permutation(1 << 14)[: 1 << 13].astype(np.int64)
+            eng.submit(CopyJob(it, TO_HOST, src, dst))
+            assert eng.wait(it + 1, 60) and not eng.failed
+            eng_back.submit(CopyJob(it, TO_DEVICE, dst, dst))
+            assert eng_back.wait(it + 1, 60) and not eng_back.failed
+            d_src = torch.as_tensor(src, device="cuda:0")
+            h_dst = torch.as_tensor(dst)
+            for layer in range(spec.num_layers):
+                bufs = zip(
+                    dev.layer_buffers(layer),
+                    host.layer_buffers(layer),
+                    back.layer_buffers(layer),
+                    strict=True,
+                )
+                for d_buf, h_buf, b_buf in bufs:
+                    want = d_buf[d_src].cpu()
+                    assert torch.equal(h_buf[h_dst], want)
+                    assert torch.equal(b_buf[h_dst.to("cuda:0")].cpu(), want)
+    finally:
+        eng.close()
+        eng_back.close()

@@ -307,3 +307,26 @@ def test_a_batch_with_one_malformed_call_applies_none_of_it(coord) -> None:
     assert isinstance(replies[1], api.ErrorReply) and replies[1].error == "UnknownRequest"
     coord.abort("L1")
     coord.sync()
+
+
+def test_a_pool_too_large_for_memory_is_an_allocator_error() -> None:
+    """A capacity no machine holds (a typo'd ``--capacity`` or ``--host-capacity``) is
+    refused with a typed error naming the pool, not a bare MemoryError; the replay says
+    so and fails."""
+    import subprocess
+    import sys
+
+    from tpcache.cache.errors import AllocatorError
+    from tpcache.cache.host_cache import HostCache, HostConfig
+
+    huge = 10**14
+    with pytest.raises(AllocatorError, match="does not fit in this machine's memory"):
+        RadixCache(CacheConfig(huge, 16))
+    with pytest.raises(AllocatorError, match="does not fit"):
+        HostCache(HostConfig(1024, 16, "lru", host_capacity_tokens=huge))
+    out = subprocess.run(
+        [sys.executable, "-m", "tpcache", "replay", "--limit", "3", "--capacity", "4000000",
+         "--host-capacity", str(huge)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode != 0 and "AllocatorError" in out.stderr and "Traceback" not in out.stderr

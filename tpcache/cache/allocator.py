@@ -79,11 +79,19 @@ class PageAllocator:
             )
         self.num_pages = num_pages
         self.page_size = page_size
-        # One tag byte per page, in a bytearray that ``_tags`` views: numpy for a group of
-        # pages, the bytearray for the one page most calls move (a tenth of the cost).
-        self._tag_bytes = bytearray(num_pages)
-        self._tags = np.frombuffer(self._tag_bytes, dtype=np.int8)
-        self._fifo = np.empty(num_pages, dtype=np.int64)  # ring buffer of free pages
+        try:
+            # One tag byte per page, in a bytearray that ``_tags`` views: numpy for a group
+            # of pages, the bytearray for the one page most calls move (a tenth of the cost).
+            self._tag_bytes = bytearray(num_pages)
+            self._tags = np.frombuffer(self._tag_bytes, dtype=np.int8)
+            self._fifo = np.empty(num_pages, dtype=np.int64)  # ring buffer of free pages
+        except (MemoryError, ValueError, OverflowError):
+            # The index alone is 9 bytes a page: a capacity that cannot fit here is the
+            # caller's mistake (a typo'd --capacity), not a crash.
+            raise AllocatorError(
+                f"a pool of {num_pages} pages (page size {page_size}) does not fit in this"
+                f" machine's memory: its index alone needs {9 * num_pages / 2**30:.1f} GiB"
+            ) from None
         self._counts = [0] * NUM_TAGS
         self._free_log = 0  # see log_free
         self.reset()

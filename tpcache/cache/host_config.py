@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tpcache.cache.errors import HostTierError
+from tpcache.cache.host_moves import HOST
 from tpcache.cache.policies import POLICIES
 from tpcache.cache.records import AdmitResult, CacheConfig, MatchResult
 
@@ -54,6 +55,9 @@ class HostConfig(CacheConfig):
         hits = self.write_through_hits
         if not isinstance(hits, int) or isinstance(hits, bool) or hits < 1:
             raise HostTierError(f"write_through_hits must be an int >= 1, got {hits!r}")
+        if self.medium == HOST:
+            # Its events would not tell the two tiers apart (a router counts each copy).
+            raise HostTierError(f"medium {HOST!r} is the host tier's own; name the device's")
         if self.policy not in POLICIES:
             # A stateful policy learns from what leaves the cache; the host tier would
             # have to tell it of two orders. Refused until it is taught.

@@ -25,7 +25,7 @@ class IndexIntegrityError(TpcacheError, AssertionError):
 class ProblemKind(enum.Enum):
     UNKNOWN_REMOVAL = "unknown_removal"  # BlockRemoved for a (medium, hash) not stored
     DUPLICATE_STORE = "duplicate_store"  # BlockStored for a (medium, hash) already stored
-    UNKNOWN_PARENT = "unknown_parent"  # parent hash not stored on the same medium
+    UNKNOWN_PARENT = "unknown_parent"  # parent hash not stored on any medium
     BAD_TOKEN_COUNT = "bad_token_count"  # len(token_ids) != len(block_hashes) * block_size
 
 
@@ -62,6 +62,9 @@ class BlockIndex:
         # Owned by this index; insertion order is first-store order, which makes
         # ``to_events`` deterministic.
         self._blocks: dict[BlockKey, StoredBlock] = {}
+        # How many media store each hash. A parent may be on another medium than its
+        # child: a host tier's copy of a block whose prefix is still on the GPU.
+        self._media: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -80,10 +83,12 @@ class BlockIndex:
         """A shallow copy (records are immutable); O(n) at C speed."""
         other = BlockIndex()
         other._blocks = self._blocks.copy()
+        other._media = self._media.copy()
         return other
 
     def clear(self) -> None:
         self._blocks.clear()
+        self._media.clear()
 
     def apply(self, event: KVEvent) -> list[IndexProblem]:
         """Fold one event into the index; returns the problems it found (may be empty).
@@ -96,7 +101,7 @@ class BlockIndex:
             case BlockRemoved():
                 return self._remove(event)
             case AllBlocksCleared():
-                self._blocks.clear()
+                self.clear()
                 return []
             case _:
                 raise TypeError(f"not a KV event: {type(event).__name__}")
@@ -121,7 +126,7 @@ class BlockIndex:
                 )
             )
         parent = ev.parent_block_hash
-        if parent is not None and (ev.medium, parent) not in self._blocks:
+        if parent is not None and parent not in self._media:
             problems.append(
                 IndexProblem(ProblemKind.UNKNOWN_PARENT, parent, ev.medium, "parent not stored")
             )
@@ -134,6 +139,8 @@ class BlockIndex:
                         ProblemKind.DUPLICATE_STORE, block_hash, ev.medium, "already stored"
                     )
                 )
+            else:
+                self._media[block_hash] = self._media.get(block_hash, 0) + 1
             tokens = tuple(ev.token_ids[i * step : (i + 1) * step])
             self._blocks[key] = StoredBlock(parent, tokens, size, ev.lora_id, ev.lora_name)
             parent = block_hash
@@ -146,21 +153,32 @@ class BlockIndex:
                 problems.append(
                     IndexProblem(ProblemKind.UNKNOWN_REMOVAL, block_hash, ev.medium, "not stored")
                 )
+            elif self._media[block_hash] == 1:
+                del self._media[block_hash]
+            else:
+                self._media[block_hash] -= 1
         return problems
 
     def to_events(self) -> list[BlockStored]:
         """``BlockStored`` events that rebuild this index from empty, parents first.
 
         One event per chain run: a run extends while its last block has exactly one
-        child with the same medium, block size and LoRA. Applying the result to an
-        empty ``BlockIndex`` gives an index equal to this one (no problems reported
-        except UNKNOWN_PARENT for blocks whose parent is itself not stored).
+        child with the same medium, block size and LoRA. A block whose parent is on
+        another medium only comes after it (the parent on its own medium if stored there,
+        else on the first medium that stored it). Applying the result to an empty
+        ``BlockIndex`` gives an index equal to this one (no problems reported except
+        UNKNOWN_PARENT for blocks whose parent is itself not stored).
         """
+        first_key: dict[int, BlockKey] = {}
+        for key in self._blocks:
+            first_key.setdefault(key[1], key)
         children: dict[BlockKey, list[BlockKey]] = {}
         roots: list[BlockKey] = []
         for key, block in self._blocks.items():
-            parent_key = (key[0], block.parent_hash)
-            if block.parent_hash is not None and parent_key in self._blocks:
+            parent_key: BlockKey | None = (key[0], block.parent_hash)
+            if parent_key not in self._blocks:
+                parent_key = first_key.get(block.parent_hash)  # type: ignore[arg-type]
+            if block.parent_hash is not None and parent_key is not None:
                 children.setdefault(parent_key, []).append(key)
             else:
                 roots.append(key)
@@ -189,7 +207,7 @@ class BlockIndex:
         first = self._blocks[key]
         while True:
             kids = children.get(run[-1], [])
-            if len(kids) != 1 or kids[0] in done:
+            if len(kids) != 1 or kids[0] in done or kids[0][0] != key[0]:
                 return run
             kid = self._blocks[kids[0]]
             if (kid.block_size, kid.lora_id, kid.lora_name) != (

@@ -206,6 +206,12 @@ class CopyEngine:
         with torch.cuda.stream(self._stream):
             rows = s_buf.index_select(0, src.to(s_buf.device, non_blocking=True))
             rows = rows.to(d_buf.device, non_blocking=True)
+            if d_buf.device.type == "cpu":
+                # Device to host: ``rows`` is a pinned buffer the stream fills later, and
+                # the CPU's index_copy_ runs at once (no stream orders it): wait first.
+                self._stream.synchronize()
+                d_buf.index_copy_(0, dst, rows)
+                return
             d_buf.index_copy_(0, dst.to(d_buf.device, non_blocking=True), rows)
         self._stream.synchronize()
 
