@@ -90,6 +90,25 @@ def test_a_peer_error_does_not_hide_the_rank_whose_socket_closed() -> None:
         hub.close()
 
 
+def test_a_full_rank_waiting_for_a_gone_peer_is_not_the_one_named() -> None:
+    """Rank 0 has all its messages unanswered (it waits in a collective for rank 1) and
+    rank 1's socket closes: the next send names rank 1 as gone at once, not rank 0 as
+    having stopped reading at the timeout."""
+    hub = StepHub(2, set(), "", hwm=2)
+    try:
+        socks = fake_ranks(hub)
+        hub.send(STEPS, [b"a"], 5.0)
+        hub.send(STEPS, [b"b"], 5.0)
+        socks[1].close()
+        t0 = time.monotonic()
+        with pytest.raises(ChannelError) as err:
+            hub.send(STEPS, [b"c"], 8.0)
+        assert time.monotonic() - t0 < 2.0
+        assert err.value.rank == 1 and err.value.dead
+    finally:
+        hub.close()
+
+
 def test_a_send_refused_for_a_slow_remote_rank_reaches_no_local_rank() -> None:
     """A remote (TCP) rank that stopped reading fails the send before the message goes to
     any rank, as a local one does: the local rank never gets a message without a

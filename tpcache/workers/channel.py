@@ -167,6 +167,9 @@ class StepHub:
                     raise ChannelError(rank, link.why or "is gone", dead=True)
             if self._unanswered[rank] < self.hwm:
                 return
+            # A full rank may be one waiting in a collective for a peer that is gone:
+            # name the gone one, not the one waiting for it.
+            self._check_gone(lambda: None, -1)
             if time.monotonic() > deadline:
                 raise ChannelError(rank, f"stopped reading (nothing taken in {timeout:g}s)")
             self._drain(0.01)
