@@ -304,3 +304,23 @@ def test_copy_waits_of_an_unknown_request_are_refused() -> None:
             with pytest.raises(UnknownRequest):
                 ask(rid)
     assert c.digest() == before and c.copies_pending() == 1
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+def test_a_match_says_how_long_until_a_load_under_way_fills_its_pages(ps: int) -> None:
+    """A prefix another request is loading back is on the device at once, but its pages
+    hold the KV only when the load is done on every rank: a match of it says how many
+    copies that is (``ready_after``), and 0 once they are agreed done."""
+    c = make(ps, defer_copies=True, record_copies=True)
+    run(c, 1, blocks(ps, 1, 2))
+    run(c, 2, blocks(ps, 3, 4))  # A written back to the host (copy 0)
+    c.copies_done(1)
+    assert c.match_prefix(blocks(ps, 1, 2)).host_hit_length == 2 * ps
+    got = c.admit(3, blocks(ps, 1, 2, 5), reserve=1)  # loads A back (copies 1, 2)
+    assert got.host_hit_length == 2 * ps and got.ready_after == 3
+    m = c.match_prefix(blocks(ps, 1, 2))
+    assert m.prefix_len == 2 * ps and m.host_hit_length == 0 and m.ready_after == 3
+    c.copies_done(3)
+    assert c.match_prefix(blocks(ps, 1, 2)).ready_after == 0
+    assert c.match_prefix(blocks(ps, 9)).ready_after == 0  # nothing matched: nothing to wait
+    c.check_integrity()

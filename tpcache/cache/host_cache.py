@@ -129,7 +129,9 @@ class HostCache(OnePoolCache):
         path, pos = tree.split_match(path, pos, partial, common)
         tree.touch(path)
         res = self._match_result(path, pos)
-        return HostMatchResult(res.prefix_len, res.pages, res.handle, self.page_size, host)
+        c = tree.copies
+        wait = c.pending_on(res.pages, True) if c.started != c.completed else 0
+        return HostMatchResult(res.prefix_len, res.pages, res.handle, self.page_size, host, wait)
 
     def _admit(self, a: Asked, evict: bool | Evictor, namespace: Any) -> HostAdmitResult:
         rid, key, prio, total = a

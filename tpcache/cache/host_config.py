@@ -77,11 +77,14 @@ class HostConfig(CacheConfig):
 
 @dataclass(slots=True)
 class HostMatchResult(MatchResult):
-    """A ``MatchResult`` (the device prefix: ``prefix_len``, its pages and a handle) and
+    """A ``MatchResult`` (the device prefix: ``prefix_len``, its pages and a handle),
     ``host_hit_length``: tokens beyond it cached on the host only (an admit would load
-    them)."""
+    them), and ``ready_after``: how many copies of the copy log must be done (agreed)
+    before the device prefix's pages hold their KV (0: now; some may be another
+    request's load still under way). Reading them sooner reads what was there before."""
 
     host_hit_length: int = 0
+    ready_after: int = 0
 
 
 @dataclass(slots=True)
