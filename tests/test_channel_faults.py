@@ -38,6 +38,15 @@ def fake_ranks(hub: StepHub) -> list[socket.socket]:
     return socks
 
 
+def close_all(hub: StepHub, loops) -> None:
+    """Stop the rank loops, close the hub, and wait for the loops to leave."""
+    for _th, lp in loops:
+        lp.stop.set()
+    hub.close()
+    for th, _ in loops:
+        th.join(10)
+
+
 def read_one(sock: socket.socket) -> bytes:
     reader = FrameReader(sock)
     while (body := reader.next()) is None:
@@ -129,11 +138,7 @@ def test_a_send_refused_for_a_slow_remote_rank_reaches_no_local_rank() -> None:
         assert len(w0.seen) == len(tickets)  # not one more
         assert hub.send(STEPS, [b"next"], 10.0) == len(tickets)  # the next ticket, in order
     finally:
-        for _th, lp in loops:
-            lp.stop.set()
-        hub.close()
-        for th, _ in loops:
-            th.join(10)
+        close_all(hub, loops)
 
 
 def test_a_tcp_rank_leaves_its_loop_when_the_hub_goes_without_a_stop() -> None:
@@ -217,11 +222,7 @@ def test_a_temp_dir_too_long_for_a_socket_path_falls_back_to_tmp(monkeypatch) ->
             t = hub.send(STEPS, [b"x"], 5.0)
             assert len(hub.collect(t, 5.0, never_dead)) == 1
         finally:
-            for _th, lp in loops:
-                lp.stop.set()
-            hub.close()
-            for th, _ in loops:
-                th.join(5)
+            close_all(hub, loops)
         assert os.listdir(long_dir) == []
     finally:
         os.rmdir(long_dir)
