@@ -98,3 +98,37 @@ def test_a_forward_whose_write_backs_are_not_done_here_is_refused_in_time() -> N
         assert copies.local_done() == 1
     finally:
         copies.close()
+
+
+def test_a_failing_copy_is_never_counted_done_while_it_finishes() -> None:
+    """A rank's done count is -1 from the moment a copy fails, however the engine's
+    thread and the reader interleave: the failure and the count it bumps are read under
+    the engine's one lock (read apart, a failure that landed between the two reads was
+    counted as done, and MIN let the group use the pages). Many short races; the old
+    two reads lost about one in sixteen here."""
+    import sys
+
+    import numpy as np
+    import torch
+
+    from tpcache.cache.host_config import HostCopy
+    from tpcache.workers.copysync import RankCopies
+    from tpcache.workers.kvpool import KVPool, PoolSpec
+
+    dev = KVPool(PoolSpec(1, 1, 1, 1, "float32"), 64, torch.device("cpu"))
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the threads switch as often as they can
+    try:
+        for _ in range(200):
+            rc = RankCopies(dev, 64, 1)
+            rc.engine.fail = frozenset({0})
+            rc.engine.delay_s = 0.0005
+            rc.submit([HostCopy(0, True, np.array([1]), np.array([1]))])
+            seen = []
+            while rc.engine.done() < 1:
+                seen.append(rc.local_done())
+            seen.append(rc.local_done())
+            rc.close()
+            assert all(v <= 0 for v in seen) and seen[-1] == -1, seen
+    finally:
+        sys.setswitchinterval(switch)

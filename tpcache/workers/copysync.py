@@ -81,8 +81,7 @@ class RankCopies:
 
     def local_done(self) -> int:
         """This rank's done count, or -1 if a copy failed here."""
-        engine = self.engine
-        return -1 if engine.failed else engine.done()
+        return self.engine.done_ok()
 
     def before_forward(self, cache, rids: list, timeout: float) -> None:
         """Wait (up to ``timeout`` seconds) until this rank's engine has done the copies

@@ -101,6 +101,13 @@ class CopyEngine:
         with self._lock:
             return self._done
 
+    def done_ok(self) -> int:
+        """``done()``, or -1 if any job has failed: both read under one lock, as the
+        engine's thread sets them (a failure read apart from its count could be
+        counted as done)."""
+        with self._lock:
+            return -1 if self.failed else self._done
+
     def wait(self, count: int, timeout: float) -> bool:
         """Until ``count`` jobs are done or ``timeout``; True if they are."""
         deadline = time.monotonic() + timeout
