@@ -262,3 +262,15 @@ def test_the_demo_splits_its_hits_by_tier(group) -> None:
 def test_bad_host_tier_is_refused_before_any_rank_starts(kw, what) -> None:
     with pytest.raises(HostTierError, match=what):
         host_config(**kw)
+
+
+def test_the_demo_says_why_a_group_refused_to_start(ray_cluster, capsys) -> None:
+    """A host pool larger than any rank can hold is refused by the ranks' start-up
+    agreement: ``tpcache demo`` prints which rank refused and why, and fails (it used to
+    end in a traceback)."""
+    from tpcache.cli import main
+
+    rc = main(["demo", "--tp", "2", "--capacity", "20000", "--host-capacity", str(10**14)])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "the group did not start" in err and "HostTierError" in err and "Traceback" not in err

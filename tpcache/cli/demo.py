@@ -81,6 +81,7 @@ class DemoProgress:
 def cmd_demo(args: argparse.Namespace) -> int:
     from tpcache.cache.policies import POLICIES
     from tpcache.coordinator.cluster import ClusterJoinError, join
+    from tpcache.errors import TpcacheError
     from tpcache.frontend.service import start_group
     from tpcache.harness.demo import needed_capacity, run_demo, synthetic_chat, trace_requests
     from tpcache.trace import TraceError
@@ -104,7 +105,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     except ClusterJoinError as exc:
         print(f"tpcache demo: {exc}", file=sys.stderr)
         return 2
-    coord = start_group(config)
+    try:
+        coord = start_group(config)
+    except TpcacheError as exc:  # a rank refused the group (its pools, its devices)
+        print(
+            f"tpcache demo: the group did not start: {type(exc).__name__}: {exc}", file=sys.stderr
+        )
+        return 1
     try:
         summary = run_demo(coord, requests, args.batch, DemoProgress(sys.stderr))
     finally:

@@ -146,6 +146,7 @@ def _interrupt(signum, frame) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from tpcache.coordinator.cluster import ClusterJoinError, join
+    from tpcache.errors import TpcacheError
     from tpcache.events.event_config import EventConfigError
     from tpcache.events.metrics import MetricsError
     from tpcache.events.publisher import EventPublisherError
@@ -183,6 +184,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (MetricsError, EventConfigError, EventPublisherError) as exc:
         print(f"tpcache serve: {exc}", file=sys.stderr)
         return 2
+    except TpcacheError as exc:  # a rank refused the group (its pools, its devices)
+        print(
+            f"tpcache serve: the group did not start: {type(exc).__name__}: {exc}", file=sys.stderr
+        )
+        return 1
     except KeyboardInterrupt:
         return 130
     _print_serving(args, actor, joined.address, joined.started)
