@@ -40,11 +40,44 @@ def test_a_rank_whose_agreed_copy_count_differs_is_odd() -> None:
 
 
 class _OneRank:
-    """A group of one rank: a MIN over it is its own values (``agree_pools`` enters
-    only ``all_min``)."""
+    """A group of one rank: a MIN over it is its own values, a gather its own list."""
 
     def all_min(self, values: list[int]) -> list[int]:
         return list(values)
+
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        return [list(values)]
+
+
+class _TwoHere(_OneRank):
+    """Two ranks on this machine that see the same: a gather gives its list twice."""
+
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        return [list(values), list(values)]
+
+
+class _TwoApart(_OneRank):
+    """Two ranks on two machines: the other's key is another."""
+
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        return [list(values), [values[0] ^ 1]]
+
+
+def test_ranks_on_one_machine_share_its_free_memory(monkeypatch) -> None:
+    """Each rank checks the host pool against free memory: two ranks on one machine may
+    count on half of it each (they each counted on all of it, and together could take
+    twice what is there); ranks on two machines on all of theirs."""
+    from tpcache.workers import copysync
+
+    cache = CacheSpec(page_size=PAGE, policy="lru", host_capacity_tokens=60 * PAGE)
+    spec = group_config(2, capacity_tokens=4 * PAGE, cache=cache).worker_spec()
+    free = 100 * PAGE * spec.pool.bytes_per_slot  # room for 100 pages
+    monkeypatch.setattr(copysync, "_free_memory_bytes", lambda: free)
+    cpu = torch.device("cpu")
+    assert agree_pools(_OneRank(), spec, cpu) == (4 * PAGE, 60 * PAGE)
+    assert agree_pools(_TwoApart(), spec, cpu) == (4 * PAGE, 60 * PAGE)
+    with pytest.raises(HostTierError, match="holds 200 tokens on the smallest rank, 240"):
+        agree_pools(_TwoHere(), spec, cpu)
 
 
 @pytest.mark.parametrize(

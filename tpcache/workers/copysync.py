@@ -42,7 +42,9 @@ every rank, a fresh copy engine), so a half-copied page is never read and nothin
 
 from __future__ import annotations
 
+import hashlib
 import os
+import socket
 from typing import TYPE_CHECKING
 
 from tpcache.cache.errors import CacheError, HostTierError
@@ -135,7 +137,11 @@ def agree_pools(group, spec: WorkerSpec, device: torch.device) -> tuple[int, int
     if spec.capacity_tokens is not None:
         fit = min(fit, spec.capacity_tokens)
     want = spec.cache.host_capacity_tokens
-    room = 0 if want is None else _free_memory_bytes() // max(1, spec.pool.bytes_per_slot)
+    room = 0
+    if want is not None:  # (every rank has the same spec: all enter the gather or none)
+        # Ranks on one machine share its free memory: each may count on its part only.
+        share = _free_memory_bytes() // _ranks_on_this_machine(group)
+        room = share // max(1, spec.pool.bytes_per_slot)
     device_tokens, host = group.all_min([fit // ps * ps, 0 if want is None else min(want, room)])
     if device_tokens < ps:
         raise CacheError(
@@ -149,6 +155,22 @@ def agree_pools(group, spec: WorkerSpec, device: torch.device) -> tuple[int, int
             f"{want // ps * ps} configured"
         )
     return device_tokens, host // ps * ps
+
+
+def _ranks_on_this_machine(group) -> int:
+    """How many ranks of ``group`` run on this rank's kernel (collective: one gather)."""
+    mine = _machine_key()
+    return sum(1 for (key,) in group.all_gather_ints([mine]) if key == mine)
+
+
+def _machine_key() -> int:
+    # The kernel's boot id: ranks in containers on one host share it, and the memory.
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            ident = f.read().strip()
+    except OSError:
+        ident = socket.gethostname().encode()
+    return int.from_bytes(hashlib.blake2b(ident, digest_size=7).digest(), "big")
 
 
 def _free_memory_bytes() -> int:
