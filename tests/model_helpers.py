@@ -58,6 +58,9 @@ class ThreadMember:
     def agree_min(self, values: list[int]) -> list[int]:
         return self.all_min(values)
 
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        return [list(r) for r in self.shared.exchange(self.rank, list(values))]
+
     def digest_check(self, digest: int | None) -> tuple[int, int] | None:
         rows = self.shared.exchange(self.rank, digest)
         if any(d is None for d in rows):
