@@ -86,6 +86,14 @@ def test_the_cli_offers_what_group_config_takes() -> None:
             "--rank-resources gives 3 groups for --tp 2",
         ),
         (["serve", "--detached"], "--detached needs --address"),
+        # Found by a red team: tracebacks, or a wrong message, before these.
+        (["serve", "--capacity", "1e400"], "capacity must be a token count or 'inf'"),
+        (["replay", "--capacity", "1e400"], "capacity must be a token count or 'inf'"),
+        (["serve", "--policy", "bogus"], "unknown policy 'bogus'"),
+        (["serve", "--metrics-port", "70000"], "expected a port from 0 to 65535, got 70000"),
+        (["serve", "--metrics-port", "-1"], "expected a port from 0 to 65535, got -1"),
+        (["serve", "--name="], "argument --name: expected a non-empty name"),
+        (["stop", "--namespace", " "], "argument --namespace: expected a non-empty name"),
     ],
 )
 def test_bad_values_are_argparse_errors(args: list[str], said: str) -> None:

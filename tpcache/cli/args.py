@@ -27,7 +27,7 @@ def _checked(
     ``ok`` fails), both formatted with ``text`` and ``value``."""
     try:
         value = read(text)
-    except ValueError:
+    except (ValueError, OverflowError):  # (int(float("1e400")) overflows)
         raise argparse.ArgumentTypeError(unread.format(text=text)) from None
     if not ok(value):
         raise argparse.ArgumentTypeError(bad.format(text=text, value=value))
@@ -45,6 +45,19 @@ def capacity_arg(text: str) -> int | None:
         "capacity must be a token count or 'inf', got {text!r}",
         "capacity must be >= 1 token, got {value}",
     )
+
+
+def port_arg(text: str) -> int:
+    """argparse type: a TCP port, 0 (any free one) to 65535."""
+    what = "expected a port from 0 to 65535, got "
+    return _checked(text, int, lambda v: 0 <= v <= 65535, what + "{text!r}", what + "{value}")
+
+
+def name_arg(text: str) -> str:
+    """argparse type: a non-empty name (a Ray actor name or namespace)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a non-empty name")
+    return text
 
 
 def positive_arg(text: str) -> int:

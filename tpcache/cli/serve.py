@@ -14,7 +14,9 @@ from tpcache.cli.args import (
     add_group_options,
     add_host_options,
     group_config,
+    name_arg,
     picked,
+    port_arg,
     positive_arg,
 )
 
@@ -95,7 +97,7 @@ def _add_events_options(e: argparse._ArgumentGroup) -> None:
     )
     e.add_argument(
         "--metrics-port",
-        type=int,
+        type=port_arg,
         default=None,
         help="serve Prometheus metrics on this port (/metrics)",
     )
@@ -130,11 +132,13 @@ def add_keys_parser(sub) -> None:
 def _add_name_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--name",
+        type=name_arg,
         default="tpcache",
         help="the coordinator's Ray actor name, which frontends connect to (default tpcache)",
     )
     p.add_argument(
         "--namespace",
+        type=name_arg,
         default="tpcache",
         help="the Ray namespace of that name (default tpcache)",
     )
@@ -145,6 +149,7 @@ def _interrupt(signum, frame) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from tpcache.cache.errors import CacheError
     from tpcache.coordinator.cluster import ClusterJoinError, join
     from tpcache.errors import TpcacheError
     from tpcache.events.event_config import EventConfigError
@@ -154,7 +159,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         config = _serve_config(args)
-    except ValueError as exc:  # EventConfigError is one
+    except (ValueError, CacheError) as exc:  # EventConfigError is one; an unknown policy
         args.parser.error(str(exc))
     except OSError as exc:  # a key file
         print(f"tpcache serve: {exc}", file=sys.stderr)
@@ -184,7 +189,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (MetricsError, EventConfigError, EventPublisherError) as exc:
         print(f"tpcache serve: {exc}", file=sys.stderr)
         return 2
-    except TpcacheError as exc:  # a rank refused the group (its pools, its devices)
+    except (TpcacheError, RuntimeError) as exc:  # a rank refused it; no placement for it
         print(
             f"tpcache serve: the group did not start: {type(exc).__name__}: {exc}", file=sys.stderr
         )
