@@ -14,10 +14,10 @@ import time
 import pytest
 from channel_helpers import EchoWorker, run_rank
 
-from tpcache.workers import hub_dir
+from tpcache.workers import private_dir as pd
 from tpcache.workers.channel import STEPS, ChannelError, StepHub
 from tpcache.workers.channel_loop import ERROR, HELLO, RESULTS, pack
-from tpcache.workers.hub_dir import HubDir, socket_base, sweep
+from tpcache.workers.private_dir import PrivateDir, socket_base, sweep
 from tpcache.workers.unix_link import FrameReader, send_frame
 
 
@@ -164,42 +164,55 @@ def _aged(path: str, seconds: float) -> None:
     os.utime(path, (t, t))
 
 
-def test_a_dead_hubs_directory_is_swept_and_a_live_ones_is_not(tmp_path) -> None:
-    """A hub's directory holds a lock while the hub lives; a later hub removes the
-    directories whose lock is free (their hub was killed: nothing else removes them),
-    and those without a lock once they are old. A live hub's, a young one's and another
-    name's stay."""
+@pytest.mark.parametrize("prefix", [pd.HUB_PREFIX, pd.RDV_PREFIX])
+def test_a_dead_owners_directory_is_swept_and_a_live_ones_is_not(tmp_path, prefix) -> None:
+    """A hub's (or a rendezvous file's) directory holds a lock while its owner lives; a
+    later one of the same kind removes the directories whose lock is free (their owner
+    was killed: nothing else removes them), and those without a lock once they are old.
+    A live owner's, a young one's and another kind's stay."""
     base = str(tmp_path)
-    live = HubDir.__new__(HubDir)  # a live hub's directory, made where the test says
-    live.path = tempfile.mkdtemp(prefix=hub_dir.PREFIX, dir=base)
-    live._lock = os.open(os.path.join(live.path, hub_dir.LOCK), os.O_CREAT | os.O_RDWR)
-    import fcntl
-
-    fcntl.flock(live._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    dead = tempfile.mkdtemp(prefix=hub_dir.PREFIX, dir=base)
-    open(os.path.join(dead, hub_dir.LOCK), "w").close()  # a lock nobody holds
-    old = tempfile.mkdtemp(prefix=hub_dir.PREFIX, dir=base)  # no lock (before locks)
-    young = tempfile.mkdtemp(prefix=hub_dir.PREFIX, dir=base)
-    open(os.path.join(young, hub_dir.LOCK), "w").close()
+    live = PrivateDir(prefix, base)
+    dead = tempfile.mkdtemp(prefix=prefix, dir=base)
+    open(os.path.join(dead, pd.LOCK), "w").close()  # a lock nobody holds
+    old = tempfile.mkdtemp(prefix=prefix, dir=base)  # no lock (before locks)
+    young = tempfile.mkdtemp(prefix=prefix, dir=base)
+    open(os.path.join(young, pd.LOCK), "w").close()
     other = tempfile.mkdtemp(prefix="someone-else-", dir=base)
     for p in (live.path, dead, other):
         _aged(p, 30)
-    _aged(old, 2 * hub_dir.STALE_S)
+    _aged(old, 2 * pd.STALE_S)
     try:
-        assert sorted(sweep(base)) == sorted([dead, old])
+        assert sorted(sweep(base, prefix)) == sorted([dead, old])
         assert sorted(os.listdir(base)) == sorted(
             os.path.basename(p) for p in (live.path, young, other)
         )
     finally:
         live.remove()
     _aged(young, 30)
-    assert sweep(base) == [young]
+    assert sweep(base, prefix) == [young]
+
+
+def test_a_killed_ranks_rendezvous_directory_goes_with_the_next_group(tmp_path) -> None:
+    """A rendezvous store's directory whose owner died (its lock free) is removed when
+    the next store on the machine is made; its own is left until it is dropped."""
+    from tpcache.workers.group_spec import StoreDir
+
+    orphan = tempfile.mkdtemp(prefix=pd.RDV_PREFIX)
+    open(os.path.join(orphan, pd.LOCK), "w").close()
+    _aged(orphan, 30)
+    store = StoreDir()
+    path = os.path.dirname(store.new_store())
+    try:
+        assert not os.path.exists(orphan) and os.path.isdir(path)
+    finally:
+        store.drop()
+    assert not os.path.exists(path)
 
 
 def test_a_hub_closes_its_directory_and_the_lock_goes_with_it() -> None:
     hub = StepHub(1, set(), "")
     path = os.path.dirname(hub.attach[0].endpoint.removeprefix("unix://"))
-    assert sorted(os.listdir(path)) == [hub_dir.LOCK, hub_dir.SOCKET]
+    assert sorted(os.listdir(path)) == sorted([pd.LOCK, pd.SOCKET])
     hub.close()
     assert not os.path.exists(path)
     remote_only = StepHub(1, {0}, "127.0.0.1")  # no local rank: no directory at all
@@ -218,7 +231,7 @@ def test_a_temp_dir_too_long_for_a_socket_path_falls_back_to_tmp(monkeypatch) ->
         loops = [run_rank(0, hub.attach[0])]
         try:
             hub.wait_connected(10.0, never_dead)
-            assert hub.attach[0].endpoint.startswith("unix:///tmp/" + hub_dir.PREFIX)
+            assert hub.attach[0].endpoint.startswith("unix:///tmp/" + pd.HUB_PREFIX)
             t = hub.send(STEPS, [b"x"], 5.0)
             assert len(hub.collect(t, 5.0, never_dead)) == 1
         finally:

@@ -230,6 +230,10 @@ class RayRanks:
     # ---- life ---------------------------------------------------------------------------
     def close(self) -> None:
         self._close_path()
+        with contextlib.suppress(Exception):  # a rank that is gone or hung: killed below
+            # Each rank leaves its group and drops its rendezvous directory (a killed one
+            # leaves it to the next group's sweep).
+            ray.get([a.shutdown.remote() for a in getattr(self, "actors", [])], timeout=2.0)
         for a in getattr(self, "actors", []):
             with contextlib.suppress(Exception):  # already gone
                 ray.kill(a, no_restart=True)

@@ -56,7 +56,7 @@ from tpcache.workers.channel_loop import (
     serve,
     unpack,
 )
-from tpcache.workers.hub_dir import HubDir
+from tpcache.workers.private_dir import PrivateDir, hub_dir
 from tpcache.workers.tcp_link import POLLIN, TcpLinks
 from tpcache.workers.unix_link import UnixLinks
 
@@ -88,7 +88,7 @@ class StepHub:
         self.world_size = world_size
         self.hwm = hwm  # messages unanswered per rank before a send waits
         self._remote = remote_ranks
-        self._dir: HubDir | None = None
+        self._dir: PrivateDir | None = None
         self._replies: list[dict[int, list[bytes]]] = [{} for _ in range(world_size)]
         self._unanswered = [0] * world_size  # messages sent to each rank, not answered
         self._sent = 0
@@ -104,8 +104,7 @@ class StepHub:
         path = ""
         try:
             if local:
-                self._dir = HubDir()
-                path = self._dir.socket_path
+                self._dir, path = hub_dir()
                 pollin = POLLIN if remote_ranks else select.POLLIN
                 self._unix = UnixLinks(path, local, HELLO, self._poller, pollin)
             if remote_ranks:

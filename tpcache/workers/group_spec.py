@@ -9,14 +9,13 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import shutil
 import socket
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from tpcache.errors import TpcacheError
+from tpcache.workers.private_dir import RDV_PREFIX, PrivateDir
 
 _BACKENDS = ("gloo", "nccl", "auto")
 _I64_MIN = -(2**63)
@@ -166,18 +165,19 @@ def node_ip(probe: str = "10.255.255.255") -> str:
 
 class StoreDir:
     """The directory of a rendezvous file for a group whose ranks all run on one node:
-    new for each group, readable only by this user, removed with ``drop``."""
+    new for each group, readable only by this user, removed with ``drop``, or by the
+    next group's if its owner was killed (``private_dir``)."""
 
     def __init__(self) -> None:
-        self._path: str | None = None
+        self._dir: PrivateDir | None = None
 
     def new_store(self) -> str:
         """A rendezvous file's path in a new directory (the last one is removed)."""
         self.drop()
-        self._path = tempfile.mkdtemp(prefix="tpcache-rdv-")
-        return os.path.join(self._path, "store")
+        self._dir = PrivateDir(RDV_PREFIX)
+        return os.path.join(self._dir.path, "store")
 
     def drop(self) -> None:
-        if self._path is not None:
-            shutil.rmtree(self._path, ignore_errors=True)
-            self._path = None
+        if self._dir is not None:
+            self._dir.remove()
+            self._dir = None

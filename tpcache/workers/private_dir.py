@@ -1,13 +1,14 @@
-"""``HubDir``: the step hub's directory for its Unix socket, readable only by its user
-(mode 0700), with a lock that says the hub is alive.
+"""``PrivateDir``: a new temp directory readable only by its user (mode 0700), with a
+lock that says its owner is alive: the step hub's (its Unix socket) and a TP group's
+rendezvous file's.
 
-Why a lock: a coordinator that is killed (SIGKILL, or Ray killing its actor) never
-removes its directory. The lock (``flock`` on ``hub.lock``, held open by the hub) goes
-with the process whatever kills it, so a later hub can tell a dead hub's directory from
-a live one's without touching the live one's socket, and removes it.
+Why a lock: a process that is killed (SIGKILL, or Ray killing an actor) never removes
+its directory. The lock (``flock`` on ``owner.lock``, held open by the owner) goes with
+the process whatever kills it, so a later owner of the same kind can tell a dead one's
+directory from a live one's without touching what is in it, and removes it.
 
-Why a fallback directory: a Unix socket's path has at most 107 bytes, and a long
-``TMPDIR`` (a test's or a job scheduler's) would leave no room for it.
+Why a fallback directory for the hub: a Unix socket's path has at most 107 bytes, and a
+long ``TMPDIR`` (a test's or a job scheduler's) would leave no room for it.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ import time
 
 from tpcache.errors import TpcacheError
 
-PREFIX = "tpcache-ch-"
+HUB_PREFIX = "tpcache-ch-"
+RDV_PREFIX = "tpcache-rdv-"
 SOCKET = "steps.sock"
-LOCK = "hub.lock"
+LOCK = "owner.lock"
 MAX_SOCKET_PATH = 107  # sun_path's 108 bytes, less the terminating NUL
-_NAME = len(PREFIX) + 8 + 1 + len(SOCKET)  # mkdtemp's 8 random characters, "/", the socket
+_NAME = len(HUB_PREFIX) + 8 + 1 + len(SOCKET)  # mkdtemp's 8 random characters, "/", the socket
 STALE_S = 60.0  # a directory without a lock is left this long (its hub may be starting)
 # None younger is looked at: its hub may not have taken its lock yet (an unlocked lock
 # file is the dead hub's sign only once the hub had time to lock it).
@@ -38,15 +40,15 @@ class HubDirError(TpcacheError, OSError):
     """No directory could be made for the step hub's socket."""
 
 
-class HubDir:
-    """A fresh directory for a hub's socket (``socket_path``), locked while it lives;
-    dead hubs' directories in the same place are removed first (``sweep``)."""
+class PrivateDir:
+    """A fresh directory named ``prefix``... under ``base`` (the temp directory), locked
+    while its owner lives; dead owners' directories of the same prefix there are removed
+    first (``sweep``)."""
 
-    def __init__(self) -> None:
-        base = socket_base()
-        sweep(base)
-        self.path = tempfile.mkdtemp(prefix=PREFIX, dir=base)  # mode 0700
-        self.socket_path = os.path.join(self.path, SOCKET)
+    def __init__(self, prefix: str, base: str | None = None) -> None:
+        base = base or tempfile.gettempdir()
+        sweep(base, prefix)
+        self.path = tempfile.mkdtemp(prefix=prefix, dir=base)  # mode 0700
         try:
             self._lock = os.open(os.path.join(self.path, LOCK), os.O_CREAT | os.O_RDWR, 0o600)
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -73,13 +75,19 @@ def socket_base() -> str:
     )
 
 
-def sweep(base: str) -> list[str]:
-    """Remove this user's hub directories under ``base`` whose hub is gone: its lock is
-    free, or (a directory from before locks, or a hub that died while starting) it has
-    none and is older than ``STALE_S``. Returns what was removed."""
+def hub_dir() -> tuple[PrivateDir, str]:
+    """A step hub's directory and the path of its socket in it."""
+    d = PrivateDir(HUB_PREFIX, socket_base())
+    return d, os.path.join(d.path, SOCKET)
+
+
+def sweep(base: str, prefix: str) -> list[str]:
+    """Remove this user's ``prefix`` directories under ``base`` whose owner is gone: its
+    lock is free, or (a directory from before locks, or an owner that died while
+    starting) it has none and is older than ``STALE_S``. Returns what was removed."""
     removed = []
     uid, now = os.getuid(), time.time()
-    for path in glob.glob(os.path.join(glob.escape(base), PREFIX + "*")):
+    for path in glob.glob(os.path.join(glob.escape(base), prefix + "*")):
         try:
             st = os.lstat(path)
         except OSError:
@@ -101,7 +109,7 @@ def _gone(path: str, age_s: float) -> bool:
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:  # held: its hub is alive
+    except OSError:  # held: its owner is alive
         return False
     finally:
         os.close(fd)  # (releases the lock if this took it)
