@@ -129,8 +129,7 @@ class HostCache(OnePoolCache):
         path, pos = tree.split_match(path, pos, partial, common)
         tree.touch(path)
         res = self._match_result(path, pos)
-        c = tree.copies
-        wait = c.pending_on(res.pages, True) if c.started != c.completed else 0
+        wait = tree.copies.pending_on(res.pages, True)
         return HostMatchResult(res.prefix_len, res.pages, res.handle, self.page_size, host, wait)
 
     def _admit(self, a: Asked, evict: bool | Evictor, namespace: Any) -> HostAdmitResult:

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from tpcache.cache.errors import HostTierError
-from tpcache.cache.host_moves import HOST
 from tpcache.cache.policies import POLICIES
 from tpcache.cache.records import AdmitResult, CacheConfig, MatchResult
 
 WRITE_BACK = "write_back"
 WRITE_THROUGH_SELECTIVE = "write_through_selective"
 WRITE_POLICIES = (WRITE_BACK, WRITE_THROUGH_SELECTIVE)
+HOST = "CPU"  # the events' medium of the host tier
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from tpcache.cache.allocator import CACHED, HELD
 from tpcache.cache.anchors import drop_anchor, namespace_of
 from tpcache.cache.events import BlockRemoved, BlockStored
 from tpcache.cache.hashing import block_hashes
+from tpcache.cache.host_config import HOST
 from tpcache.cache.keys import join_pages
 from tpcache.cache.namespace import is_anchor
 from tpcache.cache.node import _EMPTY_PAGES, _MASK, page_terms
@@ -30,7 +31,6 @@ from tpcache.cache.node import _EMPTY_PAGES, _MASK, page_terms
 if TYPE_CHECKING:
     from tpcache.cache.host_tree import HostTree
 
-HOST = "CPU"  # the events' medium of the host tier
 _K2 = 0x9E3779B97F4A7C15  # odd
 
 

@@ -107,7 +107,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return 2
     try:
         coord = start_group(config)
-    except TpcacheError as exc:  # a rank refused the group (its pools, its devices)
+    except TpcacheError as exc:  # a rank refused the group, or Ray could not place it
         print(
             f"tpcache demo: the group did not start: {type(exc).__name__}: {exc}", file=sys.stderr
         )

@@ -189,7 +189,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (MetricsError, EventConfigError, EventPublisherError) as exc:
         print(f"tpcache serve: {exc}", file=sys.stderr)
         return 2
-    except (TpcacheError, RuntimeError) as exc:  # a rank refused it; no placement for it
+    except TpcacheError as exc:  # a rank refused the group, or Ray could not place it
         print(
             f"tpcache serve: the group did not start: {type(exc).__name__}: {exc}", file=sys.stderr
         )

@@ -11,6 +11,11 @@ class CoordinatorUnavailable(TpcacheError, RuntimeError):
     retryable = True
 
 
+class PlacementError(TpcacheError, RuntimeError):
+    """Ray could not place the group's ranks (a strategy or resources the cluster cannot
+    meet) within the start-up timeout."""
+
+
 class RequestLost(TpcacheError, RuntimeError):
     """The request was running when the group failed or the coordinator restarted; its
     KV is gone. Retry it as a new request."""

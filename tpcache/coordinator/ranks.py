@@ -28,6 +28,7 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tpcache.coordinator.build import STRATEGIES, TRANSPORTS
+from tpcache.coordinator.errors import PlacementError
 from tpcache.coordinator.step_path import RAY_CALLS, ChannelPath
 from tpcache.coordinator.step_types import RankCallError, first_cause
 from tpcache.workers.group_spec import node_ip
@@ -79,7 +80,7 @@ class RayRanks:
             ray.get(self.pg.ready(), timeout=start_timeout_s)
         except GetTimeoutError:
             remove_placement_group(self.pg)
-            raise RuntimeError(
+            raise PlacementError(
                 f"could not place {tp} ranks (bundles {bundles}, strategy {strategy}) within "
                 f"{start_timeout_s:g}s; the cluster has {ray.cluster_resources()}"
             ) from None

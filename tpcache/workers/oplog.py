@@ -13,10 +13,17 @@ import numpy as np
 from tpcache.cache.keys import TokenLike, as_tokens, int_sum, key_bytes
 from tpcache.cache.namespace import CacheNamespace, as_namespace
 from tpcache.cache.reqtable import check_request_id
-from tpcache.workers.ops import Admit, Extend, Finish, OpNamespace, OpResult, pack_tokens
+from tpcache.workers.ops import (
+    OP_TOKENS,
+    Admit,
+    Extend,
+    Finish,
+    OpNamespace,
+    OpResult,
+    pack_tokens,
+)
 
 RequestId = int | str
-_OP_TOKENS = np.dtype("<i4")  # pack_tokens' dtype
 
 
 def admit_result(got, evicted: tuple[int, ...] = (0,)) -> OpResult:
@@ -78,7 +85,7 @@ def logged_admit(
     rid = check_request_id(rid)  # the plain id the op log carries
     marks = mirror.eviction_marks()
     got = mirror.admit(rid, tokens, priority, reserve=reserve, namespace=ns)
-    if type(tokens) is np.ndarray and tokens.dtype == _OP_TOKENS:
+    if type(tokens) is np.ndarray and tokens.dtype == OP_TOKENS:
         data = key_bytes(tokens)  # the values the mirror checked, as they are: no row to read
     else:  # the mirror's checked int32 tokens (its copy, or the caller's immutable buffer)
         data = pack_tokens(mirror.request_row(rid).tokens)
