@@ -235,7 +235,9 @@ def add_group_options(p: argparse.ArgumentParser) -> None:
         "--timeout",
         type=seconds_arg,
         default=60.0,
-        help="collective timeout in seconds: how fast a hung rank is found (default 60)",
+        help="collective timeout in seconds: how fast a hung rank is found (default 60); "
+        "the coordinator waits max(2 x it, it + 5) seconds for a step's results, which "
+        "bounds finding a rank hung with no peer to notice (--tp 1, or every rank hung)",
     )
     p.add_argument(
         "--join-timeout",
@@ -286,8 +288,10 @@ def _add_placement_options(g: argparse._ArgumentGroup) -> None:
 def group_config(args: argparse.Namespace, capacity: int | None) -> GroupConfig:
     """The ``GroupConfig`` the group and host tier options ask for. Raises ``ValueError``
     naming what does not fit (e.g. 3 resource groups for 2 ranks; ``HostTierError`` is
-    one, for a host tier the cache cannot have)."""
+    one, for a host tier the cache cannot have; ``CoordinatorConfigError`` another, for a
+    --timeout too long to derive a step timeout from)."""
     from tpcache.coordinator.build import GroupConfig
+    from tpcache.coordinator.step_types import CoordinatorConfig, step_timeout_for
     from tpcache.workers.spec import CacheSpec
 
     if (err := host_args_error(args)) is not None:
@@ -324,6 +328,9 @@ def group_config(args: argparse.Namespace, capacity: int | None) -> GroupConfig:
         gpus_per_rank=args.gpus_per_rank,
         rank_resources=res,
         transport=args.transport,
+        # --timeout bounds the coordinator's wait for a step too, not only a collective
+        # (the margin and why: ``step_timeout_for``).
+        coordinator=CoordinatorConfig(step_timeout_s=step_timeout_for(args.timeout, "--timeout")),
     )
 
 

@@ -11,6 +11,11 @@ class CoordinatorUnavailable(TpcacheError, RuntimeError):
     retryable = True
 
 
+class CoordinatorConfigError(TpcacheError, ValueError):
+    """A field of ``CoordinatorConfig`` (or a value it is derived from) is invalid; the
+    message names it. Raised before anything starts."""
+
+
 class PlacementError(TpcacheError, RuntimeError):
     """Ray could not place the group's ranks (a strategy or resources the cluster cannot
     meet) within the start-up timeout."""

@@ -4,12 +4,16 @@ and who hears of its steps (``StepObserver``), its configuration, and its record
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from tpcache.coordinator.errors import CoordinatorConfigError
 from tpcache.errors import TpcacheError
 from tpcache.workers.ops import OpResult
+
+MAX_SECONDS = 1e9  # the longest wait a config may ask for (~31 years: "no limit")
 
 
 class RankCallError(TpcacheError):
@@ -69,7 +73,9 @@ class RankTransport(Protocol):
 class CoordinatorConfig:
     max_inflight: int = 4  # messages sent and not yet verified
     max_batch_ops: int = 1024
-    step_timeout_s: float = 120.0  # per message
+    # Per message: how long the coordinator waits for its results. ``step_timeout_for``
+    # derives it from the ranks' collective timeout (120 s for 60 s; the CLI does so).
+    step_timeout_s: float = 120.0
     auto_recover: bool = True  # after a rank failure or divergence, rebuild the group at once
     probe_s: float = 2.0  # a rank that does not answer a ping this fast is replaced
     # Most steps one message carries (1: one step per message). 32, not 8: with 8 the
@@ -85,11 +91,57 @@ class CoordinatorConfig:
         for name in ("max_inflight", "max_batch_ops", "coalesce"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"coordinator config: {name} must be an int >= 1, got {v!r}")
+                raise CoordinatorConfigError(
+                    f"coordinator config: {name} must be an int >= 1, got {v!r}"
+                )
         for name in ("step_timeout_s", "probe_s", "recovery_backoff_s", "recovery_backoff_max_s"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < 1e9:
-                raise ValueError(f"coordinator config: {name} must be seconds > 0, got {v!r}")
+            # (a NaN fails the comparison too)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < MAX_SECONDS:
+                raise CoordinatorConfigError(
+                    f"coordinator config: {name} must be seconds in (0, {MAX_SECONDS:g}), got {v!r}"
+                )
+
+
+# What a step may take beyond its collectives' timeout, however short that is: a rank's
+# error after its collective timed out must still travel back (pickled, sent, and the
+# channel's 1 s grace for its peers' errors), on a host that may be busy.
+STEP_SLACK_S = 5.0
+
+
+def step_timeout_for(timeout_s: float, name: str = "timeout_s") -> float:
+    """The coordinator's wait for a message's results (``step_timeout_s``) in a group whose
+    collectives time out after ``timeout_s``: ``max(2 * timeout_s, timeout_s +
+    STEP_SLACK_S)``, so 60 s gives 120 s (the default) and 2 s gives 7 s. Raises
+    ``CoordinatorConfigError`` (naming ``timeout_s`` as ``name``) unless it is a finite
+    number of seconds > 0 whose step timeout is under ``MAX_SECONDS``.
+
+    Why more than ``timeout_s``. Where a rank has peers, its hang is found by them: a
+    peer's collective times out, or the step channel sees it lag a peer's answer by
+    ``timeout_s``; either names the step and the hung rank, so the coordinator's own
+    (bare) timeout must not fire first. And a healthy step may run longer than one
+    collective's timeout: a rank that evicts much may make its peers wait up to nearly
+    ``timeout_s`` in the next agreement (they accept that), and the step still has its
+    other ops, its digest and its way back to do; failing it would lose every running
+    request and replace a rank that was only slow. Twice the timeout leaves a whole
+    ``timeout_s`` for that; ``STEP_SLACK_S`` covers what does not shrink with a short
+    timeout. Where no peer can notice (TP=1, or every rank hung), this is how long a
+    hung rank goes unseen. It bounds a whole message, as ``step_timeout_s`` does: steps
+    coalesced into one message share it.
+    """
+    if (
+        isinstance(timeout_s, bool)
+        or not isinstance(timeout_s, int | float)
+        or not (math.isfinite(timeout_s) and timeout_s > 0)
+    ):
+        raise CoordinatorConfigError(f"{name}={timeout_s!r} must be a finite number of seconds > 0")
+    step = max(2.0 * timeout_s, timeout_s + STEP_SLACK_S)
+    if step >= MAX_SECONDS:
+        raise CoordinatorConfigError(
+            f"{name}={timeout_s!r} is too long: the coordinator would wait {step:g} s for "
+            f"a step, and waits are limited to under {MAX_SECONDS:g} s"
+        )
+    return step
 
 
 @dataclass
