@@ -119,6 +119,10 @@ class ErrorReply(_Reply, tag="error"):
     error: str  # the exception type's name
     message: str
     retryable: bool = False
+    # The step a lockstep error (``RankFailure``, ``DivergenceError``) names, so a client
+    # rebuilds it with that ``step``; None for other errors, and from a server older
+    # than this field (a client of that age ignores it).
+    step: int | None = None
 
 
 Reply = AdmitReply | SlotsReply | CachedReply | OkReply | StatsReply | ErrorReply
@@ -225,17 +229,32 @@ def error_types() -> dict[str, type[BaseException]]:
     return found
 
 
+def error_reply(exc: BaseException, retryable: bool | None = None) -> ErrorReply:
+    """``exc`` as the reply that names it: its type's name, its message, ``retryable``
+    (None: the error's own), and the step of a lockstep error. Changes nothing."""
+    from tpcache.workers.errors import LockstepError
+
+    retry = bool(getattr(exc, "retryable", False)) if retryable is None else retryable
+    step = exc.step if isinstance(exc, LockstepError) else None
+    return ErrorReply(type(exc).__name__, str(exc), retry, step)
+
+
 class RemoteError(TpcacheError, RuntimeError):
     """An error from the coordinator whose type this client does not know."""
 
 
 def raise_reply_error(reply: ErrorReply) -> None:
-    """Raise the typed error an ``ErrorReply`` names (``RemoteError`` if unknown here)."""
+    """Raise the typed error an ``ErrorReply`` names (``RemoteError`` if unknown here). A
+    lockstep error gets the reply's ``step`` and the message it had (``"step N: ..."``);
+    from a server that sends no step, step -1 (its message then reads ``"step -1: step
+    N: ..."``, as before the field)."""
     from tpcache.workers.errors import LockstepError
 
     cls = error_types().get(reply.error)
     if cls is None:
         raise RemoteError(f"{reply.error}: {reply.message}")
     if issubclass(cls, LockstepError):
-        raise cls(-1, reply.message)
+        if reply.step is None:
+            raise cls(-1, reply.message)
+        raise cls(reply.step, reply.message.removeprefix(f"step {reply.step}: "))
     raise cls(reply.message)

@@ -35,6 +35,7 @@ from tpcache.frontend.api import (
     StatsReply,
     decode_call,
     encode,
+    error_reply,
     max_call_bytes,
 )
 from tpcache.frontend.netfront import FrontendConfig, NetFrontend
@@ -86,7 +87,7 @@ def dispatch(coord: Coordinator, call: Call) -> Reply:
             case StatsCall():
                 return StatsReply(coord.stats())
     except REJECTED as exc:
-        return ErrorReply(type(exc).__name__, str(exc), bool(getattr(exc, "retryable", False)))
+        return error_reply(exc)
     except Exception as exc:  # a bug: the frontend still gets a reply, and the type's name
         return ErrorReply(type(exc).__name__, f"internal error: {exc}")
     return ErrorReply("BadRequest", f"unknown call {call!r}")
@@ -131,7 +132,7 @@ def apply_requests(coord: Coordinator, requests: list[list[Call]]) -> list[list[
         with coord.batch():
             return [[dispatch(coord, call) for call in calls] for calls in requests]
     except REJECTED as exc:
-        err = ErrorReply(type(exc).__name__, str(exc), True)
+        err = error_reply(exc, retryable=True)
         return [[err] * len(calls) for calls in requests]
 
 
@@ -175,7 +176,7 @@ def handle_many(coord: Coordinator, items: object) -> list[bytes]:
                 replies.append(encode(dispatch(coord, call)))
     except REJECTED as exc:
         # The step itself failed to send or check: every call of it is lost.
-        err = encode(ErrorReply(type(exc).__name__, str(exc), True))
+        err = encode(error_reply(exc, retryable=True))
         replies = [err] * len(items)
     return replies
 

@@ -160,8 +160,7 @@ class CoordinatorService:
             try:
                 return fn(), None
             except REJECTED as exc:  # a typed error, as the frontend answers it
-                retry = bool(getattr(exc, "retryable", False))
-                return None, api.encode(api.ErrorReply(type(exc).__name__, str(exc), retry))
+                return None, api.encode(api.error_reply(exc))
 
     def rank_digests(self) -> list[int]:
         with self._lock:
