@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from group_helpers import group_config
+from model_helpers import ThreadGroup, ThreadMember
 
 from tpcache.cache.errors import CacheError, HostTierError
 from tpcache.cache.host_config import HostCopy
@@ -18,9 +19,10 @@ from tpcache.coordinator.copy_agree import CopyCompletion
 from tpcache.coordinator.step_check import odd_ranks
 from tpcache.coordinator.step_types import Closed
 from tpcache.workers.context import ForwardError
-from tpcache.workers.copysync import RankCopies, agree_pools
+from tpcache.workers.copysync import RankCopies, agree_pools, sync_copies
+from tpcache.workers.hostcopy import CopyEngineClosed
 from tpcache.workers.kvpool import KVPool, PoolSpec
-from tpcache.workers.ops import StepResult, encode
+from tpcache.workers.ops import CopySync, StepResult, encode
 from tpcache.workers.rank import CacheSpec
 
 PAGE = 4
@@ -131,6 +133,29 @@ def test_a_forward_whose_write_backs_are_not_done_here_is_refused_in_time() -> N
         assert copies.local_done() == 1
     finally:
         copies.close()
+
+
+def test_a_closed_rank_copies_count_is_never_agreed() -> None:
+    """A rank closes its copies when it rebuilds its cache, dropping the queued ones: a
+    step or a forward that still holds them must fail at once (-1 through the MIN, a
+    refused forward), not wait for copies that never come nor agree the count they left."""
+    pool = KVPool(
+        PoolSpec(num_layers=1, kv_heads=2, head_dim=4, tp=1), 4 * PAGE, torch.device("cpu")
+    )
+    copies = RankCopies(pool, 4 * PAGE, PAGE)
+    copies.submit([HostCopy(0, True, np.array([1]), np.array([0]))])
+    assert copies.engine.wait(1, 10.0) and copies.local_done() == 1
+    copies.drill(1.0, [])
+    copies.submit([HostCopy(1, True, np.array([2]), np.array([1]))])
+    start = time.monotonic()
+    copies.close()
+    group = ThreadMember(ThreadGroup(1), 0)
+    assert sync_copies(group, copies, True, CopySync(want=2, wait_s=30.0)) == -1
+    with pytest.raises(ForwardError, match="reached 1 of the 2"):
+        copies.before_forward(_LocalWaits({"a": 2}), ["a"], 30.0)
+    assert time.monotonic() - start < 0.9  # the second copy took a second: it was dropped
+    with pytest.raises(CopyEngineClosed):
+        copies.submit([HostCopy(2, True, np.array([3]), np.array([2]))])
 
 
 def test_a_failing_copy_is_never_counted_done_while_it_finishes() -> None:

@@ -5,13 +5,22 @@ and bad jobs refused before anything is queued. CPU pools (CUDA paths are GPU-on
 from __future__ import annotations
 
 import random
+import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
 import torch
 
-from tpcache.workers.hostcopy import TO_DEVICE, TO_HOST, CopyEngine, CopyJob, host_pool
+from tpcache.workers.hostcopy import (
+    TO_DEVICE,
+    TO_HOST,
+    CopyEngine,
+    CopyEngineClosed,
+    CopyJob,
+    host_pool,
+)
 from tpcache.workers.kvpool import KVPool, PoolSpec
 
 SPEC = PoolSpec(num_layers=3, kv_heads=4, head_dim=8, tp=2, dtype="float32")
@@ -95,6 +104,66 @@ def test_bad_jobs_are_refused_before_they_are_queued() -> None:
         assert eng.wait(1, 10.0)
     finally:
         eng.close()
+
+
+def test_close_drops_the_queued_jobs_at_once() -> None:
+    """A rank closes its engine when its cache is rebuilt (a recovery's ``setup``): the
+    queued copies' results are no longer wanted, so close must not wait for a slow engine
+    to drain them (it did, up to 30 s). Jobs not started are dropped and never run; the
+    engine's thread is gone when close returns; a new engine on the same pools works."""
+    dev = filled(32, 3)
+    host = host_pool(dev, 32)
+    threads = set(threading.enumerate())
+    eng = CopyEngine(dev, host, delay_s=0.3)
+    for i in range(20):  # about 6 s of copies, one after another
+        eng.submit(CopyJob(i, TO_HOST, ids([i]), ids([i])))
+    assert eng.wait(1, 10.0)
+    before = eng.done()
+    start = time.monotonic()
+    eng.close()
+    took = time.monotonic() - start
+    assert took < 1.0, f"close took {took:.2f}s"
+    assert set(threading.enumerate()) == threads
+    done = eng.done()
+    assert done in (before, before + 1) and done < 20 and not eng.failed  # one may finish
+    time.sleep(0.6)  # two jobs' time: a job still running would show below
+    assert eng.done() == done and eng.copied_bytes == done * SPEC.bytes_per_slot
+    for layer in range(SPEC.num_layers):
+        for d_buf, h_buf in zip(dev.layer_buffers(layer), host.layer_buffers(layer), strict=True):
+            assert torch.equal(h_buf[:done], d_buf[:done])
+            assert not h_buf[done:].any()  # the dropped jobs' targets were never written
+    gone = weakref.ref(eng)
+    del eng
+    assert gone() is None  # nothing (no thread, no cycle) keeps the engine or its pools
+    fresh = CopyEngine(dev, host)
+    try:
+        fresh.submit(CopyJob(0, TO_HOST, ids([25, 24]), ids([30, 31])))
+        assert fresh.wait(1, 10.0) and fresh.done_ok() == 1
+        k_dev, v_dev = dev.layer_buffers(2)
+        k_host, v_host = host.layer_buffers(2)
+        assert torch.equal(k_host[30:32], k_dev[[25, 24]])
+        assert torch.equal(v_host[30:32], v_dev[[25, 24]])
+    finally:
+        fresh.close()
+
+
+def test_a_closed_engine_refuses_jobs_and_has_no_count() -> None:
+    """After close its dropped jobs never finish: a job is refused, nothing is queued, a
+    wait for them ends at once, and its count reads -1 (never one the group may agree)."""
+    dev = filled(8, 4)
+    eng = CopyEngine(dev, host_pool(dev, 8))
+    eng.submit(CopyJob(0, TO_HOST, ids([3]), ids([0])))
+    assert eng.wait(1, 10.0) and eng.done_ok() == 1
+    assert eng.close() is True
+    with pytest.raises(CopyEngineClosed, match="copy job 1 submitted to a closed engine"):
+        eng.submit(CopyJob(1, TO_HOST, ids([4]), ids([1])))
+    start = time.monotonic()
+    assert eng.wait(1, 30.0) is True and eng.wait(2, 30.0) is False
+    assert time.monotonic() - start < 1.0
+    assert eng.done() == 1 and eng.done_ok() == -1 and not eng.failed
+    assert eng.close() is True  # again: nothing left to stop
+    with pytest.raises(CopyEngineClosed):
+        eng.submit(CopyJob(1, TO_HOST, ids([4]), ids([1])))
 
 
 def sequential(dev: KVPool, host: KVPool, jobs: list[CopyJob]) -> list[torch.Tensor]:

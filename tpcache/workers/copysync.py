@@ -108,6 +108,10 @@ class RankCopies:
         self.engine.fail = set(fail)
 
     def close(self) -> None:
+        """Stop the engine without running its queue (the rank's cache is being rebuilt:
+        those copies' results are not wanted); a copy in hand finishes first. From then
+        on ``local_done`` is -1 and ``submit`` raises ``CopyEngineClosed``, so a step that
+        still holds these copies fails instead of agreeing a count that will never grow."""
         self.engine.close()
 
 

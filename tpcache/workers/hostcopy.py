@@ -10,7 +10,10 @@ consecutive ids (the op log numbers them identically on every rank); one worker 
 ``failed``: the lockstep decides what a failure means (every rank must see it, so it
 travels through the same agreement as the count).
 
-The engine owns its thread; ``close()`` stops it (a job in hand finishes first).
+The engine owns its thread; ``close()`` stops it at once: a rank closes its engine when
+its cache is rebuilt, so the queued copies' results are no longer wanted. Jobs not started
+are dropped; a copy in hand finishes first (a CPU copy cannot be interrupted, and on CUDA
+its stream work is waited for, so no pool is freed or reused under it).
 """
 
 from __future__ import annotations
@@ -24,10 +27,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from tpcache.errors import TpcacheError
 from tpcache.workers.kvpool import KVPool
 
 TO_HOST, TO_DEVICE = "d2h", "h2d"
 _MOST_TAKEN = 256  # jobs taken off the queue at once (bounds a group's size)
+_JOIN_S = 30.0  # most close() waits for a copy in hand (a hung device, not a slow queue)
+
+
+class CopyEngineClosed(TpcacheError, RuntimeError):
+    """A job submitted to a closed engine (its pools belong to a cache that is gone)."""
 
 
 @dataclass(frozen=True)
@@ -75,9 +84,12 @@ class CopyEngine:
         self.failed: set[int] = set()
         self.copied_bytes = 0
         self._lock = threading.Lock()
+        # Set by close(), read by the engine's thread before each group (and by its drill
+        # delay): once set, no job starts. Under ``_lock`` too for the readers of counts.
+        self._closed = threading.Event()
         # Each job with, on CUDA, an event of the submitter's stream: the copy stream
         # waits for it, so a copy never reads KV that a forward queued before it has not
-        # written yet.
+        # written yet. None wakes the thread to see ``_closed``.
         self._jobs: queue.Queue[tuple[CopyJob, Any] | None] = queue.Queue()
         cuda = device.device.type == "cuda"
         self._stream = torch.cuda.Stream(device.device) if cuda else None
@@ -85,16 +97,19 @@ class CopyEngine:
         self._thread.start()
 
     def submit(self, job: CopyJob) -> None:
-        """Queue ``job``; its id must be the next one. Raises ValueError otherwise."""
-        with self._lock:
+        """Queue ``job``; its id must be the next one. Raises ValueError otherwise, and
+        CopyEngineClosed after ``close``; nothing is queued then."""
+        with self._lock:  # held to the put: a job queued behind close()'s drain is lost
+            if self._closed.is_set():
+                raise CopyEngineClosed(f"copy job {job.id} submitted to a closed engine")
             if job.id != self._next:
                 raise ValueError(f"copy job {job.id} submitted, expected {self._next}")
             self._next += 1
-        ready = None
-        if self._stream is not None:
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device.device))
-        self._jobs.put((job, ready))
+            ready = None
+            if self._stream is not None:
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(self.device.device))
+            self._jobs.put((job, ready))
 
     def done(self) -> int:
         """How many jobs have finished (ids ``0 .. done() - 1``), failed ones included."""
@@ -102,46 +117,66 @@ class CopyEngine:
             return self._done
 
     def done_ok(self) -> int:
-        """``done()``, or -1 if any job has failed: both read under one lock, as the
-        engine's thread sets them (a failure read apart from its count could be
-        counted as done)."""
+        """``done()``, or -1 if any job has failed or the engine is closed: read under one
+        lock, as the engine's thread sets them (a failure read apart from its count could
+        be counted as done). A closed engine's dropped jobs never finish, so no count of
+        it may be agreed: a step that still holds it fails instead."""
         with self._lock:
-            return -1 if self.failed else self._done
+            return -1 if self.failed or self._closed.is_set() else self._done
 
     def wait(self, count: int, timeout: float) -> bool:
-        """Until ``count`` jobs are done or ``timeout``; True if they are."""
+        """Until ``count`` jobs are done or ``timeout``; True if they are. False at once
+        from a closed engine that has not done them (they never will be)."""
         deadline = time.monotonic() + timeout
         while self.done() < count:
-            if time.monotonic() > deadline:
-                return False
+            if self._closed.is_set() or time.monotonic() > deadline:
+                return self.done() >= count
             time.sleep(0.0005)
         return True
 
-    def close(self) -> None:
-        self._jobs.put(None)
-        self._thread.join(30.0)
+    def close(self) -> bool:
+        """Stop: later ``submit`` calls raise, queued jobs that have not started are
+        dropped (never run, neither done nor failed), ``done_ok`` is -1 from now on.
+        Waits for a copy in hand (up to 30 s for a hung device), then for the copy
+        stream; True if the thread has ended. Idempotent; the pools stay referenced by
+        the thread until it ends, so none is freed under a copy."""
+        with self._lock:
+            self._closed.set()
+            while True:  # drop the queue now: its jobs' arrays and events go with it
+                try:
+                    self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+            self._jobs.put(None)
+        self._thread.join(_JOIN_S)
+        return not self._thread.is_alive()
 
     def _run(self) -> None:
-        while True:
-            items, stop = self._take()
-            for group, ready in self._groups(items):
-                self._run_group(group, ready)
-            if stop:
-                return
+        try:
+            while not self._closed.is_set():
+                for group, ready in self._groups(self._take()):
+                    if self._closed.is_set():
+                        break  # close() came: the rest of this take is dropped
+                    self._run_group(group, ready)
+        finally:
+            if self._stream is not None:
+                # Nothing queued on the stream may outlive the thread: the pools and the
+                # pinned buffers it reads and writes are freed once the thread lets go.
+                self._stream.synchronize()
 
-    def _take(self) -> tuple[list[tuple[CopyJob, Any]], bool]:
-        """The jobs queued now, in order (waits for one); and whether ``close`` came."""
-        items = []
+    def _take(self) -> list[tuple[CopyJob, Any]]:
+        """The jobs queued now, in order (waits for one, or for ``close``)."""
+        items: list[tuple[CopyJob, Any]] = []
         item = self._jobs.get()
         while item is not None:
             items.append(item)
             if len(items) >= _MOST_TAKEN:
-                return items, False
+                break
             try:
                 item = self._jobs.get_nowait()
             except queue.Empty:
-                return items, False
-        return items, True
+                break
+        return items
 
     def _groups(self, items: list[tuple[CopyJob, Any]]) -> list[tuple[list[CopyJob], Any]]:
         """Consecutive jobs of one kind run as one copy (a job's fixed cost, ~0.1 ms on CPU,
@@ -169,8 +204,10 @@ class CopyEngine:
     def _run_group(self, jobs: list[CopyJob], ready: Any) -> None:
         ok = False
         try:
-            if self.delay_s:
-                time.sleep(self.delay_s)
+            # The drill's delay stands for a slow copy that has not begun: close() ends it,
+            # and the group is dropped as if still queued.
+            if self.delay_s and self._closed.wait(self.delay_s):
+                return
             if jobs[0].id in self.fail:
                 raise RuntimeError(f"copy {jobs[0].id} failed (fault drill)")
             if ready is not None:
@@ -229,4 +266,4 @@ def host_pool(device: KVPool, num_slots: int) -> KVPool:
     return KVPool(device.spec, num_slots, torch.device("cpu"), pin=torch.cuda.is_available())
 
 
-__all__ = ["TO_DEVICE", "TO_HOST", "CopyEngine", "CopyJob", "host_pool"]
+__all__ = ["TO_DEVICE", "TO_HOST", "CopyEngine", "CopyEngineClosed", "CopyJob", "host_pool"]
