@@ -36,6 +36,8 @@ import zmq
 
 from tpcache.cache.errors import InvalidNamespace
 from tpcache.cache.namespace import CacheNamespace, make_namespace
+from tpcache.coordinator.errors import CoordinatorConfigError
+from tpcache.coordinator.step_types import step_timeout_for
 from tpcache.harness.gen_loop import GenLoop, LoopConfig
 from tpcache.harness.gen_report import REFERENCE, mode_summary, summarize
 from tpcache.harness.gen_wire import ClientResult, GenClient, GenerateError
@@ -90,7 +92,7 @@ class GenerateOptions:
     clients: int = 8
     step_tokens: int = 256
     model: ModelSize = field(default_factory=ModelSize)
-    timeout_s: float = 120.0  # a silent loop or client, a collective
+    timeout_s: float = 120.0  # a silent loop or client, a collective (and a step: below)
     salt: str | None = None  # every request's cache namespace: this salt and LoRA id
     lora_id: int | None = None
 
@@ -110,12 +112,18 @@ class GenerateOptions:
                 f"the model's heads={self.model.heads} and ffn={self.model.ffn} must divide "
                 f"by tp={self.tp}"
             )
-        if not self.timeout_s > 0:
-            raise GenerateError(f"timeout_s must be > 0, got {self.timeout_s}")
         try:
+            step_timeout_for(self.timeout_s, "timeout_s")  # refused here, not at the start
             self.namespace()
-        except InvalidNamespace as exc:
+        except (CoordinatorConfigError, InvalidNamespace) as exc:
             raise GenerateError(str(exc)) from None
+
+    @property
+    def step_timeout_s(self) -> float:
+        """The coordinator's wait for a step's results, derived from ``timeout_s`` as
+        ``tpcache demo`` and ``serve`` derive theirs (``step_timeout_for``): a rank hung
+        where no peer notices is found in that time, not after a fixed default."""
+        return step_timeout_for(self.timeout_s, "timeout_s")
 
     def namespace(self) -> CacheNamespace | None:
         """The requests' cache namespace (``None``: the default one)."""
@@ -158,7 +166,7 @@ def group_config(opts: GenerateOptions, requests: list[GenRequest]) -> GroupConf
         timeout_s=opts.timeout_s,
         runner=REFERENCE,
         runner_args=opts.model.runner_args(vocab),
-        coordinator=CoordinatorConfig(auto_recover=False),
+        coordinator=CoordinatorConfig(auto_recover=False, step_timeout_s=opts.step_timeout_s),
     )
     budget = base.pool_spec().bytes_per_slot * capacity + (1 << 24)
     return dataclasses.replace(base, cpu_budget_bytes=budget)
