@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import ray
+from ray.exceptions import RayTaskError
 
 from tpcache.coordinator.step_types import RankCallError, first_cause
 from tpcache.workers.channel import CALL, STEPS, ChannelError, RankErrors, StepHub
@@ -45,14 +46,30 @@ class ChannelPath:
             raise
 
     def dead(self) -> int | None:
-        """A rank whose loop has ended (its process died, or the loop failed), if any.
-        Asks Ray at most every 50 ms."""
+        """A rank whose loop has ended (its process died, or the loop left), if any.
+        Asks Ray at most every 50 ms. Raises ``ChannelError`` for a loop that ended with
+        an error of its own (e.g. ``ChannelConnectError``: it never reached the hub):
+        that, not a death, is the reason to report."""
         now = time.monotonic()
         if now - self._last_check < 0.05:
             return None
         self._last_check = now
         done, _ = ray.wait(self.loops, num_returns=len(self.loops), timeout=0)
-        return self.loops.index(done[0]) if done else None
+        if not done:
+            return None
+        rank = self.loops.index(done[0])
+        try:
+            ray.get(done[0], timeout=0)
+        except RayTaskError as exc:  # the loop raised; its actor lives
+            cause = getattr(exc, "cause", None) or exc
+            if isinstance(cause, ChannelError):
+                raise cause from None
+            raise ChannelError(
+                rank, f"its step loop failed: {type(cause).__name__}: {cause}"
+            ) from None
+        except Exception:  # the actor died (RayActorError): the hub says so
+            pass
+        return rank
 
     def send(self, steps: list[bytes], timeout: float) -> int:
         try:

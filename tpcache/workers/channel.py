@@ -25,9 +25,11 @@ The hub never blocks forever: a send to a rank with ``hwm`` messages unanswered 
 stopped reading) fails after the caller's timeout, before any rank is sent the message; a
 rank that is gone fails the send at once (its socket closed, or ``ROUTER_MANDATORY``); a
 wait for replies ends at its timeout, when a rank's socket closes or when ``dead()``
-names a rank. Nor does it wait for a busy rank to read: what a local rank's socket
-cannot take at once goes out on the hub's writer thread (``unix_writer.py``), which cuts
-off a rank that has not taken a message within the send's timeout.
+names a rank (or raises ``ChannelError`` itself where it knows why a rank's loop ended,
+e.g. the rank's ``ChannelConnectError``: the hub passes it on). Nor does it wait for a
+busy rank to read: what a local rank's socket cannot take at once goes out on the hub's
+writer thread (``unix_writer.py``), which cuts off a rank that has not taken a message
+within the send's timeout.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from tpcache.workers.channel_loop import (
     STOP,
     UNIX,
     Attach,
+    ChannelConnectError,
     ChannelError,
     RankLoop,
     pack,
@@ -65,6 +68,7 @@ __all__ = [
     "CALL",
     "STEPS",
     "Attach",
+    "ChannelConnectError",
     "ChannelError",
     "RankErrors",
     "RankLoop",

@@ -4,6 +4,7 @@ DEALER loop that applies the hub's messages in order and answers each under its 
 
 from __future__ import annotations
 
+import os
 import pickle
 import select
 import socket
@@ -14,6 +15,7 @@ from typing import Any
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from tpcache.errors import TpcacheError
 from tpcache.workers.netsec import make_client
@@ -23,6 +25,12 @@ STEPS, CALL, STOP = b"S", b"C", b"X"
 HELLO, RESULTS, REPLY, ERROR = b"H", b"R", b"P", b"E"
 UNIX = "unix://"  # the endpoint of a rank on the hub's node: its socket's path follows
 _HEARTBEAT_MS = 1000  # a TCP rank's ZMTP ping interval; 5 missed: its hub is gone
+# How long a rank may take to reach its hub. The hub listens before any rank is told
+# where, so a connect on a working node or network takes a round trip and a CURVE
+# handshake (milliseconds); 10 s is that many times over on a loaded host, with ZMQ's
+# reconnects (every 0.1 s) retried ~100 times, and well under the coordinator's wait for
+# its ranks (120 s by default), so the rank's reason arrives there before that times out.
+CONNECT_S = 10.0
 
 _encode_frames = msgspec.msgpack.Encoder().encode
 _decode_frames = msgspec.msgpack.Decoder(list[bytes]).decode
@@ -48,6 +56,21 @@ class ChannelError(TpcacheError, RuntimeError):
         super().__init__(f"rank {rank}: {message}")
         self.rank = rank
         self.dead = dead
+
+
+class ChannelConnectError(ChannelError):
+    """A rank could not reach its hub: ``endpoint`` is where it tried, ``reason`` what
+    the OS (or ZMQ) said. Its loop ends with this error, which the coordinator reports
+    as the rank's reason; a rank whose hub goes after a good connect leaves quietly.
+    Not ``dead``: its process lives. Pickles whole (it crosses Ray as the loop's error)."""
+
+    def __init__(self, rank: int, endpoint: str, reason: str) -> None:
+        super().__init__(rank, f"could not connect to the step channel at {endpoint}: {reason}")
+        self.endpoint = endpoint
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[type, tuple[int, str, str]]:
+        return type(self), (self.rank, self.endpoint, self.reason)
 
 
 @dataclass(frozen=True)
@@ -78,14 +101,27 @@ class RankLoop:
         return 0.0 if since is None else time.monotonic() - since
 
 
-def serve(worker: Any, rank: int, attach: Attach, loop: RankLoop, poll_s: float = 0.1) -> int:
+def serve(
+    worker: Any,
+    rank: int,
+    attach: Attach,
+    loop: RankLoop,
+    poll_s: float = 0.1,
+    connect_s: float = CONNECT_S,
+) -> int:
     """Run the channel loop of ``worker`` (a ``RankWorker``) until ``STOP``, ``loop.stop``
     or the hub's end is gone; returns the number of messages handled. Errors a message
     raises go back to the hub. ``attach.endpoint``: ``unix://`` a rank on the hub's node,
-    ``tcp://`` one on another node."""
+    ``tcp://`` one on another node.
+
+    Raises ``ChannelConnectError`` (``loop.done`` set) if the hub cannot be reached: the
+    connect fails, or is not made (TCP: not through the CURVE handshake) within
+    ``connect_s`` seconds. Raises ``ValueError`` for a ``connect_s`` that is not > 0."""
+    if not connect_s > 0 or connect_s == float("inf"):
+        raise ValueError(f"connect_s must be seconds > 0, got {connect_s!r}")
     if attach.endpoint.startswith(UNIX):
-        return _serve_unix(worker, rank, attach, loop, poll_s)
-    return _serve_zmq(worker, rank, attach, loop, poll_s)
+        return _serve_unix(worker, rank, attach, loop, poll_s, connect_s)
+    return _serve_zmq(worker, rank, attach, loop, poll_s, connect_s)
 
 
 def _answer(worker: Any, body: bytes, loop: RankLoop) -> bytes:
@@ -98,11 +134,33 @@ def _answer(worker: Any, body: bytes, loop: RankLoop) -> bytes:
     return pack(out, body[1:9], reply)
 
 
-def _serve_unix(worker: Any, rank: int, attach: Attach, loop: RankLoop, poll_s: float) -> int:
+def _connect_unix(sock: socket.socket, rank: int, endpoint: str, connect_s: float) -> None:
+    """Connect ``sock`` to the hub at ``endpoint``, or raise ``ChannelConnectError``."""
+    deadline = time.monotonic() + connect_s
+    sock.setblocking(False)
+    while True:
+        try:
+            sock.connect(endpoint[len(UNIX) :])
+            break
+        except BlockingIOError:
+            # The hub's queue of connections not yet accepted is full: wait for a place
+            # (as a blocking connect would, but not for ever: the hub may never take it).
+            if time.monotonic() >= deadline:
+                why = f"not accepted within {connect_s:g}s (the hub's queue stayed full)"
+                raise ChannelConnectError(rank, endpoint, why) from None
+            time.sleep(0.01)
+        except OSError as exc:  # no such path, refused, a path too long
+            raise ChannelConnectError(rank, endpoint, f"{type(exc).__name__}: {exc}") from None
+    sock.setblocking(True)
+
+
+def _serve_unix(
+    worker: Any, rank: int, attach: Attach, loop: RankLoop, poll_s: float, connect_s: float
+) -> int:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     handled = 0
     try:
-        sock.connect(attach.endpoint[len(UNIX) :])
+        _connect_unix(sock, rank, attach.endpoint, connect_s)
         send_frame(sock, HELLO + attach.identity)
         reader = FrameReader(sock)
         poller = select.poll()
@@ -120,7 +178,7 @@ def _serve_unix(worker: Any, rank: int, attach: Attach, loop: RankLoop, poll_s: 
                 break
             send_frame(sock, _answer(worker, body, loop))
             handled += 1
-    except OSError:  # the hub's end is gone (reset, or a broken pipe on a reply)
+    except OSError:  # after a good connect: the hub's end is gone (reset, broken pipe)
         pass
     finally:
         sock.close()
@@ -128,7 +186,54 @@ def _serve_unix(worker: Any, rank: int, attach: Attach, loop: RankLoop, poll_s: 
     return handled
 
 
-def _serve_zmq(worker: Any, rank: int, attach: Attach, loop: RankLoop, poll_s: float) -> int:
+# What a TCP rank's monitor reports: the handshake done (connected), the connection gone,
+# and why a connect has not been made yet (for the error, if it never is).
+_MONITOR = int(
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_CONNECT_RETRIED
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+
+
+class _Connect:
+    """A TCP rank's connect, as its monitor tells it: ``up`` once the handshake is done,
+    ``gone`` once the connection it made is lost; ``why`` says what went wrong so far."""
+
+    def __init__(self) -> None:
+        self.up = False
+        self.gone = False
+        self.retries = 0
+        self.why = "no answer (the connect was neither made nor refused)"
+
+    def take(self, monitor: zmq.Socket) -> None:
+        """Read the events that have arrived."""
+        while monitor.poll(0):
+            event = recv_monitor_message(monitor)
+            kind, value = int(event["event"]), int(event["value"])
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.up = True
+            elif kind == zmq.EVENT_DISCONNECTED:
+                # Before the handshake, ZMQ retries (a failed handshake said why already).
+                self.gone = self.up
+                if self.why.startswith("no answer"):
+                    self.why = "the connection closed before the handshake"
+            elif kind == zmq.EVENT_CONNECT_RETRIED:
+                self.retries += 1
+                self.why = f"{self.retries} connect attempt(s) failed (refused or unreachable)"
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self.why = f"the hub refused this rank's key (CURVE handshake, status {value})"
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                self.why = f"the handshake failed (ZMTP protocol error {value:#x})"
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                self.why = f"the handshake failed ({os.strerror(value)})"
+
+
+def _serve_zmq(
+    worker: Any, rank: int, attach: Attach, loop: RankLoop, poll_s: float, connect_s: float
+) -> int:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     monitor: zmq.Socket | None = None
@@ -143,22 +248,35 @@ def _serve_zmq(worker: Any, rank: int, attach: Attach, loop: RankLoop, poll_s: f
         # whose node went silent ends the connection as a closed one would.
         sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5 * _HEARTBEAT_MS)
-        # A DEALER reconnects on its own and tells no one its peer left: the monitor
-        # does, so the loop leaves when the hub's end is gone, as the Unix loop does
-        # (its hub may have closed without a STOP reaching this rank).
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        sock.connect(attach.endpoint)
+        # A DEALER reconnects on its own and tells no one its peer left, nor that it
+        # never reached it: the monitor does, so the loop leaves when the hub's end is
+        # gone, as the Unix loop does (its hub may have closed without a STOP reaching
+        # this rank), and fails when the hub is not reached in time.
+        monitor = sock.get_monitor_socket(_MONITOR)
+        try:
+            sock.connect(attach.endpoint)
+        except zmq.ZMQError as exc:  # an endpoint ZMQ cannot use
+            raise ChannelConnectError(rank, attach.endpoint, f"ZMQError: {exc}") from None
         sock.send(HELLO + str(rank).encode())
         poller = zmq.Poller()  # made once: a socket's poll() builds one per call
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         wait_ms = int(poll_s * 1000)
+        link = _Connect()
+        deadline = time.monotonic() + connect_s
         while not loop.stop.is_set():
-            ready = poller.poll(wait_ms)
-            if not ready:
+            ready = dict(poller.poll(wait_ms))
+            if monitor in ready:
+                link.take(monitor)
+                if link.gone:
+                    break  # disconnected after a good connect: the hub's end is gone
+            if sock not in ready:
+                if not link.up and time.monotonic() > deadline:
+                    raise ChannelConnectError(
+                        rank, attach.endpoint, f"not connected within {connect_s:g}s: {link.why}"
+                    )
                 continue
-            if len(ready) > 1 or ready[0][0] is monitor:
-                break  # disconnected: the hub's end is gone
+            link.up = True  # a message came: the handshake is done, seen or not
             body = sock.recv()
             if body[:1] == STOP:
                 break

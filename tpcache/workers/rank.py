@@ -179,9 +179,11 @@ class RankWorker:
 
     # ---- the step channel (workers/channel.py) -----------------------------------------
     def serve_steps(self, attach: Attach) -> int:
-        """Run this rank's side of the step channel until the hub says stop or
-        ``stop_steps`` is called; returns the messages handled. A long call: under Ray the
-        actor must run other calls (``health``, ``stop_steps``) on other threads."""
+        """Run this rank's side of the step channel until the hub says stop, its end is
+        gone or ``stop_steps`` is called; returns the messages handled. A long call: under
+        Ray the actor must run other calls (``health``, ``stop_steps``) on other threads.
+        Raises ``ChannelConnectError`` (naming the endpoint and why) if the hub cannot be
+        reached: under Ray, the coordinator reports that as why this rank's loop ended."""
         loop = RankLoop()
         self._loop = loop
         if not self._gc_frozen:
