@@ -61,7 +61,7 @@ from tpcache.workers.channel_loop import (
 )
 from tpcache.workers.private_dir import PrivateDir, hub_dir
 from tpcache.workers.tcp_link import POLLIN, TcpLinks
-from tpcache.workers.unix_link import UnixLinks
+from tpcache.workers.unix_link import HELLO_S, UnixLinks
 
 # The protocol's names, for the hub's users and the ranks alike.
 __all__ = [
@@ -85,10 +85,18 @@ class StepHub:
     answers each in order, and ``collect(ticket)`` takes that ticket's replies, whatever
     other tickets are out (a call may be sent while steps are in flight). Replies nobody
     collects (tickets abandoned after a failure) stay until the hub is closed, which a
-    recovery does. Not thread-safe.
+    recovery does. A local connection that has not said hello within ``hello_s``
+    seconds is closed (``UnixLinks``). Not thread-safe.
     """
 
-    def __init__(self, world_size: int, remote_ranks: set[int], host: str, hwm: int = 1000) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        remote_ranks: set[int],
+        host: str,
+        hwm: int = 1000,
+        hello_s: float = HELLO_S,
+    ) -> None:
         self.world_size = world_size
         self.hwm = hwm  # messages unanswered per rank before a send waits
         self._remote = remote_ranks
@@ -110,7 +118,7 @@ class StepHub:
             if local:
                 self._dir, path = hub_dir()
                 pollin = POLLIN if remote_ranks else select.POLLIN
-                self._unix = UnixLinks(path, local, HELLO, self._poller, pollin)
+                self._unix = UnixLinks(path, local, HELLO, self._poller, pollin, hello_s)
             if remote_ranks:
                 remote = {idents[r]: r for r in remote_ranks}
                 self._tcp = TcpLinks(remote, host, hwm, self._poller)
@@ -257,6 +265,9 @@ class StepHub:
             else:
                 continue
             for rank, body in got:
+                self._take_in(rank, body)
+        if unix is not None and unix.waiting:  # a connection that has not said hello
+            for rank, body in unix.expire():
                 self._take_in(rank, body)
 
     def _take_in(self, rank: int, body: bytes) -> None:

@@ -8,7 +8,10 @@ hands every message to an I/O thread on each side, two more wake-ups per directi
 which is most of a small step's cost. A Unix socket wakes the blocked reader directly.
 
 The socket lives in the hub's directory (mode 0700): only the user that runs the ranks
-can connect, and a connection counts only once it names an identity the hub made.
+can connect, and a connection counts only once it names an identity the hub made. One
+that does not (a stray or stuck local client) is not kept: a wrong first frame closes it
+at once, silence closes it after ``HELLO_S``, and no more than ``SPARE_HELLOS`` beyond
+one per rank wait at a time, so such clients cannot pile up the hub's descriptors.
 """
 
 from __future__ import annotations
@@ -24,6 +27,16 @@ from tpcache.workers.unix_writer import LinkWriter
 _HEADER = 8  # a frame's length, little-endian
 _CHUNK = 1 << 18  # bytes read per recv
 _COPY_BELOW = 1 << 16  # frames this small go out in one buffer with their header
+# How long a connection has to say hello before the hub closes it. A rank sends its hello
+# in the same breath as its connect (``channel_loop._serve_unix``), so it is there when
+# the hub accepts it or milliseconds later; 5 s covers a rank descheduled between the two
+# on a loaded host many times over, and still lets a stray or stuck client go soon.
+HELLO_S = 5.0
+# Connections let wait for their hello beyond one per local rank. A hub polls only while
+# its coordinator works, so the time limit alone would not bound what strays hold while
+# it is idle; past this the oldest goes (after a last look for its hello: a rank's is
+# there at once, so the oldest waiting is the likeliest stray).
+SPARE_HELLOS = 16
 
 
 def frame(body: bytes) -> list[bytes]:
@@ -49,6 +62,13 @@ class FrameReader:
         n = self.sock.recv_into(self._chunk, _CHUNK, flags)
         self._buf += self._view[:n]
         return n
+
+    def next_size(self) -> int | None:
+        """The length the next frame's header declares, once the header has arrived."""
+        buf, pos = self._buf, self._pos
+        if len(buf) - pos < _HEADER:
+            return None
+        return int.from_bytes(buf[pos : pos + _HEADER], "little")
 
     def next(self) -> bytes | None:
         """The next whole frame's body, or None until more arrives."""
@@ -144,13 +164,15 @@ class UnixLink:
         except OSError:  # EPIPE, ECONNRESET: the rank's end is gone
             self._gone("is gone (its socket closed)")
 
-    def read(self) -> list[bytes]:
-        """The whole frames that have arrived (none if nothing has)."""
+    def read(self, whole: bool = True) -> list[bytes]:
+        """The whole frames that have arrived (none if nothing has); with ``whole``
+        False, of one read at most (a hello is small: a stranger streaming bytes is not
+        read on and on)."""
         reader = self.reader
         try:
             # A short read took all there was: asking again would only raise
             # BlockingIOError (poll reports what comes later).
-            while (n := reader.fill(socket.MSG_DONTWAIT)) == _CHUNK:
+            while (n := reader.fill(socket.MSG_DONTWAIT)) == _CHUNK and whole:
                 pass
             if n == 0:
                 self.gone()  # the end of the stream
@@ -183,19 +205,37 @@ class UnixLinks:
     connection names one of ``identities`` in its first frame (``hello`` + identity), that
     rank's link. Registers its sockets for reading in ``poller`` (``select.poll`` or
     ``zmq.Poller``, whose flag ``pollin`` is) and is driven by the hub's poll loop; what a
-    socket cannot take at once goes out on the writer thread (``LinkWriter``)."""
+    socket cannot take at once goes out on the writer thread (``LinkWriter``).
+
+    A connection has ``hello_s`` seconds from its accept to say hello: the hub's poll
+    loop calls ``expire`` while any waits (``waiting``), which closes the late ones.
+    Nothing here blocks on a peer. Raises ``ValueError`` for ``hello_s`` not > 0."""
 
     def __init__(
-        self, path: str, identities: dict[bytes, int], hello: bytes, poller, pollin: int
+        self,
+        path: str,
+        identities: dict[bytes, int],
+        hello: bytes,
+        poller,
+        pollin: int,
+        hello_s: float = HELLO_S,
     ) -> None:
+        if not 0 < hello_s < float("inf"):
+            raise ValueError(f"hello_s must be seconds > 0, got {hello_s!r}")
         self.path = path
         self.identities = identities
         self.hello = hello
+        self.hello_s = hello_s
         self.poller = poller
         self.pollin = pollin
         self.by_rank: dict[int, UnixLink] = {}
         self._by_fd: dict[int, UnixLink] = {}
         self._rank_of: dict[int, int] = {}  # fd -> rank, once it said hello
+        # fd -> the time its hello is due, oldest first (accept order). Owned by the hub's
+        # thread, as are the maps above.
+        self.waiting: dict[int, float] = {}
+        self._max_waiting = len(identities) + SPARE_HELLOS
+        self._max_hello = len(hello) + max(map(len, identities), default=0)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             listener.bind(path)
@@ -213,28 +253,63 @@ class UnixLinks:
 
     def on_event(self, fd: int, events: int) -> list[tuple[int, bytes]]:
         """Handle what ``poll`` reported for ``fd``: (rank, body) of each whole frame a
-        known rank sent, after its hello."""
+        known rank sent, after its hello (``hello`` itself for the hello)."""
         if fd == self.listener.fileno():
-            self._accept()
-            return []
+            return self._accept()
         link = self._by_fd[fd]
-        got = []
-        for body in link.read():
-            rank = self._rank_of.get(fd)
-            if rank is not None:
-                got.append((rank, body))
-            elif (
-                body[: len(self.hello)] == self.hello and body[len(self.hello) :] in self.identities
-            ):
-                rank = self.identities[body[len(self.hello) :]]
-                self._rank_of[fd] = rank
-                self.by_rank[rank] = link
-                got.append((rank, self.hello))
-            else:  # not one of this generation's ranks
-                link.close()
-                break
+        rank = self._rank_of.get(fd)
+        if rank is None:
+            return self._hello_of(link)
+        got = [(rank, body) for body in link.read()]
         self._forget_if_closed(link)
         return got
+
+    def expire(self) -> list[tuple[int, bytes]]:
+        """Close the connections whose hello is overdue (each looked at once more first:
+        what it says, as ``on_event``, if it has just said hello)."""
+        now = time.monotonic()
+        got: list[tuple[int, bytes]] = []
+        while self.waiting:
+            fd, due = next(iter(self.waiting.items()))
+            if due > now:
+                break
+            got += self._settle(self._by_fd[fd])
+        return got
+
+    def _hello_of(self, link: UnixLink) -> list[tuple[int, bytes]]:
+        """Read a connection that has not said hello: make it its rank's link if its
+        first frame is a hello with one of ``identities``, close it if that frame is
+        anything else (or its header is longer than any hello), else let it wait."""
+        frames = link.read(whole=False)
+        if not frames:
+            size = link.reader.next_size()
+            if link.closed or (size is not None and size > self._max_hello):
+                self._drop(link)
+            return []
+        first, n = frames[0], len(self.hello)
+        rank = self.identities.get(first[n:]) if first[:n] == self.hello else None
+        if rank is None:  # not one of this generation's ranks
+            self._drop(link)
+            return []
+        fd = link.fd
+        del self.waiting[fd]
+        self._rank_of[fd] = rank
+        self.by_rank[rank] = link
+        self._forget_if_closed(link)
+        return [(rank, self.hello)] + [(rank, body) for body in frames[1:]]
+
+    def _settle(self, link: UnixLink) -> list[tuple[int, bytes]]:
+        """A waiting connection's last chance: its hello if it has come, else closed."""
+        got = self._hello_of(link)
+        if link.fd in self.waiting:
+            self._drop(link)
+        return got
+
+    def _drop(self, link: UnixLink) -> None:
+        self.waiting.pop(link.fd, None)
+        link.gone("never said hello")
+        self._forget_if_closed(link)  # (out of the poller before its fd is closed)
+        link.sock.close()
 
     def send(self, rank: int, body: bytes, timeout: float) -> None:
         """Queue ``body`` for ``rank``: written now as far as its socket takes it, the rest
@@ -251,19 +326,24 @@ class UnixLinks:
             self.poller.unregister(fd)
             del self._by_fd[fd]
 
-    def _accept(self) -> None:
+    def _accept(self) -> list[tuple[int, bytes]]:
+        got: list[tuple[int, bytes]] = []
         while True:
             try:
                 sock, _ = self.listener.accept()
             except BlockingIOError:
-                return
+                return got
             link = UnixLink(sock)
             self._by_fd[link.fd] = link
+            self.waiting[link.fd] = time.monotonic() + self.hello_s
             self.poller.register(link.fd, self.pollin)
+            if len(self.waiting) > self._max_waiting:
+                got += self._settle(self._by_fd[next(iter(self.waiting))])
 
     def close(self) -> None:
         self.writer.close()  # first: it may still write to the sockets closed below
         for link in [*self._by_fd.values(), *self.by_rank.values()]:
             link.close()
         self._by_fd.clear()
+        self.waiting.clear()
         self.listener.close()
