@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import pickle
 import pkgutil
 import subprocess
 import sys
@@ -53,3 +54,76 @@ def test_the_client_and_the_root_import_without_torch_or_ray() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def _plain(value: object) -> object:
+    """``value`` with exceptions (equal only to themselves) as their type and args."""
+    if isinstance(value, BaseException):
+        return (type(value), value.args)
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _same(a: BaseException, b: BaseException) -> bool:
+    fields = {k: _plain(v) for k, v in vars(a).items()}
+    return (
+        type(a) is type(b)
+        and str(a) == str(b)
+        and a.args == b.args
+        and fields == {k: _plain(v) for k, v in vars(b).items()}
+    )
+
+
+def test_errors_with_their_own_constructors_pickle_whole() -> None:
+    """Errors cross Ray and the step channel pickled. Python's own pickling rebuilds an
+    exception as ``cls(*args)``, which broke every class whose constructor takes other
+    arguments than its message (each of these raised TypeError on ``loads``)."""
+    from tpcache.coordinator.step_types import RankCallError
+    from tpcache.events.event_config import EventConfigError
+    from tpcache.frontend.service import AlreadyServing
+    from tpcache.workers.channel import RankErrors
+    from tpcache.workers.channel_loop import ChannelConnectError, ChannelError
+
+    cause = ValueError("bad op")
+    errors: list[BaseException] = [
+        RankCallError(1, cause, dead=True),
+        ChannelError(3, "is gone (its process died)", dead=True),
+        ChannelConnectError(2, "unix:///tmp/x", "FileNotFoundError: no such file"),
+        AlreadyServing("tpcache", "ns", "alive"),
+        EventConfigError("endpoint", "must be a str, got int"),
+        RankErrors([(0, cause), (1, KeyError(7))]),
+    ]
+    for err in errors:
+        back = pickle.loads(pickle.dumps(err))
+        assert _same(back, err), (err, back)
+    call = pickle.loads(pickle.dumps(errors[0]))
+    assert (call.rank, call.dead, type(call.cause), str(call.cause)) == (
+        1,
+        True,
+        ValueError,
+        "bad op",
+    )
+
+
+def test_every_buildable_tpcache_error_round_trips() -> None:
+    """Each class whose constructor takes one message (most of them) and each lockstep
+    error (step, detail) comes back equal from pickle, OSError-based ones included."""
+    from tpcache.trace import TraceNotFound
+    from tpcache.workers.errors import DivergenceError, RankFailure
+
+    done = 0
+    for cls in _exception_classes():
+        try:
+            err = cls("what went wrong")
+        except Exception:  # a constructor of its own: the test above has those
+            continue
+        assert _same(pickle.loads(pickle.dumps(err)), err), cls
+        done += 1
+    assert done > 30
+    for err in (
+        RankFailure(4, "rank 1 failed at op 2", local=True),
+        DivergenceError(9, "digests differ", odd_ranks=(1,)),
+        TraceNotFound("no trace at /x"),
+    ):
+        assert _same(pickle.loads(pickle.dumps(err)), err), err

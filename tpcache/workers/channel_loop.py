@@ -62,15 +62,13 @@ class ChannelConnectError(ChannelError):
     """A rank could not reach its hub: ``endpoint`` is where it tried, ``reason`` what
     the OS (or ZMQ) said. Its loop ends with this error, which the coordinator reports
     as the rank's reason; a rank whose hub goes after a good connect leaves quietly.
-    Not ``dead``: its process lives. Pickles whole (it crosses Ray as the loop's error)."""
+    Not ``dead``: its process lives. It crosses Ray as the loop's error (pickled whole,
+    as every ``TpcacheError`` is)."""
 
     def __init__(self, rank: int, endpoint: str, reason: str) -> None:
         super().__init__(rank, f"could not connect to the step channel at {endpoint}: {reason}")
         self.endpoint = endpoint
         self.reason = reason
-
-    def __reduce__(self) -> tuple[type, tuple[int, str, str]]:
-        return type(self), (self.rank, self.endpoint, self.reason)
 
 
 @dataclass(frozen=True)
