@@ -10,10 +10,7 @@ would. Everything started is ended by process group, then by its temp dir.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import re
 import shutil
 import signal
 import socket
@@ -24,11 +21,19 @@ import time
 from pathlib import Path
 
 import pytest
+from cluster_helpers import (
+    RAY,
+    TPCACHE,
+    clean_env,
+    end,
+    free_port,
+    ray_start,
+    run_tpcache,
+    said_lines,
+    wait_for,
+)
 
-RAY = str(Path(sys.executable).with_name("ray"))
-TPCACHE = [sys.executable, "-m", "tpcache"]
 GROUP = "--tp 2 --capacity 4096 --page-size 4"
-RAY_INFO = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\s+INFO ")  # Ray's log lines
 
 # A frontend joining by the printed address (tests/test_cli_client.py has every call).
 FRONTEND = r"""
@@ -47,56 +52,6 @@ print(json.dumps({"client": type(c).__name__, "paths": c.stats()["rank_paths"],
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _clean_env(home: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH"))}
-    env.pop("RAY_TMPDIR", None)
-    env.update(HOME=str(home), RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
-    return env
-
-
-def _end(procs: list[subprocess.Popen], marker: str) -> None:
-    """End ``procs`` (each the leader of its process group), then any process left whose
-    command line names ``marker`` (a temp dir of ours)."""
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if marker in cmdline:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(entry.name), signal.SIGKILL)
-
-
-def _wait_for(path: Path, text: str, proc: subprocess.Popen, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = path.read_text() if path.exists() else ""
-        if text in got:
-            return got
-        if proc.poll() is not None:
-            break
-        time.sleep(0.2)
-    raise AssertionError(f"no {text!r} in {path} (exit {proc.poll()}): {got[-3000:]}")
-
-
 class TwoNodes:
     """The README's multi-node steps on one machine: a head (custom resource node_a) and
     a second node (node_b), both under token authentication."""
@@ -105,26 +60,14 @@ class TwoNodes:
         self.root = Path(tempfile.mkdtemp(prefix="tpcli", dir="/tmp"))  # short: sockets
         self.home = self.root / "home"
         self.home.mkdir()
-        self.env = _clean_env(self.home)
-        self.port = _free_port()
+        self.env = clean_env(self.home)
+        self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.procs: list[subprocess.Popen] = []
 
     def _node(self, name: str, args: str) -> None:
-        """``RAY_AUTH_MODE=token ray start ARGS`` as one process group (``--block``)."""
-        log = self.root / f"{name}.log"
-        env = {**self.env, "RAY_AUTH_MODE": "token", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
-        ours = f"--temp-dir {self.root / 'ray'} --num-cpus 1 --block"
-        with open(log, "w") as out:
-            proc = subprocess.Popen(
-                [RAY, "start", *f"{args} {ours}".split()],
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        self.procs.append(proc)
-        _wait_for(log, "Ray runtime started", proc, 120)
+        """``RAY_AUTH_MODE=token ray start ARGS``."""
+        ray_start(self.root, name, args, {**self.env, "RAY_AUTH_MODE": "token"}, self.procs)
 
     def start(self) -> None:
         get = [RAY, "get-auth-token", "--generate"]
@@ -135,22 +78,11 @@ class TwoNodes:
         self._node("node_b", f'--address {self.address} --resources {{"node_b":2}}')
 
     def stop(self) -> None:
-        _end(self.procs, str(self.root))
+        end(self.procs, str(self.root))
         shutil.rmtree(self.root, ignore_errors=True)
 
     def run(self, line: str, env: dict | None = None) -> subprocess.CompletedProcess:
-        return _tpcache(line.split(), env or self.env)
-
-
-def _tpcache(args: list[str], env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``tpcache ARGS`` to the end; ``.seconds`` it took."""
-    t0 = time.monotonic()
-    got = subprocess.run(
-        [*TPCACHE, *args], env=env, capture_output=True, text=True, timeout=timeout
-    )
-    got.seconds = time.monotonic() - t0  # type: ignore[attr-defined]
-    print(f"tpcache {' '.join(args)}: exit {got.returncode} in {got.seconds:.1f} s")  # type: ignore[attr-defined]
-    return got
+        return run_tpcache(line.split(), env or self.env)
 
 
 def _frontend(name: str, address: str, env: dict) -> dict:
@@ -194,11 +126,6 @@ def test_the_readme_multinode_steps_are_the_ones_tested_here() -> None:
     ]
 
 
-def _lines(text: str) -> list[str]:
-    """stderr without Ray's own log lines (a driver that joined logs 'Connecting...')."""
-    return [ln for ln in text.splitlines() if ln.strip() and not RAY_INFO.match(ln)]
-
-
 def test_demo_across_two_nodes_by_explicit_address_under_tokens(nodes) -> None:
     rank_per_node = "--strategy SPREAD --rank-resources node_a=1;node_b=1"
     got = nodes.run(f"demo --address {nodes.address} --tp 2 {rank_per_node} --limit 48")
@@ -222,17 +149,17 @@ def test_demo_across_two_nodes_by_explicit_address_under_tokens(nodes) -> None:
 def test_a_missing_or_wrong_token_fails_fast_in_one_line(nodes) -> None:
     empty = nodes.root / "empty-home"
     empty.mkdir(exist_ok=True)
-    got = nodes.run(f"demo --address {nodes.address} --limit 8", env=_clean_env(empty))
+    got = nodes.run(f"demo --address {nodes.address} --limit 8", env=clean_env(empty))
     assert got.returncode == 2
-    assert _lines(got.stderr) == [
+    assert said_lines(got.stderr) == [
         f"tpcache demo: the Ray cluster at {nodes.address} uses token authentication and "
         "there is no token here: copy the head node's ~/.ray/auth_token to ~/.ray/auth_token "
         "on this machine (or set RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH)"
     ]
-    wrong = {**_clean_env(empty), "RAY_AUTH_TOKEN": "0" * 32}
+    wrong = {**clean_env(empty), "RAY_AUTH_TOKEN": "0" * 32}
     got = nodes.run(f"stop --address {nodes.address}", env=wrong)
     assert got.returncode == 2
-    assert _lines(got.stderr) == [
+    assert said_lines(got.stderr) == [
         f"tpcache stop: the Ray cluster at {nodes.address} refused the token in RAY_AUTH_TOKEN: "
         "copy the head node's ~/.ray/auth_token to ~/.ray/auth_token on this machine (or set "
         "RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH)"
@@ -261,7 +188,7 @@ def test_serve_detached_a_frontend_a_taken_name_replace_and_sigterm(nodes) -> No
 
     again = nodes.run(f"serve --address {a} --detached {name} {GROUP}")
     assert again.returncode == 1 and "Traceback" not in again.stderr
-    said, how = _lines(again.stderr)
+    said, how = said_lines(again.stderr)
     assert said.startswith(
         "tpcache serve: a coordinator is already serving as 'cli-t' in namespace 'cli' (TP=2, "
         "capacity 4,096 tokens, 0 running requests, "
@@ -274,21 +201,21 @@ def test_serve_detached_a_frontend_a_taken_name_replace_and_sigterm(nodes) -> No
         f"--address {a} --replace {name} {GROUP}".split(), nodes.env, nodes.root
     )
     try:
-        text = _wait_for(nodes.root / "serve.out", "SIGTERM here", proc, 240)
+        text = wait_for(nodes.root / "serve.out", "SIGTERM here", proc, 240)
         assert "TP=2, capacity 4,096 tokens, 0 running requests, 0 steps done" in text  # new one
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(120) == 0
         print(f"SIGTERM to serve: exit 0 in {time.monotonic() - t0:.1f} s")
     finally:
-        _end([proc], "never-matches-anything")
+        end([proc], "never-matches-anything")
     err = (nodes.root / "serve.err").read_text()
-    assert _lines(err) == ["tpcache serve: stopping 'cli-t'"], err
+    assert said_lines(err) == ["tpcache serve: stopping 'cli-t'"], err
     assert "Traceback" not in err and "SystemExit" not in err
 
     gone = nodes.run(f"stop --address {a} {name}")
     assert gone.returncode == 1
-    assert _lines(gone.stderr) == [
+    assert said_lines(gone.stderr) == [
         f"tpcache stop: no coordinator named 'cli-t' in namespace 'cli' on the Ray cluster at {joined}"
     ]
 
@@ -301,7 +228,7 @@ def test_a_taken_metrics_port_is_one_line_and_leaves_nothing(nodes) -> None:
         name = "--name cli-m --namespace cli"
         got = nodes.run(f"serve --address {nodes.address} {name} {GROUP} --metrics-port {port}")
     assert got.returncode == 2
-    assert _lines(got.stderr) == [
+    assert said_lines(got.stderr) == [
         f"tpcache serve: cannot serve metrics on 127.0.0.1:{port}: Address already in use"
     ]
     left = nodes.run(f"stop --address {nodes.address} {name}")
@@ -313,21 +240,21 @@ def test_serve_without_address_prints_the_cluster_it_started(tmp_path) -> None:
     root = Path(tempfile.mkdtemp(prefix="tpcll", dir="/tmp"))
     home = root / "home"
     home.mkdir()
-    env = {**_clean_env(home), "RAY_TMPDIR": str(root)}
+    env = {**clean_env(home), "RAY_TMPDIR": str(root)}
     name = "--name cli-l --namespace cli"
     proc = _serve_in_background(f"{name} {GROUP}".split(), env, root)
     try:
-        text = _wait_for(root / "serve.out", "SIGTERM here", proc, 240)
+        text = wait_for(root / "serve.out", "SIGTERM here", proc, 240)
         line = next(ln for ln in text.splitlines() if ln.startswith("  Ray cluster "))
         address = line.split()[2].rstrip(",")
         assert line == f"  Ray cluster {address}, started by this command: it ends when it does"
         assert _frontend("cli-l", address, env)["prefix"] == [0, 40]
-        stopped = _tpcache(f"stop --address {address} {name}".split(), env)
+        stopped = run_tpcache(f"stop --address {address} {name}".split(), env)
         assert stopped.returncode == 0, stopped.stderr[-3000:]
         assert stopped.stdout.startswith("stopped 'cli-l' in namespace 'cli' (TP=2")
         assert proc.wait(60) == 0  # it saw its coordinator go
         err = (root / "serve.err").read_text()
         assert "'cli-l' was stopped elsewhere" in err and "Traceback" not in err
     finally:
-        _end([proc], str(root))
+        end([proc], str(root))
         shutil.rmtree(root, ignore_errors=True)

@@ -7,8 +7,17 @@ address (an argument or ``RAY_ADDRESS``) does not turn it on by itself: without
 ``RAY_AUTH_MODE=token`` it retries for ~20 s and fails with ``InvalidAuthToken``.
 ``join`` asks the address first whether anything answers, whether it wants a token and
 whether ours is the right one; it sets ``RAY_AUTH_MODE=token`` (for this process and
-its children) when a token is here, and otherwise raises ``ClusterJoinError`` with one
-line that says what is missing, within seconds.
+its children) when the cluster wants a token and one is here, and otherwise raises
+``ClusterJoinError`` with one line that says what is missing, within seconds.
+
+A token here does not mean the cluster wants one. A head without token authentication
+(``RAY_AUTH_MODE=disabled``) lets a driver with a token join, but that driver's own
+gRPC server then refuses the cluster's calls to it, which carry no token ("Missing
+authorization header" in its log), and every actor it creates is cancelled before it
+runs (Ray 2.60). So the address is asked without a token first, and token
+authentication is turned on only when the cluster refuses that: a first GCS client
+without a token does not fix the mode for the process (``_enable_token_auth`` reloads
+Ray's config, and the next client sends the token), so both questions are asked here.
 """
 
 from __future__ import annotations
@@ -91,7 +100,8 @@ def join(address: str | None, namespace: str | None = None) -> Joined:
 
 def check_address(address: str, timeout_s: float = 5.0) -> None:
     """Check that a Ray head answers at ``address`` (``HOST:PORT``) and takes this
-    process's token; turn token authentication on here when a token is needed and found.
+    process's token if it wants one; turn token authentication on here only when the
+    head refuses a driver without a token and a token is found.
     Raises ``ClusterJoinError`` naming what is missing; changes ``RAY_AUTH_MODE`` only to
     set it to ``token``."""
     host, _, port = address.rpartition(":")
@@ -110,22 +120,22 @@ def check_address(address: str, timeout_s: float = 5.0) -> None:
         return
     mode = os.environ.get("RAY_AUTH_MODE")
     token = find_token()
-    if mode is None and token is not None:
-        # A head without token authentication takes a driver that sends one (checked
-        # on Ray 2.60), so a token here decides: on.
-        auth._enable_token_auth()
-        mode = "token"
     if mode is not None and mode.lower() == "token" and token is None:
         # Ray's C++ client would abort the process (a failed check), not raise.
         raise ClusterJoinError(f"RAY_AUTH_MODE=token here, but there is no token: {_COPY}")
     refused = _refuses(address)
     if refused is None:
+        # Tokens stay as they are (off unless RAY_AUTH_MODE says token): a driver with
+        # them on refuses the calls of a head without them.
         return
-    if not isinstance(refused, _auth_error()):
-        first = str(refused).strip().splitlines()[0] if str(refused).strip() else ""
-        raise ClusterJoinError(
-            f"{address} does not answer as a Ray head: {type(refused).__name__}: {first}"
-        )
+    _not_a_head(address, refused)
+    if mode is None and token is not None:
+        auth._enable_token_auth()
+        refused = _refuses(address)
+        if refused is None:
+            return
+        _not_a_head(address, refused)
+        mode = "token"
     if mode is not None and mode.lower() == "disabled":
         raise ClusterJoinError(
             f"the Ray cluster at {address} uses token authentication, but RAY_AUTH_MODE="
@@ -137,6 +147,16 @@ def check_address(address: str, timeout_s: float = 5.0) -> None:
             f"token here: {_COPY}"
         )
     raise ClusterJoinError(f"the Ray cluster at {address} refused the token in {token}: {_COPY}")
+
+
+def _not_a_head(address: str, refused: BaseException) -> None:
+    """Raise ``ClusterJoinError`` unless ``refused`` is Ray's refusal of a token."""
+    if isinstance(refused, _auth_error()):
+        return
+    first = str(refused).strip().splitlines()[0] if str(refused).strip() else ""
+    raise ClusterJoinError(
+        f"{address} does not answer as a Ray head: {type(refused).__name__}: {first}"
+    )
 
 
 def _refuses(address: str) -> BaseException | None:
