@@ -99,3 +99,24 @@ def test_bad_timeouts_are_refused_by_argparse(bad: str, monkeypatch, capsys) -> 
         main(["generate", "--timeout", bad])
     assert caught.value.code == 2 and seen == []
     assert "argument --timeout: expected " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("timeout", ["2147484", "3e6", "4.9e8"])
+def test_a_timeout_past_zmqs_poll_is_refused_before_anything_starts(
+    timeout: str, monkeypatch, capsys
+) -> None:
+    """The clients poll ZMQ with the timeout in milliseconds, a C int: past 2,147,483 s
+    each client's poll raised OverflowError in its thread and the run hung, silent (a red
+    team's `--timeout 2147484`)."""
+    seen = _no_group(monkeypatch)
+    with pytest.raises(SystemExit) as caught:
+        main(["generate", "--limit", "2", "--timeout", timeout])
+    assert caught.value.code == 2 and seen == []
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "tpcache generate: error: timeout_s must be at most 2,147,483 s (ZMQ's poll), "
+        f"got {float(timeout)!r}"
+    )
+
+
+def test_the_longest_timeout_zmq_takes_is_accepted() -> None:
+    assert GenerateOptions(model=TINY, timeout_s=2_147_483).step_timeout_s == 4_294_966.0

@@ -48,6 +48,9 @@ if TYPE_CHECKING:  # torch: imported when a run starts
     from tpcache.harness.engine import ModelEngine
 
 
+MAX_POLL_S = (2**31 - 1) // 1000  # the longest wait ZMQ's poll takes, in seconds
+
+
 @dataclass(frozen=True)
 class ModelSize:
     """The reference runner's size (its vocabulary comes from the slice)."""
@@ -117,6 +120,12 @@ class GenerateOptions:
             self.namespace()
         except (CoordinatorConfigError, InvalidNamespace) as exc:
             raise GenerateError(str(exc)) from None
+        if self.timeout_s > MAX_POLL_S:
+            # The clients wait with ZMQ's poll, whose milliseconds are a C int: a longer
+            # wait raised OverflowError in each client thread and the run hung silently.
+            raise GenerateError(
+                f"timeout_s must be at most {MAX_POLL_S:,} s (ZMQ's poll), got {self.timeout_s!r}"
+            )
 
     @property
     def step_timeout_s(self) -> float:
