@@ -190,3 +190,33 @@ def test_a_failing_copy_is_never_counted_done_while_it_finishes() -> None:
             assert all(v <= 0 for v in seen) and seen[-1] == -1, seen
     finally:
         sys.setswitchinterval(switch)
+
+
+def test_a_second_setup_reads_free_memory_after_the_old_host_pool_is_gone(monkeypatch) -> None:
+    """A recovery sets a rank up again: its free memory must be read once the old host
+    pool is let go, or that pool counts against the new one (a red team's rank with a
+    pool over half the free memory started, then failed every recovery)."""
+    import weakref
+
+    from tpcache.workers import copysync
+    from tpcache.workers.rank import RankWorker
+
+    cache = CacheSpec(page_size=PAGE, policy="lru", host_capacity_tokens=8 * PAGE)
+    worker = RankWorker(0, group_config(1, capacity_tokens=4 * PAGE, cache=cache).worker_spec())
+    worker.group = _OneRank()  # type: ignore[assignment]
+    assert worker.setup() == 4 * PAGE
+    old = worker.copies
+    assert old is not None
+    gone = weakref.ref(old.host)
+    del old
+    seen: list[bool] = []
+    real = copysync._free_memory_bytes
+
+    def probe() -> int:  # the real reading, and whether the old host pool was gone then
+        seen.append(gone() is None)
+        return real()
+
+    monkeypatch.setattr(copysync, "_free_memory_bytes", probe)
+    assert worker.setup() == 4 * PAGE
+    assert seen == [True]
+    assert worker.copies is not None and worker.copies.host is not None

@@ -13,6 +13,8 @@ import os
 import time
 from typing import Any
 
+import torch
+
 from tpcache.cache.protocol import Cache
 from tpcache.workers.channel import Attach, RankLoop
 from tpcache.workers.channel import serve as serve_channel
@@ -97,8 +99,15 @@ class RankWorker:
 
         Collective. Returns the agreed capacity in tokens (whole pages).
         """
-        capacity, host = agree_pools(self._group(), self.spec, self.device)
+        # The old pools go first: free memory is read below, and a host pool (or, on a
+        # GPU, a device pool) still held would count against the new one, so a recovery
+        # could refuse the pool its first start agreed.
         self._close_copies()
+        self.pool = None
+        self.cache = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        capacity, host = agree_pools(self._group(), self.spec, self.device)
         self.pool = KVPool(self.spec.pool, capacity, self.device)
         self.cache = self.spec.cache.build(capacity, rank=True)
         self.models.copies = (
