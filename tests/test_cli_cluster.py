@@ -167,6 +167,28 @@ def test_a_missing_or_wrong_token_fails_fast_in_one_line(nodes) -> None:
     assert got.seconds < 15  # type: ignore[attr-defined]  # Ray alone retried ~20 s
 
 
+@pytest.mark.parametrize(
+    "setting, why",
+    [
+        ({"RAY_AUTH_TOKEN_PATH": "/nonexistent/token"}, "RAY_AUTH_TOKEN_PATH names "
+         "/nonexistent/token, which cannot be read or is empty"),
+        ({"RAY_AUTH_TOKEN": "   "}, "RAY_AUTH_TOKEN is set but blank"),
+    ],
+)  # fmt: skip
+def test_a_token_setting_ray_cannot_use_is_one_line(nodes, setting, why) -> None:
+    """With the right token in ~/.ray/auth_token, a RAY_AUTH_TOKEN_PATH that names no file
+    or a blank RAY_AUTH_TOKEN made Ray end the process at a failed check: exit 1 with
+    nothing printed (a red team's find). Ray reads neither further, so neither does
+    tpcache: it says which setting is wrong, with the mode unset or token."""
+    for mode in ({}, {"RAY_AUTH_MODE": "token"}):
+        got = nodes.run(f"stop --address {nodes.address}", env={**nodes.env, **setting, **mode})
+        assert got.returncode == 2, got.stderr
+        head = "RAY_AUTH_MODE=token here, but" if mode else (
+            f"the Ray cluster at {nodes.address} uses token authentication, but"
+        )  # fmt: skip
+        assert said_lines(got.stderr) == [f"tpcache stop: {head} {why}"]
+
+
 def test_serve_detached_a_frontend_a_taken_name_replace_and_sigterm(nodes) -> None:
     a = nodes.address
     name = "--name cli-t --namespace cli"

@@ -53,13 +53,27 @@ class Joined:
 
 def find_token() -> str | None:
     """Where Ray would read this process's token from (as Ray looks: ``RAY_AUTH_TOKEN``,
-    then the file ``RAY_AUTH_TOKEN_PATH`` names, then ``~/.ray/auth_token``), or None."""
-    if os.environ.get("RAY_AUTH_TOKEN", "").strip():
+    then the file ``RAY_AUTH_TOKEN_PATH`` names, then ``~/.ray/auth_token``), or None.
+    Set but unusable (a blank ``RAY_AUTH_TOKEN``, a ``RAY_AUTH_TOKEN_PATH`` that names a
+    missing or empty file) is None too, with no look further: Ray does not look further
+    either, it stops the process (``token_problem`` says why)."""
+    if token_problem() is not None:
+        return None
+    if os.environ.get("RAY_AUTH_TOKEN") is not None:
         return "RAY_AUTH_TOKEN"
-    candidates = [os.environ.get("RAY_AUTH_TOKEN_PATH"), str(Path.home() / ".ray" / "auth_token")]
-    for path in candidates:
-        if path and _non_empty(path):
-            return path
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token")
+    return path if _non_empty(path) else None
+
+
+def token_problem() -> str | None:
+    """Why the token Ray was told to use cannot be used, or None. Ray's own check of it
+    is a failed assertion that ends the process with nothing on stdout or stderr."""
+    given = os.environ.get("RAY_AUTH_TOKEN")
+    if given is not None:
+        return None if given.strip() else "RAY_AUTH_TOKEN is set but blank"
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if path and not _non_empty(path):
+        return f"RAY_AUTH_TOKEN_PATH names {path}, which cannot be read or is empty"
     return None
 
 
@@ -120,6 +134,9 @@ def check_address(address: str, timeout_s: float = 5.0) -> None:
         return
     mode = os.environ.get("RAY_AUTH_MODE")
     token = find_token()
+    problem = token_problem()
+    if problem is not None and mode is not None and mode.lower() == "token":
+        raise ClusterJoinError(f"RAY_AUTH_MODE=token here, but {problem}")
     if mode is not None and mode.lower() == "token" and token is None:
         # Ray's C++ client would abort the process (a failed check), not raise.
         raise ClusterJoinError(f"RAY_AUTH_MODE=token here, but there is no token: {_COPY}")
@@ -140,6 +157,10 @@ def check_address(address: str, timeout_s: float = 5.0) -> None:
         raise ClusterJoinError(
             f"the Ray cluster at {address} uses token authentication, but RAY_AUTH_MODE="
             f"{mode} here: unset it (tpcache then turns it on) or set RAY_AUTH_MODE=token"
+        )
+    if problem is not None:
+        raise ClusterJoinError(
+            f"the Ray cluster at {address} uses token authentication, but {problem}"
         )
     if token is None:
         raise ClusterJoinError(
