@@ -237,7 +237,8 @@ def add_group_options(p: argparse.ArgumentParser) -> None:
         default=60.0,
         help="collective timeout in seconds: how fast a hung rank is found (default 60); "
         "the coordinator waits max(2 x it, it + 5) seconds for a step's results, which "
-        "bounds finding a rank hung with no peer to notice (--tp 1, or every rank hung)",
+        "bounds finding a rank hung with no peer to notice (--tp 1, or every rank hung) "
+        "and a frontend's wait for a prefix loaded back from the host tier",
     )
     p.add_argument(
         "--join-timeout",
