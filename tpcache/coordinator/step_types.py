@@ -4,13 +4,13 @@ and who hears of its steps (``StepObserver``), its configuration, and its record
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tpcache.coordinator.errors import CoordinatorConfigError
 from tpcache.errors import TpcacheError
+from tpcache.workers.group_spec import GroupInputError, check_seconds
 from tpcache.workers.ops import OpResult
 
 MAX_SECONDS = 1e9  # the longest wait a config may ask for (~31 years: "no limit")
@@ -129,12 +129,10 @@ def step_timeout_for(timeout_s: float, name: str = "timeout_s") -> float:
     hung rank goes unseen. It bounds a whole message, as ``step_timeout_s`` does: steps
     coalesced into one message share it.
     """
-    if (
-        isinstance(timeout_s, bool)
-        or not isinstance(timeout_s, int | float)
-        or not (math.isfinite(timeout_s) and timeout_s > 0)
-    ):
-        raise CoordinatorConfigError(f"{name}={timeout_s!r} must be a finite number of seconds > 0")
+    try:
+        check_seconds(name, timeout_s)
+    except GroupInputError as exc:
+        raise CoordinatorConfigError(str(exc)) from None
     step = max(2.0 * timeout_s, timeout_s + STEP_SLACK_S)
     if step >= MAX_SECONDS:
         raise CoordinatorConfigError(
