@@ -6,6 +6,7 @@ a tiny reference model."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -215,7 +216,7 @@ def test_a_client_gone_mid_request_leaves_nothing_held() -> None:
         coord.close()
 
 
-def test_the_cli_prints_one_json_object() -> None:
+def test_the_cli_prints_one_json_object(tmp_path) -> None:
     run = subprocess.run(
         [
             sys.executable,
@@ -239,8 +240,11 @@ def test_the_cli_prints_one_json_object() -> None:
         capture_output=True,
         text=True,
         timeout=300,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
     )
     assert run.returncode == 0, run.stderr
+    # Each run's socket directory goes with it (two were left per command).
+    assert list(tmp_path.glob("tpcache-generate-*")) == []
     s = json.loads(run.stdout)
     rp = replay(load_trace(DEFAULT_TRACE, 10), ReplayOptions(None, 16, scale=32))
     assert (s["requests"], s["scale"], s["tp"], s["clients"]) == (10, "1/32", 2, 3)

@@ -23,6 +23,7 @@ favours the run without the cache.
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import tempfile
 import threading
 import time
@@ -252,6 +253,7 @@ def run_mode(
     finally:
         sock.close(linger=0)
         ctx.term()
+        shutil.rmtree(tmp, ignore_errors=True)  # the loop's socket file's directory
     return mode_summary(engine.coord, counters, results, e2e)
 
 
