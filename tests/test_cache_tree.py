@@ -12,7 +12,7 @@ from cache_helpers import snapshot, tree_nodes
 from tpcache.cache.allocator import LENT
 from tpcache.cache.errors import LockError, UnknownHandle
 from tpcache.cache.order import EvictionOrder
-from tpcache.cache.radix import CacheConfig, CacheSizes, EvictResult, Handle, RadixCache
+from tpcache.cache.radix import CacheConfig, CacheSizes, EvictResult, RadixCache
 
 
 def _cache(capacity: int, page_size: int = 1, policy: str = "lru") -> RadixCache:
@@ -64,7 +64,7 @@ def test_match_misses_and_empty_match_page1() -> None:
     _put(c, [5, 6, 7])
     m = c.match_prefix([6, 5])
     assert (m.prefix_len, m.slots.tolist(), m.pages.dtype) == (0, [], np.int64)
-    assert m.handle == Handle(0, m.handle.owner)  # the root
+    assert m.handle.node_id == c.tree.root.id == 0  # the root
     c.lock(m.handle)  # locking the empty prefix protects nothing
     assert _sizes(c) == (5, 3, 0, 0)
     c.unlock(m.handle)

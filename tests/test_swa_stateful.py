@@ -402,8 +402,10 @@ def _packed(tokens: list[int]) -> bytes:
 def _plain(value):
     """Comparable form of a result record (numpy arrays as lists)."""
     if hasattr(value, "__dataclass_fields__"):
-        # A handle's owner names the cache that gave it out: it differs by design.
-        return {k: _plain(getattr(value, k)) for k in value.__dataclass_fields__ if k != "owner"}
+        # A handle's owner and tag belong to the cache that gave it out (the tag is keyed
+        # by that cache's own secret): they differ by design.
+        mine = ("owner", "tag")
+        return {k: _plain(getattr(value, k)) for k in value.__dataclass_fields__ if k not in mine}
     if hasattr(value, "tolist"):
         return value.tolist()
     return value

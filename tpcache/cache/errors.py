@@ -27,7 +27,9 @@ class OutOfCapacity(CacheError):
 
 
 class UnknownHandle(CacheError, KeyError):
-    """A handle that this cache did not give out, or whose node is gone."""
+    """A handle that this cache did not give out for the node it names (another cache's,
+    from before a reset, built or altered by hand), one naming a namespace anchor, or
+    one whose node is gone."""
 
     def __str__(self) -> str:  # KeyError's would repr-quote the message
         return Exception.__str__(self)

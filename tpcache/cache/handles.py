@@ -1,23 +1,45 @@
 """The handles a cache gives out for matched prefixes, and the locks they hold.
 
-A handle names a node (and, with a window, the boundary mark where its SWA lock stops)
-and the cache generation that made it: another cache's handle, one from before a reset,
-or a forged one is refused. ``lock()`` calls are counted per handle, so a handle's
-unlock can never take a lock a running request holds on the same node.
+A handle names a node (and, with a window, the boundary mark where its SWA lock stops),
+the cache generation that made it, and a tag that proves this generation made it for
+that node and mark. Node ids and the owner are shown by every handle, so they cannot be
+what authenticates one: the tag is a keyed hash under a random key that never leaves
+this object. Another cache's handle, one from before a reset, one built by hand, or one
+with a copied owner and another node's id is refused; so is a handle naming a namespace
+anchor, which only the cache itself locks. ``lock()`` calls are counted per handle, so a
+handle's unlock can never take a lock a running request holds on the same node.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import secrets
+import struct
 from typing import Any
 
 from tpcache.cache.errors import IntegrityError, LockError, UnknownHandle
+from tpcache.cache.namespace import is_anchor
 from tpcache.cache.records import Handle, new_owner
 from tpcache.cache.swa_config import SwaHandle
+
+_KEY_BYTES = 32  # 256 bits: past any guessing (blake2b takes up to 64 bytes)
+_TAG_BYTES = 16
+_PACK = struct.Struct("<qq").pack  # (node id, mark): what a tag vouches for
+
+
+def _keyed(key: bytes) -> Any:
+    """blake2b keyed once with ``key``; each tag copies it instead of keying again."""
+    return hashlib.blake2b(key=key, digest_size=_TAG_BYTES, person=b"tpcache-hdl")
 
 
 class HandleLocks:
     """One cache generation's handles and their locks. Owned by the cache, which makes a
-    new one at every reset (a new ``owner``: older handles name nothing).
+    new one at every reset (a new ``owner`` and key: older handles name nothing).
+
+    The key is drawn from the OS's random source, so it differs between processes and
+    runs; it only signs handles, which stay in their process, and decides nothing the
+    ranks compare (digests, slot ids, events and eviction order never see it).
 
     ``locks``: (node id, boundary mark) -> ``lock()`` calls not yet undone.
     """
@@ -27,22 +49,46 @@ class HandleLocks:
         self.owner = new_owner()
         self.windowed = tree.window is not None  # then handles carry the boundary mark
         self.locks: dict[tuple[int, int], int] = {}
+        self._key = secrets.token_bytes(_KEY_BYTES)
+        self._mac = _keyed(self._key)
+
+    # A copy of the cache (pickle, deepcopy) is the same generation: it keeps the key.
+    # The keyed state itself does not pickle, so it is made again from the key.
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_mac"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._mac = _keyed(self._key)
+
+    def _tag(self, node_id: int, mark: int) -> bytes:
+        mac = self._mac.copy()
+        mac.update(_PACK(node_id, mark))
+        return mac.digest()
 
     def make(self, node: Any) -> Handle:
         """A handle to ``node`` (with a window: and the boundary of its last window, which
         may give a node its mark)."""
+        # A match starts below an anchor and ends at the root for an empty one, so it
+        # never ends at an anchor; a handle to one would let a caller lock it.
+        assert not is_anchor(node), f"a handle to anchor {node.id}"
         if not self.windowed:
-            return Handle(node.id, self.owner)
+            return Handle(node.id, self.owner, tag=self._tag(node.id, 0))
         tree = self.tree
-        return SwaHandle(node.id, self.owner, tree.mark_of(tree.boundary(node)))
+        mark = tree.mark_of(tree.boundary(node))
+        return SwaHandle(node.id, self.owner, mark, tag=self._tag(node.id, mark))
 
     def resolve(self, handle: Handle) -> tuple[Any, Any, int]:
-        """(node, window top, mark) of a handle of this generation. Raises
-        ``UnknownHandle`` or ``StaleBoundary`` (its mark is not on its path)."""
+        """(node, window top, mark) of a handle this generation gave out. Changes nothing.
+        Raises ``UnknownHandle`` (not this cache's, forged, naming an anchor, or its node
+        is gone) or ``StaleBoundary`` (its mark is not on its path)."""
         if (
             type(handle) is not (SwaHandle if self.windowed else Handle)
             or type(handle.node_id) is not int
             or (self.windowed and type(handle.swa_boundary) is not int)  # type: ignore[attr-defined]
+            or type(handle.tag) is not bytes
         ):
             raise UnknownHandle(f"not a handle of this cache: {handle!r}")
         if handle.owner != self.owner:
@@ -54,8 +100,18 @@ class HandleLocks:
             raise UnknownHandle(
                 f"handle {handle.node_id} names no cached node (evicted or foreign)"
             )
+        if is_anchor(node):
+            raise UnknownHandle(
+                f"handle {node.id} names a namespace anchor, which no handle may lock"
+            )
         mark = handle.swa_boundary if self.windowed else 0  # type: ignore[attr-defined]
-        return node, self.tree.find_top(node, mark), mark
+        # The mark is looked up before the tag is checked: one that is not on the path
+        # is stale whoever made the handle, and saying so is the more useful refusal.
+        top = self.tree.find_top(node, mark)
+        if not hmac.compare_digest(handle.tag, self._tag(node.id, mark)):
+            what = f"node {node.id}" + (f" and boundary mark {mark}" if self.windowed else "")
+            raise UnknownHandle(f"handle was not given out by this cache for {what}")
+        return node, top, mark
 
     def lock(self, handle: Handle) -> None:
         """Lock the prefix of ``handle``; raises (changing nothing) as ``resolve`` does, or

@@ -153,8 +153,8 @@ class Cache(Protocol):
     def lock(self, handle: Handle) -> None:
         """Protect ``handle``'s prefix from eviction (with a window: the SWA KV of its
         last window too); locks nest. Raises ``UnknownHandle`` (another cache's, from
-        before a reset, forged, or evicted), ``StaleBoundary``, or ``LockError`` if its
-        window lost SWA KV since the match."""
+        before a reset, forged, naming a namespace anchor, or evicted), ``StaleBoundary``,
+        or ``LockError`` if its window lost SWA KV since the match."""
         ...
 
     def unlock(self, handle: Handle) -> None:

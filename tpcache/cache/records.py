@@ -6,7 +6,7 @@ gives out, and what the calls of every cache return. They cross module boundarie
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -66,10 +66,17 @@ def request_limit(pages: int, page_size: int, max_request_tokens: int | None) ->
 class Handle:
     """Opaque reference to a matched prefix; pass it back to ``lock``/``unlock`` of the
     cache that gave it out. ``owner`` names that cache and its generation (a new one at
-    every ``reset``): a handle from another cache, or from before a reset, is refused."""
+    every ``reset``): a handle from another cache, or from before a reset, is refused.
+
+    ``tag`` is what makes a handle the cache's own: a keyed hash of what the handle
+    names, under a random key that only the issuing cache generation holds
+    (``handles.HandleLocks``). Every other field is shown and can be copied, so a handle
+    built by hand, or one with another node's id, has no valid tag and is refused. The
+    tag never leaves the process and enters no digest (each process has its own key)."""
 
     node_id: int
     owner: int
+    tag: bytes = field(default=b"", repr=False, kw_only=True)
 
 
 _OWNERS = itertools.count(1)
