@@ -133,7 +133,7 @@ def test_the_network_client_passes_the_namespace() -> None:
                 c.admit("e", prompt, lora_id=-3)
             with pytest.raises(errors.InvalidNamespace, match="got 300"):
                 c.admit("e", prompt, cache_salt="s" * 300)
-            assert c.stats()["running"] == 0
+            assert coord.stats()["running"] == 0
         digest, ranks = settled(coord, lock)
         assert ranks == [digest, digest] and len(coord.mirror.tree.spaces) == 2
     finally:

@@ -23,7 +23,8 @@ from tpcache.coordinator.build import GroupConfig
 from tpcache.coordinator.local_ranks import start_local_group
 from tpcache.frontend import api
 from tpcache.frontend.frontend import serve_network
-from tpcache.frontend.netfront import FrontendConfig, FrontendConfigError
+from tpcache.frontend.netfront import FrontendConfig, FrontendConfigError, owner_of
+from tpcache.frontend.owners import scoped_id
 from tpcache.workers.spec import CacheSpec
 
 
@@ -71,15 +72,18 @@ def test_calls_replies_and_typed_errors(served) -> None:
         with pytest.raises(UnknownRequest):
             c.finish("nobody")
         c.abort("b")
-        assert c.stats()["running"] == 0
+        own = c.stats()  # a network client's own figures, not the group's
+        assert (own["scope"], own["queries"], own["query_tokens"]) == ("client", 2, 29 + 33)
+        assert own["hit_tokens"] == 32 and "running" not in own
+    assert coord.stats()["running"] == 0
     digest, ranks = settled(coord, lock)
     assert ranks == [digest, digest]
 
 
 def test_a_request_is_one_step(served) -> None:
-    _, front, _ = served
+    coord, front, _ = served
     with Client(front.endpoint) as c:
-        before = c.stats()["steps_sent"]
+        before = coord.stats()["steps_sent"]
         with c.batch() as b:
             p = [b.admit(f"r{i}", [*range(100, 140), i]) for i in range(8)]
             bad = b.finish("missing")
@@ -89,7 +93,7 @@ def test_a_request_is_one_step(served) -> None:
         with pytest.raises(UnknownRequest):
             bad.result()
         assert all(x.result().cached_tokens == 40 for x in f)
-        assert c.stats()["steps_sent"] == before + 1
+        assert coord.stats()["steps_sent"] == before + 1
 
 
 def _client_proc(endpoint: str, who: int, n: int, out) -> None:
@@ -131,13 +135,14 @@ def test_malformed_frames_and_a_client_that_leaves_mid_call(served) -> None:
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
+    session = b"s" + os.urandom(16)  # its routing id: who it is to the frontend
+    s.setsockopt(zmq.ROUTING_ID, session)
     s.connect(front.endpoint)
     rid = b"\0" * 8
     cases = [
         [rid, b"", b"\xc1"],  # not msgpack
         [rid, b"", msgspec.msgpack.encode([{"call": "warp"}])],
         [rid, b"", msgspec.msgpack.encode([])],  # no calls
-        [rid, b"", b"\x91" + b"\x00" * (40 << 20)],  # larger than any valid request
     ]
     for frames in cases:
         s.send_multipart(frames)
@@ -145,7 +150,12 @@ def test_malformed_frames_and_a_client_that_leaves_mid_call(served) -> None:
         _, body = s.recv_multipart()
         (reply,) = api.decode_replies(body)
         assert isinstance(reply, api.ErrorReply) and reply.error == "BadRequest", reply
+    # Larger than any valid request: ZMQ drops the connection before holding it (no
+    # reply); the socket reconnects by itself.
+    s.send_multipart([rid, b"", b"\x91" + b"\x00" * (40 << 20)])
+    assert not s.poll(1000)
     s.send_multipart([b"short", b"", b"x"])  # not the protocol: no reply, no harm
+    s.send_multipart([rid, b"", b"\x91", *[b"extra"] * 1000])  # frames too many: dropped
     s.send_multipart([b"x"])
     assert not s.poll(300)
     # A client that sends a request and goes before the reply: applied, nobody answered.
@@ -153,10 +163,12 @@ def test_malformed_frames_and_a_client_that_leaves_mid_call(served) -> None:
     s.close(0)
     ctx.term()
     time.sleep(0.3)
-    with Client(front.endpoint) as c:
-        assert c.stats()["running"] == 1  # the malformed ones changed nothing; this applied
-        c.abort("gone")  # its owner cleans up
-        assert c.stats()["held"] == 0
+    assert coord.stats()["running"] == 1  # the malformed ones changed nothing; this applied
+    with Client(front.endpoint) as c, pytest.raises(UnknownRequest):
+        c.abort("gone")  # another client's request is not this one's to touch
+    with Client(front.endpoint, session=session) as c:
+        c.abort("gone")  # its owner, back with its session, cleans up
+    assert coord.stats()["held"] == 0
     digest, ranks = settled(coord, lock)
     assert ranks == [digest, digest] and digest != before[0]
     assert front.refused >= 4
@@ -200,7 +212,7 @@ def test_a_full_queue_answers_busy_at_once() -> None:
             replies = c.send([api.AdmitCall(f"q{i}", [1, 2, 3, i]) for i in range(5)])
             assert [type(r).__name__ for r in replies] == ["ErrorReply"] * 5
             assert replies[0].error == "Busy" and replies[0].retryable
-            assert c.stats()["running"] == 0  # none of it applied
+            assert coord.stats()["running"] == 0  # none of it applied
             assert len(c.send([api.AdmitCall("fits", [1, 2, 3])])) == 1
             c.abort("fits")
     finally:
@@ -229,7 +241,8 @@ def test_row_rewrites_reach_the_remote_frontend(served) -> None:
         with lock:
             coord.sync()
             for rid in ("A", "B"):
-                assert coord.ranks.call("request_slots", rid) == [rows[rid]] * 2
+                known_as = scoped_id(owner_of("", c.session), rid)  # the cache's name for it
+                assert coord.ranks.call("request_slots", known_as) == [rows[rid]] * 2
         c.finish("A")
         c.finish("B")
 
@@ -258,11 +271,12 @@ def test_hybrid_replies_carry_the_swa_slots() -> None:
             c.finish("warm")
             got = c.admit("A", prompt)  # a hit of 32 tokens: reads the window 20..32
             assert got.prefix_len == 32 and got.swa_start == 20
+            own = owner_of("", c.session)  # the cache knows its requests by scoped ids
             with lock:
-                _check_swa(coord, "A", 32, got)
+                _check_swa(coord, scoped_id(own, "A"), 32, got)
             more = c.extend("A", 5)
             with lock:
-                _check_swa(coord, "A", 40, more)
+                _check_swa(coord, scoped_id(own, "A"), 40, more)
             c.admit("B", prompt[:8])
             c.extend("B", 16)
             c.admit("C", prompt[:8])
@@ -271,7 +285,7 @@ def test_hybrid_replies_carry_the_swa_slots() -> None:
             moved = c.cache_unfinished("C", prompt[:24])  # rewritten to B's pages
             assert moved.row
             with lock:
-                _check_swa(coord, "C", 24, moved)
+                _check_swa(coord, scoped_id(own, "C"), 24, moved)
             for rid in ("A", "B", "C"):
                 c.abort(rid)
         digest, ranks = settled(coord, lock)

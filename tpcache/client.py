@@ -12,7 +12,12 @@ engines that are not Ray drivers. Imports neither torch nor Ray.
     c.finish("req-1", output_ids)
 
 Errors come back typed, as the coordinator raised them (``tpcache.frontend.api``,
-``tpcache.cache.errors``); ``retryable`` says whether to try again.
+``tpcache.cache.errors``); ``retryable`` says whether to try again. A call with no reply
+in time raises ``OutcomeUnknown`` (it may have been applied): ``c.resend(err)`` asks
+again without applying it twice.
+
+Request ids are this client's own: another client's ids are unknown to it (each client
+is its credential and its connection's random routing id).
 """
 
 from __future__ import annotations
@@ -26,14 +31,19 @@ from typing import Any
 import zmq
 
 from tpcache.frontend import api
-from tpcache.frontend.calls import Batch, Pending, RequestCalls, checked
+from tpcache.frontend.calls import Batch, Pending, RequestCalls, UnexpectedReply, checked
 from tpcache.workers.netsec import make_client
 
 
 class Client(RequestCalls[api.AdmitReply, api.SlotsReply, api.CachedReply, None]):
     """A DEALER socket to the network frontend at ``endpoint``. Not thread-safe: one per
     thread (they are cheap). ``timeout_s`` bounds each round trip: no reply in time is
-    ``CoordinatorUnavailable`` (retryable)."""
+    ``OutcomeUnknown`` (see ``resend``).
+
+    Its request ids are scoped to its ``session`` (its routing id; random unless given):
+    another ``Client`` does not reach its requests. A router that restarts and must
+    reach the requests it left running (to finish or abort them) passes the session it
+    had (at least 16 bytes; keep it secret: it is the key to those requests)."""
 
     def __init__(
         self,
@@ -43,6 +53,7 @@ class Client(RequestCalls[api.AdmitReply, api.SlotsReply, api.CachedReply, None]
         curve_keypair: tuple[str, str] | None = None,
         token: str | None = None,
         timeout_s: float = 30.0,
+        session: bytes | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
@@ -51,6 +62,10 @@ class Client(RequestCalls[api.AdmitReply, api.SlotsReply, api.CachedReply, None]
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # The server knows this client by its routing id (its requests are scoped to it):
+        # random, so no other client can claim it, and kept across reconnects.
+        self.session = b"c" + os.urandom(16) if session is None else _check_session(session)
+        self._sock.setsockopt(zmq.ROUTING_ID, self.session)
         if curve_server_key is not None:
             make_client(self._sock, curve_server_key, curve_keypair)
         self._sock.connect(endpoint)
@@ -68,17 +83,37 @@ class Client(RequestCalls[api.AdmitReply, api.SlotsReply, api.CachedReply, None]
     # ---- calls ----------------------------------------------------------------------------
     def send(self, calls: list[api.Call]) -> list[api.Reply]:
         """``calls`` as one request (one step); the replies, in order (errors as
-        ``ErrorReply``, not raised)."""
+        ``ErrorReply``, not raised; a request refused whole gives each call its error).
+        Raises ``OutcomeUnknown`` if no reply comes within ``timeout_s``."""
         rid = (next(self._ids) % (1 << 64)).to_bytes(8, "big")
-        self._sock.send_multipart([rid, self._token, api.encode_calls(calls)])
+        return self._exchange(rid, api.encode_calls(calls), len(calls))
+
+    def resend(self, err: api.OutcomeUnknown) -> list[api.Reply]:
+        """The replies to the request ``err`` gave no reply for: sent again as the same
+        request, which the server applies only if it never got it, and answers from
+        memory otherwise (for its last few thousand requests). Raises ``OutcomeUnknown``
+        again if there is still no reply."""
+        n = len(api.decode_calls(err.body, len(err.body)))
+        return self._exchange(err.message_id, err.body, n)
+
+    def _exchange(self, rid: bytes, body: bytes, n: int) -> list[api.Reply]:
+        self._sock.send_multipart([rid, self._token, body])
         while True:
             if not self._sock.poll(int(self.timeout_s * 1000)):
-                raise api.CoordinatorUnavailable(
-                    f"no reply from {self.endpoint} within {self.timeout_s:g}s"
+                raise api.OutcomeUnknown(
+                    f"no reply from {self.endpoint} within {self.timeout_s:g}s: the calls may "
+                    "have been applied; resend() asks again without applying them twice",
+                    rid,
+                    body,
                 )
-            got_id, body = self._sock.recv_multipart()
+            got_id, reply = self._sock.recv_multipart()
             if got_id == rid:  # an earlier request's late reply is dropped
-                return api.decode_replies(body)
+                replies = api.decode_replies(reply)
+                if len(replies) == n:
+                    return replies
+                if len(replies) == 1 and isinstance(replies[0], api.ErrorReply):
+                    return replies * n  # refused whole (a bad token, too large)
+                raise UnexpectedReply(f"{len(replies)} replies to a request of {n} calls")
 
     def _send(self, call: api.Call, reply_type: type[api.Reply] | None) -> Any:
         (reply,) = self.send([call])
@@ -95,6 +130,14 @@ class Client(RequestCalls[api.AdmitReply, api.SlotsReply, api.CachedReply, None]
     def stats(self) -> dict[str, Any]:
         r = self._send(api.StatsCall(), api.StatsReply)
         return dict(r.stats)
+
+
+def _check_session(session: object) -> bytes:
+    if not isinstance(session, bytes) or not 16 <= len(session) <= 255:
+        raise api.BadRequest("a client's session must be 16 to 255 bytes")
+    if session[0] == 0:  # ZMQ's own routing ids start with a zero byte
+        raise api.BadRequest("a client's session must not start with a zero byte")
+    return session
 
 
 __all__ = ["Batch", "Client", "Pending"]

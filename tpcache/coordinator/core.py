@@ -22,6 +22,7 @@ from tpcache.cache.protocol import Cache
 from tpcache.cache.radix import AdmitResult
 from tpcache.cache.reqtable import check_count, check_request_id
 from tpcache.cache.tallies import host_figures
+from tpcache.coordinator.call_lock import CallLock
 from tpcache.coordinator.copy_agree import wait_ready
 from tpcache.coordinator.step_types import (
     CoordinatorConfig,
@@ -57,8 +58,10 @@ Admission = AdmitResult
 
 
 class Coordinator:
-    """Drives one TP group through its step pipeline (``steps``). Not thread-safe: one
-    caller (or one actor, or one lock) at a time.
+    """Drives one TP group through its step pipeline (``steps``). Thread-safe: every
+    call holds ``lock`` (its callers may hold it around several calls too, as
+    ``batch()`` does); what reads the coordinator's state from another thread (a metrics
+    scrape, a health check) goes through these calls, never to the mirror directly.
 
     ``publisher`` (the KV-event publisher), ``event_stats`` (its published/dropped event
     counts) and ``metrics_port`` come from whoever built the group's endpoints
@@ -81,8 +84,15 @@ class Coordinator:
         self.publisher = publisher
         self.event_stats = event_stats
         self.metrics_port = metrics_port
+        self._last_stats: dict[str, Any] | None = None  # under lock: the latest stats()
+        self._last_stats_at = 0.0
 
     # ---- the pipeline's state, as the coordinator's users read it --------------------------
+    @property
+    def lock(self) -> CallLock:
+        """The lock every call holds; hold it to keep several calls together."""
+        return self.steps.lock
+
     @property
     def ranks(self) -> RankTransport:
         return self.steps.ranks
@@ -146,7 +156,8 @@ class Coordinator:
         forward waits for its own copy engine (``host_cache.py``).
         Returns at once without a host tier. Raises ``CopiesNotDone`` after ``timeout``
         (nothing changed), or a failed step's error (a failed copy fails the group)."""
-        wait_ready(self.steps, [check_request_id(r) for r in request_ids], timeout)
+        with self.lock:
+            wait_ready(self.steps, [check_request_id(r) for r in request_ids], timeout)
 
     def stop_recovery(self) -> None:
         self.steps.stop_recovery()
@@ -269,7 +280,23 @@ class Coordinator:
         self.steps.lost.check(rid, self.mirror.is_running(rid))
         return rid
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, wait_s: float = 1.0) -> dict[str, Any]:
+        """The group's figures (a new dict; changes no cache state). Taken under ``lock``;
+        if another call holds it longer than ``wait_s`` (a step waiting for a slow rank),
+        the figures of the last ``stats()`` are returned, ``stats_age_s`` saying how old."""
+        if not self.lock.acquire(timeout=wait_s):
+            if self._last_stats is not None:
+                age = time.monotonic() - self._last_stats_at
+                return {**self._last_stats, "stats_age_s": age}
+            self.lock.acquire()
+        try:
+            self._last_stats = self._stats()
+            self._last_stats_at = time.monotonic()
+            return dict(self._last_stats)
+        finally:
+            self.lock.release()
+
+    def _stats(self) -> dict[str, Any]:
         c = self.counters
         s = self.mirror.sizes()
         lat = list(c.latencies_s)
@@ -304,9 +331,8 @@ class Coordinator:
             # Retried recovery: failed attempts since start, whether attempts go on, the
             # last failure, and seconds to the next attempt (0 when healthy).
             "recovery_failures": self.recovery.failures,
-            "recovering": self.broken is not None
-            and self.config.auto_recover
-            and not self.recovery.stopped,
+            "recovering": self.steps.recovering
+            or (self.broken is not None and self.config.auto_recover and not self.recovery.stopped),
             "last_recovery_error": self.recovery.last_error,
             "next_recovery_in_s": max(0.0, self.recovery.next_at - time.monotonic())
             if self.broken is not None
@@ -316,10 +342,20 @@ class Coordinator:
             "metrics_port": self.metrics_port,
             # A host tier's pool and moves, from the mirror (as evicted_tokens is).
             **host_figures(self.mirror),
+            "stats_age_s": 0.0,
         }
 
     def close(self) -> None:
-        """Stop the ranks, the event publisher and the metrics endpoint. Idempotent."""
+        """Stop the ranks, the event publisher and the metrics endpoint. Idempotent. Waits
+        a moment for a call in progress (not for a hung one)."""
+        held = self.lock.acquire(timeout=5.0)
+        try:
+            self._close()
+        finally:
+            if held:
+                self.lock.release()
+
+    def _close(self) -> None:
         self.ranks.close()
         for obs in self.observers:
             close = getattr(obs, "close", None)

@@ -86,6 +86,11 @@ class CoordinatorConfig:
     # the operator stops it (``stop_recovery``).
     recovery_backoff_s: float = 1.0
     recovery_backoff_max_s: float = 30.0
+    # Rebuild the group on a thread of its own after a failure, so the caller that hit it
+    # gets its error at once too (a served coordinator: its callers are other programs).
+    # False: that caller waits for the recovery, and its next call finds the group back.
+    # Either way, other callers are refused with CoordinatorUnavailable meanwhile.
+    recover_in_background: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_inflight", "max_batch_ops", "coalesce"):
@@ -93,6 +98,12 @@ class CoordinatorConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise CoordinatorConfigError(
                     f"coordinator config: {name} must be an int >= 1, got {v!r}"
+                )
+        for name in ("auto_recover", "recover_in_background"):
+            if not isinstance(getattr(self, name), bool):
+                raise CoordinatorConfigError(
+                    f"coordinator config: {name} must be True or False, "
+                    f"got {getattr(self, name)!r}"
                 )
         for name in ("step_timeout_s", "probe_s", "recovery_backoff_s", "recovery_backoff_max_s"):
             v = getattr(self, name)

@@ -23,13 +23,15 @@ for them raise ``RequestLost``, ``lost.py``) and, if configured, the group is re
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 from tpcache.cache.protocol import Cache
+from tpcache.coordinator.call_lock import CallLock
 from tpcache.coordinator.copy_agree import CopyCompletion
 from tpcache.coordinator.errors import CoordinatorUnavailable
 from tpcache.coordinator.lost import LostRequests
@@ -56,7 +58,9 @@ class StepPipeline:
 
     It owns the mirror (recovery may replace it), the pending ops and the broken flag; the
     coordinator's API applies each call to ``mirror`` inside ``run`` and logs its ops
-    with ``emit``. Not thread-safe.
+    with ``emit``. Every entry point holds ``lock`` (any thread may call); a recovery
+    lets go of it while the ranks are rebuilt, so other callers get
+    ``CoordinatorUnavailable`` at once instead of waiting for it.
 
     Order kept: steps are numbered from 0 (again after a recovery) and sent in number
     order; results are taken in the same order (``_inflight`` is a FIFO of messages, and
@@ -85,6 +89,9 @@ class StepPipeline:
         self.recovery = Recovery()
         self.lost = LostRequests()  # owned here: what a failure or a recovery lost
         self.copies = CopyCompletion()  # the host tier's agreed copy completion
+        self.lock = CallLock()
+        # The thread rebuilding the ranks, while one does (set and cleared under ``lock``).
+        self._recovering: threading.Thread | None = None
 
     @property
     def steps_sent(self) -> int:
@@ -100,39 +107,43 @@ class StepPipeline:
 
     @contextmanager
     def batch(self) -> Iterator[None]:
-        """Group every call made inside the block into one step."""
-        self._batch_depth += 1
-        try:
-            yield
-        finally:
-            self._batch_depth -= 1
-            if self._batch_depth == 0 and self.broken is None:
-                self._send()
+        """Group every call made inside the block into one step (holding ``lock``)."""
+        with self.lock:
+            self._batch_depth += 1
+            try:
+                yield
+            finally:
+                self._batch_depth -= 1
+                if self._batch_depth == 0 and self.broken is None:
+                    self._send()
 
     def flush(self) -> None:
         """Send every closed or pending step now (waiting only for a free in-flight slot),
         so that a call that reaches the ranks next comes after them."""
-        self._check_usable()
-        self._send()
-        if self._waiting:
-            self._post()
+        with self.lock:
+            self._check_usable()
+            self._send()
+            if self._waiting:
+                self._post()
 
     def sync(self) -> None:
         """Send what is pending and wait until every rank has applied and matched it."""
-        self.flush()
-        while self._inflight:
-            self._collect_one()
+        with self.lock:
+            self.flush()
+            while self._inflight:
+                self._collect_one()
 
     # ---- steps -------------------------------------------------------------------------------
     def run(self, fn: Callable[[], _T]) -> _T:
         """Run a call (``fn`` applies it to the mirror and emits its ops); its step is
         closed unless a ``batch()`` is open."""
-        self._check_usable()
-        self._pending += self.copies.completion(self.mirror)
-        result = fn()
-        if self._batch_depth == 0 or len(self._pending) >= self.config.max_batch_ops:
-            self._send()
-        return result
+        with self.lock:
+            self._check_usable()
+            self._pending += self.copies.completion(self.mirror)
+            result = fn()
+            if self._batch_depth == 0 or len(self._pending) >= self.config.max_batch_ops:
+                self._send()
+            return result
 
     def emit(self, op: Op, expected: OpResult) -> None:
         """Log ``op`` in the pending step; every rank must answer ``expected``."""
@@ -215,7 +226,7 @@ class StepPipeline:
                 )
             c.steps_done += 1
 
-    def _fail(self, f: InFlight, exc: RankCallError) -> None:
+    def _fail(self, f: InFlight, exc: RankCallError) -> NoReturn:
         cause = exc.cause
         # The step of the message that failed: a lockstep error names it; else the first.
         at = next((s for s in f.steps if s.step == getattr(cause, "step", None)), f.steps[0])
@@ -231,27 +242,33 @@ class StepPipeline:
             RankFailure(at.step, f"rank {exc.rank} {kind}: {type(cause).__name__}: {cause}")
         )
 
-    def _break(self, err: LockstepError) -> None:
+    def _break(self, err: LockstepError) -> NoReturn:
         """Stop: every running request is lost (with ``err`` as the cause), then recover
-        if configured, and raise ``err`` (retryable) to the caller that hit it."""
+        if configured, and raise ``err`` (retryable) to the caller that hit it. With
+        ``recover_in_background`` the recovery runs on a thread of its own and ``err`` is
+        raised at once."""
         self.broken = err
         self.lost.lose(self.mirror.running_ids(), str(err))
         self._inflight.clear()
         self._waiting = []
         self._pending = []
-        if self.config.auto_recover and not self._attempt_recovery():
-            r = self.recovery
-            err.detail += (
-                f"; recovery failed ({r.last_error}); retrying in {r.backoff(self.config):g}s"
-            )
-            err.args = (f"step {err.step}: {err.detail}",)
+        if self.config.auto_recover:
+            if self.config.recover_in_background:
+                self._recover_in_background()
+            elif not self._attempt_recovery():
+                r = self.recovery
+                err.detail += (
+                    f"; recovery failed ({r.last_error}); retrying in {r.backoff(self.config):g}s"
+                )
+                err.args = (f"step {err.step}: {err.detail}",)
         raise err
 
     def _attempt_recovery(self) -> bool:
-        """One recovery attempt; on failure the next is due after the back-off."""
+        """One recovery attempt (``lock`` held); on failure the next is due after the
+        back-off."""
         r = self.recovery
         try:
-            self.recover()
+            self._rebuild()
         except Exception as exc:  # a rank that died or hung while the group re-formed
             r.failures += 1
             r.consecutive += 1
@@ -260,10 +277,32 @@ class StepPipeline:
             return False
         return True
 
+    def _recover_in_background(self) -> None:
+        """Start one recovery attempt on a thread of its own (``lock`` held), unless one
+        runs already."""
+        if self._recovering is not None:
+            return
+
+        def attempt() -> None:
+            with self.lock:
+                try:
+                    self._attempt_recovery()
+                finally:  # whatever happened, the next attempt may start
+                    self._recovering = None
+
+        self._recovering = threading.Thread(target=attempt, name="tpcache-recovery", daemon=True)
+        self._recovering.start()
+
+    @property
+    def recovering(self) -> bool:
+        """Whether the ranks are being rebuilt now (calls are refused meanwhile)."""
+        return self._recovering is not None
+
     def stop_recovery(self) -> None:
         """Stop automatic recovery attempts (a broken group stays down until ``recover()``
-        is called by hand). Changes no cache state."""
-        self.recovery.stopped = True
+        is called by hand; an attempt already running finishes). Changes no cache state."""
+        with self.lock:
+            self.recovery.stopped = True
 
     def recover(self) -> None:
         """Replace dead or hung ranks, rebuild the process group, and start every rank and
@@ -271,9 +310,20 @@ class StepPipeline:
 
         Requests that were running are lost: later calls for them raise ``RequestLost``.
         Raises what the ranks' restart raised (the group stays broken, and an automatic
-        attempt follows after the back-off unless stopped). Called by hand it also
-        restarts automatic attempts that ``stop_recovery`` stopped.
+        attempt follows after the back-off unless stopped), or ``CoordinatorUnavailable``
+        if a recovery runs already. Called by hand it also restarts automatic attempts
+        that ``stop_recovery`` stopped.
         """
+        with self.lock:
+            if self._recovering is not None:
+                raise CoordinatorUnavailable("the TP group is being recovered already")
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        """``recover``'s work, with ``lock`` held. The lock is let go while the ranks
+        restart (seconds: new processes, the group's join), so other callers are refused
+        at once (``_check_usable``) instead of waiting; nothing else touches the mirror
+        or the ranks meanwhile."""
         started = time.monotonic()
         self.recovery.stopped = False
         why = "the coordinator recovered its TP group"
@@ -281,7 +331,12 @@ class StepPipeline:
         self._inflight.clear()
         self._waiting = []
         self._pending = []
-        capacity = self.ranks.restart(self.config.probe_s)
+        self._recovering = threading.current_thread()
+        try:
+            with self.lock.released():
+                capacity = self.ranks.restart(self.config.probe_s)
+        finally:
+            self._recovering = None
         old = self.mirror
         # A host tier's copy log starts over on the ranks' new caches: so must the mirror's.
         fresh_log = old.copies_completed() == 0 and not old.copies_pending()
@@ -306,28 +361,42 @@ class StepPipeline:
     def check_health(self) -> bool:
         """Ping every rank (bounded by ``probe_s``); on a dead or hung rank, fail and
         recover as a failed step would. Returns True if all were healthy."""
-        self._check_usable()
-        if self._inflight or self._waiting or self._pending:
-            self.sync()  # a failure shows up here, and recovers
+        with self.lock:
+            self._check_usable()
+            if self._inflight or self._waiting or self._pending:
+                self.sync()  # a failure shows up here, and recovers
+                return True
+            try:
+                self.ranks.call("ping", timeout=self.config.probe_s)
+            except RankCallError as exc:
+                self.counters.rank_failures += 1
+                kind = "died" if exc.dead else "did not answer a health check"
+                self._break(RankFailure(self._next_step, f"rank {exc.rank} {kind}: {exc.cause}"))
             return True
-        try:
-            self.ranks.call("ping", timeout=self.config.probe_s)
-        except RankCallError as exc:
-            self.counters.rank_failures += 1
-            kind = "died" if exc.dead else "did not answer a health check"
-            self._break(RankFailure(self._next_step, f"rank {exc.rank} {kind}: {exc.cause}"))
-        return True
 
     def _check_usable(self) -> None:
-        """Raise ``CoordinatorUnavailable`` (retryable) while the group is broken. Where an
-        automatic recovery attempt is due, make it first: so a served coordinator (its
+        """Raise ``CoordinatorUnavailable`` (retryable) while the ranks are being rebuilt
+        or the group is broken. Where an automatic recovery attempt is due, make it first
+        (or, with ``recover_in_background``, start it): so a served coordinator (its
         health check) or any caller that retries brings a broken group back."""
+        if self._recovering is not None:
+            what = f"stopped at {self.broken}" if self.broken is not None else "is restarting"
+            raise CoordinatorUnavailable(
+                f"the TP group {what}; it is being recovered now, retry shortly"
+            )
         if self.broken is None:
             return
         r = self.recovery
         auto = self.config.auto_recover and not r.stopped
-        if auto and time.monotonic() >= r.next_at and self._attempt_recovery():
-            return
+        if auto and time.monotonic() >= r.next_at:
+            if self.config.recover_in_background:
+                self._recover_in_background()
+                raise CoordinatorUnavailable(
+                    f"the TP group stopped at {self.broken}; it is being recovered now, "
+                    "retry shortly"
+                )
+            if self._attempt_recovery():
+                return
         if not auto:
             why = "it must be recovered by hand (recover())"
         else:

@@ -142,6 +142,20 @@ class Unauthenticated(TpcacheError, RuntimeError):
     """The network frontend needs a valid token (or CURVE keys) for this request."""
 
 
+class OutcomeUnknown(TpcacheError, TimeoutError):
+    """No reply came in time: the calls may or may not have been applied, so they are
+    not to be made again as new calls. ``Client.resend(err)`` sends the same request
+    again (``message_id``, ``body``); the server applies it at most once and answers
+    what it answered the first time."""
+
+    retryable = False
+
+    def __init__(self, message: str, message_id: bytes = b"", body: bytes = b"") -> None:
+        super().__init__(message)
+        self.message_id = message_id
+        self.body = body
+
+
 _encoder = msgspec.msgpack.Encoder()
 _call_decoder = msgspec.msgpack.Decoder(Call)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)

@@ -7,8 +7,10 @@ becomes an ``ErrorReply`` naming the error type; the state is unchanged.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 
+import msgspec
 import numpy as np
 
 from tpcache.cache.errors import CacheError
@@ -39,6 +41,14 @@ from tpcache.frontend.api import (
     max_call_bytes,
 )
 from tpcache.frontend.netfront import FrontendConfig, NetFrontend
+from tpcache.frontend.owners import (
+    ClientFigures,
+    Owner,
+    bound_salt,
+    client_stats,
+    own_message,
+    scoped_id,
+)
 from tpcache.workers.lockstep import LockstepError
 
 # What a call answers as a typed error (the Ray service's own calls too), not as a crash.
@@ -61,36 +71,56 @@ def _wait_ready(coord: Coordinator, rid) -> None:
         raise CopiesNotDone(f"request {rid!r} aborted: {exc}") from None
 
 
-def dispatch(coord: Coordinator, call: Call) -> Reply:
-    """Run one call; typed errors become an ``ErrorReply``."""
+def dispatch(
+    coord: Coordinator,
+    call: Call,
+    owner: Owner | None = None,
+    figures: ClientFigures | None = None,
+) -> Reply:
+    """Run one call; typed errors become an ``ErrorReply``. With an ``owner`` its request
+    ids and cache salt are scoped to it (``owners``); with ``figures`` too, its stats are
+    its own figures and the group's health, not the whole group's."""
+    rid = getattr(call, "request_id", None)
+    scoped = rid
     try:
+        if owner is not None and rid is not None:
+            scoped = scoped_id(owner, rid)
         match call:
-            case AdmitCall(rid, tokens, priority, reserve):
-                space = make_namespace(call.lora_id, call.lora_name, call.cache_salt)
-                got = coord.admit(rid, tokens, priority, reserve, space)
-                _wait_ready(coord, rid)
+            case AdmitCall(_, tokens, priority, reserve):
+                salt = call.cache_salt if owner is None else bound_salt(owner, call.cache_salt)
+                space = make_namespace(call.lora_id, call.lora_name, salt)
+                got = coord.admit(scoped, tokens, priority, reserve, space)
+                if owner is not None and figures is not None:
+                    figures.admitted(owner, len(tokens), got.prefix_len)
+                _wait_ready(coord, scoped)
                 return AdmitReply(
-                    got.prefix_len, got.slots.tolist(), *_swa(coord, rid, got.prefix_len)
+                    got.prefix_len, got.slots.tolist(), *_swa(coord, scoped, got.prefix_len)
                 )
-            case ExtendCall(rid, n):
-                slots = coord.extend(rid, n)
-                _wait_ready(coord, rid)
-                start = coord.mirror.request_row(rid).num_tokens - slots.size
-                return SlotsReply(slots.tolist(), *_swa(coord, rid, start))
-            case CacheUnfinishedCall(rid, tokens):
-                return _cache_unfinished(coord, rid, tokens)
-            case FinishCall(rid, output):
-                return CachedReply(coord.finish(rid, output))
-            case AbortCall(rid):
-                coord.abort(rid)
+            case ExtendCall(_, n):
+                slots = coord.extend(scoped, n)
+                _wait_ready(coord, scoped)
+                start = coord.mirror.request_row(scoped).num_tokens - slots.size
+                return SlotsReply(slots.tolist(), *_swa(coord, scoped, start))
+            case CacheUnfinishedCall(_, tokens):
+                return _cache_unfinished(coord, scoped, tokens)
+            case FinishCall(_, output):
+                return CachedReply(coord.finish(scoped, output))
+            case AbortCall(_):
+                coord.abort(scoped)
                 return OkReply()
             case StatsCall():
+                if owner is not None and figures is not None:
+                    return StatsReply(client_stats(coord.stats(), figures.of(owner)))
                 return StatsReply(coord.stats())
     except REJECTED as exc:
-        return error_reply(exc)
+        err = error_reply(exc)
     except Exception as exc:  # a bug: the frontend still gets a reply, and the type's name
-        return ErrorReply(type(exc).__name__, f"internal error: {exc}")
-    return ErrorReply("BadRequest", f"unknown call {call!r}")
+        err = ErrorReply(type(exc).__name__, f"internal error: {exc}")
+    else:
+        return ErrorReply("BadRequest", f"unknown call {call!r}")
+    if scoped is not rid:
+        err = msgspec.structs.replace(err, message=own_message(err.message, scoped, rid))
+    return err
 
 
 def _swa(coord: Coordinator, rid, start: int) -> tuple[int, list[int]]:
@@ -124,16 +154,23 @@ def _cache_unfinished(coord: Coordinator, rid, tokens) -> CachedReply:
     )
 
 
-def apply_requests(coord: Coordinator, requests: list[list[Call]]) -> list[list[Reply]]:
-    """Several frontends' calls as one step, in order: one reply per call. A call the
-    cache refuses gets its own ``ErrorReply``; if the step itself fails, every call of it
-    gets the (retryable) error."""
+def apply_requests(
+    coord: Coordinator,
+    requests: list[tuple[Owner | None, list[Call]]],
+    figures: ClientFigures | None = None,
+) -> list[list[Reply]]:
+    """Several clients' calls as one step, in order: one reply per call, each call run
+    as its owner's (``dispatch``). A call the cache refuses gets its own ``ErrorReply``;
+    if the step itself fails, every call of it gets the (retryable) error."""
     try:
         with coord.batch():
-            return [[dispatch(coord, call) for call in calls] for calls in requests]
+            return [
+                [dispatch(coord, call, owner, figures) for call in calls]
+                for owner, calls in requests
+            ]
     except REJECTED as exc:
         err = error_reply(exc, retryable=True)
-        return [[err] * len(calls) for calls in requests]
+        return [[err] * len(calls) for _, calls in requests]
 
 
 def call_limit(coord: Coordinator) -> int:
@@ -141,7 +178,7 @@ def call_limit(coord: Coordinator) -> int:
     return max_call_bytes(coord.mirror.config.request_limit)
 
 
-def handle(coord: Coordinator, data: object) -> bytes:
+def handle(coord: Coordinator, data: object, owner: Owner | None = None) -> bytes:
     """One encoded call in, one encoded reply out (its ops form one step). Anything that
     is not a valid call (not bytes, malformed, larger than any valid call: refused before
     it is decoded) gets an ``ErrorReply``."""
@@ -149,10 +186,10 @@ def handle(coord: Coordinator, data: object) -> bytes:
         call = decode_call(data, call_limit(coord))
     except CacheError as exc:
         return encode(ErrorReply(type(exc).__name__, str(exc)))
-    return encode(dispatch(coord, call))
+    return encode(dispatch(coord, call, owner))
 
 
-def handle_many(coord: Coordinator, items: object) -> list[bytes]:
+def handle_many(coord: Coordinator, items: object, owner: Owner | None = None) -> list[bytes]:
     """Several encoded calls applied in order as one step; one reply each.
 
     Every item is decoded before any is applied: one that is not a valid call refuses
@@ -173,7 +210,7 @@ def handle_many(coord: Coordinator, items: object) -> list[bytes]:
     try:
         with coord.batch():
             for call in calls:
-                replies.append(encode(dispatch(coord, call)))
+                replies.append(encode(dispatch(coord, call, owner)))
     except REJECTED as exc:
         # The step itself failed to send or check: every call of it is lost.
         err = encode(error_reply(exc, retryable=True))
@@ -184,14 +221,20 @@ def handle_many(coord: Coordinator, items: object) -> list[bytes]:
 def serve_network(
     coord: Coordinator, config: FrontendConfig, lock: threading.Lock | None = None
 ) -> NetFrontend:
-    """Serve ``coord`` on the network frontend (``netfront``). The coordinator is not
-    thread-safe: while it is served, call it only under ``lock`` (the frontend's thread
-    takes it for each step). A request may carry up to 16 full-size prompts."""
-    guard = lock or threading.Lock()
+    """Serve ``coord`` on the network frontend (``netfront``); the frontend's thread holds
+    ``coord.lock`` for each step (and ``lock`` too, if given: a caller's own), so other
+    threads may call ``coord`` meanwhile. From now
+    on a failure is recovered in the background (``recover_in_background``): network
+    clients are answered ``CoordinatorUnavailable`` at once while it runs. A request may
+    carry up to 16 full-size prompts."""
+    coord.config = dataclasses.replace(coord.config, recover_in_background=True)
+    guard = contextlib.nullcontext() if lock is None else lock
 
-    def run(requests: list[list[Call]]) -> list[list[Reply]]:
-        with guard:
-            return apply_requests(coord, requests)
+    figures = ClientFigures()
+
+    def run(requests: list[tuple[Owner, list[Call]]]) -> list[list[Reply]]:
+        with guard, coord.lock:
+            return apply_requests(coord, list(requests), figures)
 
     def idle() -> None:
         with guard, contextlib.suppress(*REJECTED):

@@ -3,27 +3,45 @@ calls on a ZMQ ROUTER socket (TCP or IPC), served by one thread next to the coor
 
 Wire (the client is a DEALER; ``tpcache.client`` is one in Python):
 - request ``[id, token, body]``: ``id`` 8 bytes the client picks (echoed back), ``token``
-  the shared token or empty, ``body`` a msgpack list of calls (``api.Call``): the calls
-  of one request are applied in order, in one step;
+  the shared token, a tenant's token, or empty, ``body`` a msgpack list of calls
+  (``api.Call``): the calls of one request are applied in order, in one step;
 - reply ``[id, body]``: a msgpack list of replies (``api.Reply``), one per call.
 
 Every request that is waiting when the thread gets to work is applied in the same step,
 whoever sent it: many clients share the cost of a step. At most ``max_queue`` calls wait;
 a request beyond that is answered at once with ``ErrorReply("Busy", retryable=True)``.
-A message larger than any valid request is refused before it is decoded.
+
+Limits on what a client can make the server hold: ZMQ drops a connection that sends a
+frame larger than any valid request (``MAXMSGSIZE``) before buffering it; at most
+``RCVHWM`` requests wait per connection; a request of more than three frames is read
+one frame at a time and thrown away.
+
+Who a client is (``owners``): its credential (a tenant's token, a CURVE key where
+``curve_client_keys`` are set) and its connection's routing id. Request ids are scoped to
+it: another client's ids are unknown to it. ``tpcache.client`` sets a random 16-byte
+routing id, which no other client can guess; a client that leaves it to ZMQ gets a short
+one that another client of the same credential could claim once it has disconnected.
+A client's ``stats`` are its own figures and the group's health.
+
+Retries: a request that reaches the server a second time (the same routing id, id and
+body: a client that timed out and sends it again) is not applied again; the reply it
+got is sent again, for the last ``REPLAY_LIMIT`` requests applied.
 
 Who may connect: loopback or IPC by default. On a network address the socket is a CURVE
 server (``curve_secret_key``, optionally only ``curve_client_keys``) or requests must
-carry ``token``, or ``insecure=True`` says anyone who reaches it may drive the cache.
+carry ``token`` or a token of ``tenants``, or ``insecure=True`` says anyone who reaches
+it may drive the cache.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import hmac
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 
@@ -36,6 +54,7 @@ from tpcache.frontend.api import (
     decode_calls,
     encode_replies,
 )
+from tpcache.frontend.owners import Owner
 from tpcache.workers.netsec import (
     NetSecError,
     allow_clients,
@@ -60,6 +79,9 @@ class FrontendConfig:
     token: str | None = None  # a shared secret every request carries
     insecure: bool = False  # a network address without CURVE or a token, on purpose
     max_queue: int = 4096  # calls waiting; more get a Busy reply
+    # Tenants by name, each with a token of its own (instead of, or beside, ``token``): a
+    # tenant's cache salts key KV that only it can match, and it sees its own figures.
+    tenants: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.endpoint, str) or "://" not in self.endpoint:
@@ -77,28 +99,63 @@ class FrontendConfig:
             raise FrontendConfigError("curve_client_keys need curve_secret_key")
         if self.token is not None and (not isinstance(self.token, str) or len(self.token) < 16):
             raise FrontendConfigError("token must be a str of at least 16 characters")
+        self._check_tenants()
         if (
             isinstance(self.max_queue, bool)
             or not isinstance(self.max_queue, int)
             or self.max_queue < 1
         ):
             raise FrontendConfigError(f"max_queue must be an int >= 1, got {self.max_queue!r}")
-        guarded = self.curve_secret_key is not None or self.token is not None
+        guarded = self.curve_secret_key is not None or self.token is not None or self.tenants
         if not (endpoint_is_local(self.endpoint) or guarded or self.insecure):
             raise FrontendConfigError(
                 f"{self.endpoint!r} is reachable from the network and the API carries prompts "
-                "and changes the cache: give curve_secret_key or token, or insecure=True"
+                "and changes the cache: give curve_secret_key, token or tenants, or insecure=True"
             )
 
+    def _check_tenants(self) -> None:
+        if not isinstance(self.tenants, dict):
+            raise FrontendConfigError(
+                f"tenants must be a dict of name -> token, got {type(self.tenants).__name__}"
+            )
+        seen = {self.token}
+        for name, token in self.tenants.items():
+            if not isinstance(name, str) or not 0 < len(name) <= 64:
+                raise FrontendConfigError(f"a tenant's name must be 1 to 64 characters: {name!r}")
+            if not isinstance(token, str) or len(token) < 16:
+                raise FrontendConfigError(
+                    f"tenant {name!r}: its token must be a str of at least 16 characters"
+                )
+            if token in seen:
+                raise FrontendConfigError(f"tenant {name!r}: its token is another's too")
+            seen.add(token)
 
-Runner = Callable[[list[list[Call]]], list[list[Reply]]]
+    def credential(self, token: bytes) -> str | None:
+        """Who a request's ``token`` says it is: a tenant's name (``tenant:NAME``), "" for
+        the shared token or where none is needed, None for a token that is not valid."""
+        for name, want in self.tenants.items():
+            if hmac.compare_digest(token, want.encode()):
+                return f"tenant:{name}"
+        if self.token is not None:
+            return "" if hmac.compare_digest(token, self.token.encode()) else None
+        return None if self.tenants else ""
+
+
+Runner = Callable[[list[tuple[Owner, list[Call]]]], list[list[Reply]]]
+
+# Requests waiting per connection inside ZMQ (beyond it the client's sends wait): with
+# MAXMSGSIZE, what one connection can make the server hold.
+RCVHWM = 32
+# A request has three frames after the routing id; a longer one is thrown away.
+FRAMES = 4
 
 
 class NetFrontend:
-    """Serves ``run`` (one step for a list of requests' calls; the caller's lock and
-    coordinator inside) on ``config.endpoint``; ``idle`` runs when no request came for
-    50 ms (the coordinator's waiting steps must not wait for the next request). Bound in the constructor (a taken or bad
-    address raises ``FrontendConfigError`` at once); ``close()`` stops it."""
+    """Serves ``run`` (one step for a list of requests' calls, each with its owner; the
+    caller's lock and coordinator inside) on ``config.endpoint``; ``idle`` runs when no
+    request came for 50 ms (the coordinator's waiting steps must not wait for the next
+    request). Bound in the constructor (a taken or bad address raises
+    ``FrontendConfigError`` at once); ``close()`` stops it."""
 
     def __init__(
         self,
@@ -117,6 +174,13 @@ class NetFrontend:
         try:
             self._sock.setsockopt(zmq.LINGER, 0)
             self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            # No frame of a valid request is larger than its body (a token is short).
+            self._sock.setsockopt(zmq.MAXMSGSIZE, max(max_bytes, 4096))
+            self._sock.setsockopt(zmq.RCVHWM, RCVHWM)
+            # A client that went away without closing is noticed, so its routing id is
+            # free again for its reconnect (the server keeps the first connection of an id).
+            self._sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
+            self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
             if config.curve_client_keys:
                 allow_clients(self._ctx, config.curve_client_keys)
                 self._zap = True
@@ -128,11 +192,13 @@ class NetFrontend:
             raise FrontendConfigError(f"cannot listen on {config.endpoint!r}: {exc}") from None
         self.endpoint: str = self._sock.get(zmq.LAST_ENDPOINT).decode()
         self._stop = threading.Event()
+        self._replies = RecentReplies()  # the serving thread's only
         # Counters, written by the serving thread only.
         self.requests = 0
         self.steps = 0
         self.busy = 0
         self.refused = 0  # bad token or malformed
+        self.resent = 0  # requests answered again from RecentReplies
         self._thread = threading.Thread(target=self._serve, name="tpcache-frontend", daemon=True)
         self._thread.start()
 
@@ -156,35 +222,74 @@ class NetFrontend:
             if not self._sock.poll(50):
                 self._idle()
                 continue
-            batch: list[tuple[list[bytes], list[Call]]] = []
+            batch: list[_Request] = []
+            again: list[tuple[list[bytes], bytes]] = []  # repeats of a request in ``batch``
+            keys: dict[bytes, int] = {}
             waiting = 0
             while True:
-                try:
-                    frames = self._sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
+                got = self._recv()
+                if got is None:
                     break
-                got = self._take(frames, waiting)
-                if got is not None:
-                    batch.append(got)
-                    waiting += len(got[1])
+                req = self._take(*got, waiting)
+                if req is None:
+                    continue
+                if req.key in keys:  # sent again before the first was applied
+                    again.append((req.head, req.key))
+                    continue
+                keys[req.key] = len(batch)
+                batch.append(req)
+                waiting += len(req.calls)
             if batch:
-                replies = self._run([calls for _, calls in batch])
+                replies = self._run([(r.owner, r.calls) for r in batch])
                 self.steps += 1
-                for (head, _), out in zip(batch, replies, strict=True):
-                    self._reply(head, out)
+                for req, out in zip(batch, replies, strict=True):
+                    body = encode_replies(out)
+                    self._replies.keep(req.key, body)
+                    self._send(req.head, body)
+                for head, key in again:
+                    self.resent += 1
+                    self._send(head, self._replies.get(key) or b"")
 
-    def _take(self, frames: list[bytes], waiting: int) -> tuple[list[bytes], list[Call]] | None:
-        """A request's (reply head, calls), or None when it was answered here (bad token,
-        malformed, no room)."""
-        if len(frames) != 4 or len(frames[1]) != 8:
+    def _recv(self) -> tuple[list[bytes], str] | None:
+        """The next message's first ``FRAMES`` frames and the CURVE key it came with (""
+        without client keys), or None when none waits. Frames beyond those are read and
+        dropped one by one, so a message of many frames is never held whole."""
+        try:
+            first = self._sock.recv(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        user = ""
+        if self._zap:
+            with contextlib.suppress(zmq.ZMQError, KeyError):
+                user = first.get("User-Id") or ""
+        frames = [first.bytes]
+        while self._sock.getsockopt(zmq.RCVMORE):
+            part = self._sock.recv()
+            if len(frames) <= FRAMES:
+                frames.append(part)
+        return frames, user
+
+    def _take(self, frames: list[bytes], user: str, waiting: int) -> _Request | None:
+        """A request to apply, or None when it was answered here (bad token, malformed,
+        no room, or applied already: its reply is sent again)."""
+        if len(frames) != FRAMES or len(frames[1]) != 8:
             self.refused += 1
             return None  # not this protocol: no reply (there is no id to answer to)
         self.requests += 1
         head = frames[:2]
-        want = self.config.token
-        if want is not None and not hmac.compare_digest(frames[2], want.encode()):
+        credential = self.config.credential(frames[2])
+        if credential is None:
             self.refused += 1
             self._reply(head, [ErrorReply("Unauthenticated", "a valid token is required")])
+            return None
+        if not credential and user:
+            credential = f"curve:{user}"
+        owner = owner_of(credential, frames[0])
+        key = _request_key(owner, frames[1], frames[3])
+        done = self._replies.get(key)
+        if done is not None:
+            self.resent += 1
+            self._send(head, done)
             return None
         try:
             calls = decode_calls(frames[3], self._max_bytes)
@@ -197,12 +302,63 @@ class NetFrontend:
             err = ErrorReply("Busy", f"more than {self.config.max_queue} calls waiting", True)
             self._reply(head, [err] * len(calls))
             return None
-        return head, calls
+        return _Request(head, owner, calls, key)
 
     def _reply(self, head: list[bytes], replies: list[Reply]) -> None:
+        self._send(head, encode_replies(replies))
+
+    def _send(self, head: list[bytes], body: bytes) -> None:
         # A client that is gone (or not reading) has no one to take its reply.
         with contextlib.suppress(zmq.ZMQError):
-            self._sock.send_multipart([*head, encode_replies(replies)], zmq.NOBLOCK)
+            self._sock.send_multipart([*head, body], zmq.NOBLOCK)
 
 
-__all__ = ["FrontendConfig", "FrontendConfigError", "NetFrontend"]
+@dataclass
+class _Request:
+    head: list[bytes]  # routing id and request id: what the reply is sent back with
+    owner: Owner
+    calls: list[Call]
+    key: bytes  # _request_key: the same for the same request sent again
+
+
+def owner_of(credential: str, routing_id: bytes) -> Owner:
+    """The owner of a request sent with ``credential`` (``FrontendConfig.credential``)
+    from the connection with ``routing_id`` (a ``tpcache.client.Client``'s ``session``)."""
+    c = credential.encode("utf-8", "surrogatepass")
+    return Owner(len(c).to_bytes(2, "big") + c + routing_id, credential)
+
+
+def _request_key(owner: Owner, request_id: bytes, body: bytes) -> bytes:
+    """Who sent it, its id, and a hash of its body: a client that reuses an id for
+    another request gets that request applied, not the old reply."""
+    h = hashlib.blake2b(body, digest_size=16).digest()
+    return len(owner.key).to_bytes(2, "big") + owner.key + request_id + h
+
+
+class RecentReplies:
+    """The replies to the last requests applied, by ``_request_key``: a request sent
+    again gets its reply again instead of being applied twice. Bounded in count and in
+    bytes; the oldest go first."""
+
+    LIMIT = 4096
+    LIMIT_BYTES = 64 << 20
+
+    def __init__(self) -> None:
+        self._by_key: OrderedDict[bytes, bytes] = OrderedDict()
+        self._bytes = 0
+
+    def keep(self, key: bytes, body: bytes) -> None:
+        old = self._by_key.pop(key, None)
+        if old is not None:
+            self._bytes -= len(old)
+        self._by_key[key] = body
+        self._bytes += len(body)
+        while len(self._by_key) > self.LIMIT or self._bytes > self.LIMIT_BYTES:
+            _, gone = self._by_key.popitem(last=False)
+            self._bytes -= len(gone)
+
+    def get(self, key: bytes) -> bytes | None:
+        return self._by_key.get(key)
+
+
+__all__ = ["FrontendConfig", "FrontendConfigError", "NetFrontend", "owner_of"]

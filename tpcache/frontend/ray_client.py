@@ -15,6 +15,7 @@ the coordinator raised.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -58,7 +59,8 @@ class Admitted:
 class Client(RequestCalls[Admitted, np.ndarray, int, None]):
     """A frontend's handle on a served coordinator: the coordinator's calls over encoded
     messages (``admit`` returns an ``Admitted``); errors come back as the same typed
-    exceptions. Thread-safe as far as the actor is: each call is one actor call.
+    exceptions. Thread-safe as far as the actor is: each call is one actor call. Its
+    request ids are its own: another client's ids are unknown to it (``owners``).
 
     While the coordinator's actor restarts (its process died; Ray starts it again), Ray
     answers with its own errors: they become ``CoordinatorUnavailable`` (retryable). Calls
@@ -70,6 +72,8 @@ class Client(RequestCalls[Admitted, np.ndarray, int, None]):
     def __init__(self, actor: Any, retry_s: float = 30.0) -> None:
         self.actor = actor
         self.retry_s = retry_s
+        # Scopes this client's request ids: another client's ids are unknown to it.
+        self._session = os.urandom(16)
 
     # ---- transport -------------------------------------------------------------------------
     def _get(self, ref: Any) -> Any:
@@ -100,7 +104,8 @@ class Client(RequestCalls[Admitted, np.ndarray, int, None]):
         return value
 
     def _send(self, call: api.Call, reply_type: type[api.Reply] | None) -> Any:
-        reply = api.decode_reply(self._get(self.actor.call.remote(api.encode(call))))
+        data = self._get(self.actor.call.remote(api.encode(call), self._session))
+        reply = api.decode_reply(data)
         return _converted(reply, reply_type)
 
     @contextmanager
@@ -113,7 +118,8 @@ class Client(RequestCalls[Admitted, np.ndarray, int, None]):
         b = Batch(_converted)
         yield b
         if b.calls:
-            replies = self._get(self.actor.calls.remote([api.encode(c) for c in b.calls]))
+            items = [api.encode(c) for c in b.calls]
+            replies = self._get(self.actor.calls.remote(items, self._session))
             b.settle([api.decode_reply(data) for data in replies])
 
     # ---- the whole cache -------------------------------------------------------------------

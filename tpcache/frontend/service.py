@@ -9,6 +9,7 @@ frontend on any node of the cluster reaches it with ``connect(name, namespace)``
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import threading
 import time
@@ -19,10 +20,12 @@ import ray
 
 from tpcache.coordinator.build import Endpoints, GroupConfig, build_coordinator
 from tpcache.coordinator.core import Coordinator
+from tpcache.coordinator.errors import CoordinatorUnavailable
 from tpcache.coordinator.ranks import RayRanks
 from tpcache.errors import TpcacheError
 from tpcache.frontend import api
 from tpcache.frontend.frontend import REJECTED, handle, handle_many
+from tpcache.frontend.owners import Owner
 from tpcache.frontend.ray_client import DEFAULT_NAMESPACE, Client, connect
 from tpcache.workers.rank import RankWorker
 
@@ -85,12 +88,13 @@ class CoordinatorService:
 
     A background thread checks the ranks' health every ``health_interval_s`` so a rank
     that dies while the group is idle is noticed (and replaced) within a few seconds.
-    Every entry point holds one lock: the coordinator itself is single-threaded.
+    Every entry point holds the coordinator's lock (``Coordinator.lock``). A failure is
+    recovered on a thread of its own: meanwhile calls are answered at once with
+    ``CoordinatorUnavailable``, and ``stats()`` answers too.
     """
 
     def __init__(self, config: GroupConfig, health_interval_s: float = 2.0) -> None:
         self.config = config
-        self._lock = threading.Lock()
         self._stop = threading.Event()
         restarted = False
         with contextlib.suppress(Exception):  # not inside an actor: no restart to detect
@@ -111,6 +115,7 @@ class CoordinatorService:
         # group's start-up) is left out of the collector's scans, as on the ranks
         # (RankWorker.serve_steps), so a full collection does not stall the steps.
         gc.freeze()
+        self.coord.config = dataclasses.replace(self.coord.config, recover_in_background=True)
         if restarted:
             self.coord.restart_note = (
                 f"the coordinator restarted at {time.strftime('%Y-%m-%d %H:%M:%S')}"
@@ -126,19 +131,21 @@ class CoordinatorService:
 
     def _watch(self, interval: float) -> None:
         while not self._stop.wait(interval):
-            with self._lock, contextlib.suppress(Exception):  # errors reach frontends
+            with contextlib.suppress(Exception):  # errors reach frontends
                 self.coord.check_health()
 
     def _locked(self, fn: Callable[..., _T], *args: Any) -> _T:
         """``fn(*args)``, holding the lock (as every entry point does)."""
-        with self._lock:
+        with self.coord.lock:
             return fn(*args)
 
-    def call(self, data: bytes) -> bytes:
-        return self._locked(handle, self.coord, data)
+    def call(self, data: bytes, session: bytes | None = None) -> bytes:
+        """One encoded call; ``session``: the calling client's id (``ray_client``), which
+        scopes its request ids (``owners``); None: unscoped ids."""
+        return self._locked(handle, self.coord, data, _owner(session))
 
-    def calls(self, items: list[bytes]) -> list[bytes]:
-        return self._locked(handle_many, self.coord, items)
+    def calls(self, items: list[bytes], session: bytes | None = None) -> list[bytes]:
+        return self._locked(handle_many, self.coord, items, _owner(session))
 
     def sync(self) -> None:
         self._locked(self.coord.sync)
@@ -156,22 +163,25 @@ class CoordinatorService:
         return self._answer(self.coord.reset)
 
     def _answer(self, fn: Callable[[], Any]) -> tuple[Any, bytes | None]:
-        with self._lock:
+        with self.coord.lock:
             try:
                 return fn(), None
             except REJECTED as exc:  # a typed error, as the frontend answers it
                 return None, api.encode(api.error_reply(exc))
 
     def rank_digests(self) -> list[int]:
-        with self._lock:
+        with self.coord.lock:
             self.coord.sync()
             return list(self.coord.ranks.call("digest"))
 
     def rank_pids(self) -> list[int]:
-        return list(self._locked(self.coord.ranks.call, "pid"))
+        with self.coord.lock:
+            if self.coord.steps.recovering:  # the ranks are being replaced
+                raise CoordinatorUnavailable("the TP group is being recovered; retry shortly")
+            return list(self.coord.ranks.call("pid"))
 
     def stats(self) -> dict[str, Any]:
-        return self._locked(self.coord.stats)
+        return self.coord.stats()
 
     def recover(self) -> None:
         """Rebuild the group now (by hand), and restart automatic recovery attempts."""
@@ -185,8 +195,16 @@ class CoordinatorService:
         """Stop the health check, the ranks and the endpoints (the actor stays)."""
         self._stop.set()
         if self.start_error is None:
-            with self._lock:
-                self.coord.close()
+            self.coord.close()
+
+
+def _owner(session: object) -> Owner | None:
+    """A Ray client's session as the owner of its requests (None: unscoped)."""
+    if session is None:
+        return None
+    if not isinstance(session, bytes) or not 8 <= len(session) <= 64:
+        raise api.BadRequest("a session must be 8 to 64 bytes")
+    return Owner(b"ray:" + session)
 
 
 def serve(
