@@ -208,3 +208,20 @@ def test_a_served_group_recovers_in_the_background(group) -> None:
         front.close()
     group.sync()
     assert group.ranks.call("digest") == [group.mirror.digest()] * 2
+
+
+@pytest.mark.slow
+def test_a_served_group_with_scrapers_soaks_clean() -> None:
+    """scripts/soak_scrapers.py for 60 s (its default run is 5 minutes): a served TP=2
+    group under load, three Prometheus scrapers flat-out; it exits non-zero on any
+    divergence, rank failure or recovery."""
+    import os
+    import subprocess
+
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "soak_scrapers.py")
+    out = subprocess.run(
+        [sys.executable, script, "--seconds", "60"], capture_output=True, text=True, timeout=600
+    )
+    print(out.stdout)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert "divergences: 0, rank failures: 0, recoveries: 0" in out.stdout
