@@ -66,7 +66,7 @@ class EngineCounters:
 class ModelEngine:
     """Prefill (whole or chunked) and decode of requests on a coordinator's TP group.
 
-    Not thread-safe (the coordinator is not). Each method changes the cache through the
+    Not thread-safe (one caller drives the loop). Each method changes the cache through the
     coordinator and the pools through the ranks; it raises the coordinator's typed
     errors before anything is sent, and ``RankCallError`` (cause ``ForwardError``) if the
     ranks refuse a forward.
