@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +38,8 @@ class DrillWorker(RankWorker):
         super().__init__(*args, **kwargs)
         # step -> (kind, arg), the drills planted on this rank; cleared at every restart.
         self._faults: dict[int, tuple[str, float]] = {}
+        # The next join's drill (see fail_next_join): (wait_s, tell), or None.
+        self._join_drill: tuple[float, bool] | None = None
 
     def read_kv(self, layer: int, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """K and V of ``layer`` at ``slots`` of this rank's shard, as float32 arrays."""
@@ -78,6 +82,35 @@ class DrillWorker(RankWorker):
         for layer in range(self.spec.pool.num_layers):
             k, v = expected_token_kv(self.spec.pool, self.rank, layer, tokens)
             pool.write(layer, slots, k.to(self.device), v.to(self.device))
+
+    def fail_next_join(self, wait_s: float = 0.5, tell: bool = True) -> None:
+        """This rank's next join fails for real: it waits ``wait_s`` alone at a rendezvous
+        of its own that no peer comes to, then raises the product's GroupError, with
+        torch's process-wide group state as any failed join leaves it. ``tell`` False:
+        ``health`` does not report it (a rank whose word cannot be had), so only the
+        coordinator's own reading of the failed call can find it."""
+        self._join_drill = (wait_s, tell)
+
+    def report_unfit(self, why: str) -> None:
+        """From now on this rank says it cannot join a group again (``RankWorker.unfit``),
+        as after a failed leave, though nothing here failed."""
+        self.unfit = why
+
+    def join(self, master_addr: str, master_port: int, store_path: str | None = None) -> str:
+        drill, self._join_drill = self._join_drill, None
+        if drill is None:
+            return super().join(master_addr, master_port, store_path)
+        wait_s, tell = drill
+        alone = tempfile.mkdtemp(prefix="tpcache-drill-")
+        spec = self.spec
+        self.spec = dataclasses.replace(spec, join_timeout_s=wait_s)
+        try:
+            return super().join("127.0.0.1", 1, os.path.join(alone, "store"))
+        finally:
+            self.spec = spec
+            shutil.rmtree(alone, ignore_errors=True)
+            if not tell:
+                self.unfit = None
 
     def attach_and_setup(self, group: Any) -> int:
         self._faults.clear()

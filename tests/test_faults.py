@@ -18,6 +18,7 @@ from tpcache.cache import errors
 from tpcache.cache.radix import RadixCache
 from tpcache.cli import build_parser
 from tpcache.coordinator.core import CoordinatorConfig
+from tpcache.coordinator.step_types import RankCallError
 from tpcache.events.event_config import EventConfig
 from tpcache.frontend import api
 from tpcache.frontend.api import CoordinatorUnavailable, RequestLost
@@ -500,3 +501,70 @@ def test_a_served_coordinator_comes_back_after_two_ranks_die(ray_cluster):
     finally:
         ray.get(actor.shutdown.remote())
         ray.kill(actor, no_restart=True)
+
+
+@pytest.mark.parametrize("tell", [True, False], ids=["rank-reports-it", "call-error-only"])
+def test_a_rank_whose_join_failed_is_replaced_at_the_next_recovery(ray_cluster, tell):
+    """A double fault: rank 0 dies, and in the recovery that follows rank 1's join fails
+    (for real: alone at a rendezvous nobody comes to). A failed join leaves torch's
+    process-wide group state advanced, so that process never meets a fresh peer again:
+    the next recovery used to keep rank 1 (it answers its health check, and joins
+    nothing) and every attempt from then on waited out the join timeout. It must be
+    replaced, whether the rank reports it (``tell``) or only its failed call shows it."""
+    cfg = config(
+        join_timeout_s=30.0,  # what a kept rank 1 would cost each attempt
+        coordinator=CoordinatorConfig(auto_recover=False),
+    )
+    coord = start_group(cfg, worker_cls=DrillWorker)
+    try:
+        coord.admit("held", list(range(1, 40)))
+        coord.sync()
+        pids = coord.ranks.call("pid")
+        coord.ranks.call_on(1, "fail_next_join", 0.5, tell)
+        _kill_pid(pids[0])
+        wait_gone(pids[0])
+        with pytest.raises(RankFailure, match="rank 0"):
+            coord.check_health()
+        with pytest.raises(RankCallError, match="rank 1: GroupError: init of gloo group failed"):
+            coord.recover()  # rank 0 replaced; rank 1 kept, and its join fails
+        assert coord.stats()["replaced_ranks"] == 1
+        t = time.monotonic()
+        coord.recover()
+        took = time.monotonic() - t
+        print(f"recovered in {took:.1f}s after the failed join (join timeout 30s)")
+        st = coord.stats()
+        # Rank 0 twice (killed; then its replacement, still joining the failed attempt's
+        # group) and rank 1 once, for its failed join.
+        assert st["broken"] is None and st["replaced_ranks"] == 3
+        new = coord.ranks.call("pid")
+        assert not set(new) & set(pids), (pids, new)
+        with pytest.raises(RequestLost):
+            coord.finish("held")
+        check_fresh_group_works(coord)
+    finally:
+        coord.close()
+
+
+def test_a_rank_that_reports_itself_unfit_is_replaced(ray_cluster):
+    """A rank's own word that it cannot join a group again (``RankWorker.unfit``: a failed
+    join, a failed leave, a step loop that would not stop) is enough: the next recovery
+    replaces it although every call it was given succeeded."""
+    coord = start_group(config(), worker_cls=DrillWorker)
+    try:
+        pids = coord.ranks.call("pid")
+        coord.ranks.call_on(0, "report_unfit", "a planted reason")
+        _, _, why = ray_get_health(coord, 0)
+        assert why == "a planted reason"
+        coord.recover()
+        assert coord.stats()["replaced_ranks"] == 1
+        new = coord.ranks.call("pid")
+        assert new[0] != pids[0] and new[1] == pids[1], (pids, new)
+        check_fresh_group_works(coord)
+    finally:
+        coord.close()
+
+
+def ray_get_health(coord, rank: int):
+    import ray
+
+    return ray.get(coord.ranks.actors[rank].health.remote(), timeout=30)

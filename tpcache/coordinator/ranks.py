@@ -198,27 +198,26 @@ class RayRanks:
     def restart(self, probe_s: float = 2.0) -> int:
         """Replace every rank that is dead, does not answer within ``probe_s``, whose step
         loop has been busy with one message longer than ``probe_s`` (hung in a step: its
-        peers' collectives timed out and they are idle again), or that is still joining a
-        group an earlier failed attempt formed; have all ranks form a
-        new group and a new step channel, and agree the capacity again. The new ranks and
-        the survivors all start with an empty cache. Returns the capacity."""
+        peers' collectives timed out and they are idle again), that is still joining a
+        group an earlier failed attempt formed, or whose join of that group failed; have
+        all ranks form a new group and a new step channel, and agree the capacity again.
+        The new ranks and the survivors all start with an empty cache. Returns the
+        capacity. Raises what forming the new group raised (``RankCallError`` naming the
+        rank that failed first); the next call replaces the ranks that failed in it."""
         self._close_path()
-        # A rank whose join of an earlier attempt has not returned is replaced whatever
-        # its health says: that call may not have started yet (a new actor still
-        # starting, health answered first), and would then join the old group while the
-        # new one waits for it.
-        joins = self._joins
-        joined, _ = ray.wait(joins, num_returns=len(joins), timeout=0) if joins else ([], [])
-        stale = {rank for rank, ref in enumerate(joins) if ref not in set(joined)}
+        unfit = self._unfit_joins()
+        self._joins = []  # those ranks are replaced below; the others have none in hand
         refs = [a.health.remote() for a in self.actors]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=probe_s)
         done = set(ready)
         for rank, ref in enumerate(refs):
             healthy = False
-            if ref in done and rank not in stale:
+            if ref in done and rank not in unfit:
                 with contextlib.suppress(Exception):
-                    got, busy_s, joining = ray.get(ref, timeout=0)
-                    healthy = got == rank and busy_s < probe_s and not joining
+                    got, busy_s, why_not = ray.get(ref, timeout=0)
+                    # ``why_not``: a join in hand, or this process's own word that its
+                    # torch.distributed state cannot form a group again (a failed join).
+                    healthy = got == rank and busy_s < probe_s and why_not is None
             if not healthy:
                 with contextlib.suppress(Exception):
                     ray.kill(self.actors[rank], no_restart=True)
@@ -227,6 +226,28 @@ class RayRanks:
         self.capacity = self._form_group("rejoin")
         self._open_path()
         return self.capacity
+
+    def _unfit_joins(self) -> set[int]:
+        """The ranks whose call in the last group formation has not returned, or returned
+        an error. Not returned: the call may not have started yet (a new actor still
+        starting, its health answered first) and would then join the old group while the
+        new one waits for it. An error: a failed join leaves torch's process-wide group
+        state unusable for the next one (``RankWorker.unfit``), whatever the rank says."""
+        joins = self._joins
+        if not joins:
+            return set()
+        finished, _ = ray.wait(joins, num_returns=len(joins), timeout=0)
+        returned = set(finished)
+        unfit = set()
+        for rank, ref in enumerate(joins):
+            if ref not in returned:
+                unfit.add(rank)
+                continue
+            try:
+                ray.get(ref, timeout=0)
+            except Exception:  # whatever failed: the join, setup, or the actor itself
+                unfit.add(rank)
+        return unfit
 
     # ---- life ---------------------------------------------------------------------------
     def close(self) -> None:

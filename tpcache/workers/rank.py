@@ -7,7 +7,6 @@ of the cache state machine, and its process group. It applies steps in order thr
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import time
@@ -21,7 +20,8 @@ from tpcache.workers.channel import serve as serve_channel
 from tpcache.workers.copysync import RankCopies, agree_pools
 from tpcache.workers.errors import LockstepError
 from tpcache.workers.group import TPGroup
-from tpcache.workers.group_spec import GroupSpec, StoreDir, free_port, node_ip
+from tpcache.workers.group_join import first_line
+from tpcache.workers.group_spec import GroupError, GroupSpec, StoreDir, free_port, node_ip
 from tpcache.workers.kvpool import (
     KVPool,
     rank_device,
@@ -66,6 +66,12 @@ class RankWorker:
         self._store = StoreDir()  # local_store's directory (rank 0 of one node)
         self._loop: RankLoop | None = None  # the step channel's loop, while it runs
         self._joining_since: float | None = None  # a join_and_setup in hand since then
+        # Why this process can join no group again, or None. torch.distributed keeps
+        # process-wide state (the counter its groups are named by, so the keys they meet
+        # under in the store) that a failed join, or a failed leave, leaves advanced or
+        # half torn down: a fresh peer then never meets this rank. Set here, never
+        # cleared: only a new process starts clean.
+        self.unfit: str | None = None
         self._gc_frozen = False  # serve_steps froze the process's objects (gc.freeze)
 
     # ---- start-up ---------------------------------------------------------------------
@@ -80,7 +86,16 @@ class RankWorker:
 
     def join(self, master_addr: str, master_port: int, store_path: str | None = None) -> str:
         """Join the TP process group (blocks until every rank joins, or ``join_timeout_s``).
-        ``store_path``: every rank is on this node; meet through that file, over loopback."""
+        ``store_path``: every rank is on this node; meet through that file, over loopback.
+
+        Raises GroupError if the group does not form; this process is then ``unfit`` for
+        good, and a later join raises GroupError at once (rather than wait out the join
+        timeout at a rendezvous its peers cannot complete with it)."""
+        if self.unfit is not None:
+            raise GroupError(
+                f"rank {self.rank} cannot join a group again in this process: {self.unfit};"
+                " a new process must take its place"
+            )
         spec = GroupSpec(
             rank=self.rank,
             world_size=self.spec.pool.tp,
@@ -91,7 +106,11 @@ class RankWorker:
             join_timeout_s=self.spec.join_timeout_s,
             store_path=store_path,
         )
-        self.group = TPGroup.init(spec, self.device)
+        try:
+            self.group = TPGroup.init(spec, self.device)
+        except Exception as exc:
+            self.unfit = f"its join failed ({first_line(exc)})"
+            raise
         return self.group.backend
 
     def setup(self) -> int:
@@ -154,8 +173,15 @@ class RankWorker:
 
     def rejoin(self, master_addr: str, master_port: int, store_path: str | None = None) -> int:
         """Leave the current (possibly broken) group, join a new one and start over with an
-        empty cache and a fresh pool. Collective over the new group."""
-        self.stop_steps(self.spec.timeout_s + 5.0)  # the old channel's loop goes first
+        empty cache and a fresh pool. Collective over the new group.
+
+        Raises GroupError, leaving the old group alone and this process ``unfit``, if the
+        old channel's loop is still in a step after ``timeout_s`` + 5 s: a group torn down
+        or replaced under a collective in flight cannot be trusted."""
+        wait_s = self.spec.timeout_s + 5.0
+        if not self.stop_steps(wait_s):  # the old channel's loop goes first
+            self.unfit = f"its step loop was still in a step {wait_s:g}s after it was asked to stop"
+            raise GroupError(f"rank {self.rank} cannot rejoin: {self.unfit}")
         self._leave_group()  # not shutdown(): the new group's store may be in this dir
         self.pool = None
         self.cache = None
@@ -212,13 +238,17 @@ class RankWorker:
         loop.stop.set()
         return loop.done.wait(timeout)
 
-    def health(self) -> tuple[int, float, bool]:
+    def health(self) -> tuple[int, float, str | None]:
         """(rank, seconds the channel loop has been busy with its message (0 when idle),
-        whether a group join is in hand). Answered on a thread of its own under Ray: a
-        rank stuck in a step shows as busy; one still joining a failed recovery's group
-        must be replaced (a join cannot be called off)."""
+        why this rank cannot join a new group: a join in hand, or ``unfit``; None when it
+        can). Answered on a thread of its own under Ray: a rank stuck in a step shows as
+        busy; one still joining a failed recovery's group must be replaced (a join cannot
+        be called off), and so must one whose join failed (see ``unfit``). Changes nothing."""
         busy = self._loop.busy_s() if self._loop is not None else 0.0
-        return self.rank, busy, self._joining_since is not None
+        since = self._joining_since
+        if since is not None:
+            return self.rank, busy, f"a join in hand for {time.monotonic() - since:.1f}s"
+        return self.rank, busy, self.unfit
 
     def apply_steps(self, steps: list[bytes]) -> list[bytes]:
         """Apply encoded steps in order (one coalesced message); their results, in order.
@@ -337,8 +367,11 @@ class RankWorker:
 
     def _leave_group(self) -> None:
         if self.group is not None:
-            with contextlib.suppress(Exception):
+            try:
                 self.group.destroy()
+            except Exception as exc:  # a broken group may not even tear down cleanly
+                # What torch had of it may be half gone: no later join can trust it.
+                self.unfit = self.unfit or f"leaving its group failed ({first_line(exc)})"
             self.group = None
 
     def _cache(self) -> Cache:
