@@ -225,3 +225,30 @@ def test_a_served_group_with_scrapers_soaks_clean() -> None:
     print(out.stdout)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     assert "divergences: 0, rank failures: 0, recoveries: 0" in out.stdout
+
+
+def test_closing_during_a_recovery_stops_what_it_started() -> None:
+    """close() while the ranks restart (the lock is free then): the rebuild, once back,
+    closes the ranks it started instead of bringing the group up under a closed
+    coordinator."""
+    coord = start_local_group(config())
+    undo = _slow_restarts(coord, 1.0)
+    failed: list[BaseException] = []
+
+    def recover() -> None:
+        try:
+            coord.recover()
+        except BaseException as exc:
+            failed.append(exc)
+
+    t = threading.Thread(target=recover)
+    t.start()
+    time.sleep(0.3)
+    coord.close()
+    t.join(30)
+    undo()
+    assert failed and isinstance(failed[0], CoordinatorUnavailable), failed
+    assert "closed" in str(failed[0])
+    for rank in coord.ranks.ranks:  # every rank thread the restart started has ended
+        rank.thread.join(10)
+        assert not rank.thread.is_alive()

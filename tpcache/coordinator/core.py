@@ -356,6 +356,7 @@ class Coordinator:
                 self.lock.release()
 
     def _close(self) -> None:
+        self.steps.closed = True
         self.ranks.close()
         for obs in self.observers:
             close = getattr(obs, "close", None)

@@ -92,6 +92,7 @@ class StepPipeline:
         self.lock = CallLock()
         # The thread rebuilding the ranks, while one does (set and cleared under ``lock``).
         self._recovering: threading.Thread | None = None
+        self.closed = False  # set by the coordinator's close(): a rebuild then stops
 
     @property
     def steps_sent(self) -> int:
@@ -335,8 +336,14 @@ class StepPipeline:
         try:
             with self.lock.released():
                 capacity = self.ranks.restart(self.config.probe_s)
+        except Exception:
+            if not self.closed:
+                raise
         finally:
             self._recovering = None
+        if self.closed:  # closed while the ranks restarted: stop what the restart started
+            self.ranks.close()
+            raise CoordinatorUnavailable("the coordinator was closed during a recovery")
         old = self.mirror
         # A host tier's copy log starts over on the ranks' new caches: so must the mirror's.
         fresh_log = old.copies_completed() == 0 and not old.copies_pending()
