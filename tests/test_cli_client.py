@@ -96,6 +96,11 @@ def test_the_client_offers_what_the_readme_says(ray_cluster) -> None:
         assert c.admit("d", prompt).prefix_len == 0  # reset dropped the cache ...
         with pytest.raises(UnknownRequest):
             c.finish("running")  # ... and the running requests
+        other = tpcache.connect("cli-client", NS)  # another client: its own request ids
+        with pytest.raises(UnknownRequest, match=r"^no running request 'd'$"):
+            other.finish("d")
+        other.admit("d", [5, 6, 7])  # the same id, its own request
+        other.abort("d")
         c.finish("d")
         digests = ray_cluster.get(actor.rank_digests.remote())
         assert len(set(digests)) == 1 and c.stats()["divergences"] == 0

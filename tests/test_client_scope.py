@@ -139,9 +139,7 @@ def test_tenants_salts_are_bound_to_their_token(coord) -> None:
     front = serve_network(coord, cfg)
     prompt = list(range(200, 240))
     try:
-        with Client(front.endpoint, token=TOKEN_A) as a, Client(
-            front.endpoint, token=TOKEN_B
-        ) as b:
+        with Client(front.endpoint, token=TOKEN_A) as a, Client(front.endpoint, token=TOKEN_B) as b:
             a.admit("p", prompt, cache_salt="secret")
             a.finish("p")
             # B guessed A's salt: its KV is still apart from A's.
@@ -199,6 +197,8 @@ def test_a_timed_out_call_is_not_applied_twice(coord, front) -> None:
         assert coord.mirror.request_row(known_as).num_tokens == 9 + 1 + 1  # each extend once
         assert front.resent == 3
         c.abort("r")
+        with pytest.raises(api.BadRequest, match="resend takes"):
+            c.resend(TimeoutError("not ours"))  # type: ignore[arg-type]
 
 
 def test_a_request_refused_whole_is_a_typed_error_in_a_batch(coord) -> None:

@@ -252,3 +252,12 @@ def test_closing_during_a_recovery_stops_what_it_started() -> None:
     for rank in coord.ranks.ranks:  # every rank thread the restart started has ended
         rank.thread.join(10)
         assert not rank.thread.is_alive()
+
+
+def test_recovery_flags_must_be_bools() -> None:
+    from tpcache.coordinator.errors import CoordinatorConfigError
+    from tpcache.coordinator.step_types import CoordinatorConfig
+
+    for field in ("recover_in_background", "auto_recover"):
+        with pytest.raises(CoordinatorConfigError, match=field):
+            CoordinatorConfig(**{field: "yes"})

@@ -93,6 +93,8 @@ class Client(RequestCalls[api.AdmitReply, api.SlotsReply, api.CachedReply, None]
         request, which the server applies only if it never got it, and answers from
         memory otherwise (for its last few thousand requests). Raises ``OutcomeUnknown``
         again if there is still no reply."""
+        if not isinstance(err, api.OutcomeUnknown) or not err.body:
+            raise api.BadRequest("resend takes the OutcomeUnknown a call of this client raised")
         n = len(api.decode_calls(err.body, len(err.body)))
         return self._exchange(err.message_id, err.body, n)
 

@@ -102,8 +102,7 @@ class CoordinatorConfig:
         for name in ("auto_recover", "recover_in_background"):
             if not isinstance(getattr(self, name), bool):
                 raise CoordinatorConfigError(
-                    f"coordinator config: {name} must be True or False, "
-                    f"got {getattr(self, name)!r}"
+                    f"coordinator config: {name} must be True or False, got {getattr(self, name)!r}"
                 )
         for name in ("step_timeout_s", "probe_s", "recovery_backoff_s", "recovery_backoff_max_s"):
             v = getattr(self, name)

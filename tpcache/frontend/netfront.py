@@ -36,10 +36,8 @@ it may drive the cache.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import hmac
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -55,6 +53,7 @@ from tpcache.frontend.api import (
     encode_replies,
 )
 from tpcache.frontend.owners import Owner
+from tpcache.frontend.recent import RecentReplies, request_key
 from tpcache.workers.netsec import (
     NetSecError,
     allow_clients,
@@ -285,7 +284,7 @@ class NetFrontend:
         if not credential and user:
             credential = f"curve:{user}"
         owner = owner_of(credential, frames[0])
-        key = _request_key(owner, frames[1], frames[3])
+        key = request_key(owner, frames[1], frames[3])
         done = self._replies.get(key)
         if done is not None:
             self.resent += 1
@@ -318,7 +317,7 @@ class _Request:
     head: list[bytes]  # routing id and request id: what the reply is sent back with
     owner: Owner
     calls: list[Call]
-    key: bytes  # _request_key: the same for the same request sent again
+    key: bytes  # request_key: the same for the same request sent again
 
 
 def owner_of(credential: str, routing_id: bytes) -> Owner:
@@ -326,39 +325,6 @@ def owner_of(credential: str, routing_id: bytes) -> Owner:
     from the connection with ``routing_id`` (a ``tpcache.client.Client``'s ``session``)."""
     c = credential.encode("utf-8", "surrogatepass")
     return Owner(len(c).to_bytes(2, "big") + c + routing_id, credential)
-
-
-def _request_key(owner: Owner, request_id: bytes, body: bytes) -> bytes:
-    """Who sent it, its id, and a hash of its body: a client that reuses an id for
-    another request gets that request applied, not the old reply."""
-    h = hashlib.blake2b(body, digest_size=16).digest()
-    return len(owner.key).to_bytes(2, "big") + owner.key + request_id + h
-
-
-class RecentReplies:
-    """The replies to the last requests applied, by ``_request_key``: a request sent
-    again gets its reply again instead of being applied twice. Bounded in count and in
-    bytes; the oldest go first."""
-
-    LIMIT = 4096
-    LIMIT_BYTES = 64 << 20
-
-    def __init__(self) -> None:
-        self._by_key: OrderedDict[bytes, bytes] = OrderedDict()
-        self._bytes = 0
-
-    def keep(self, key: bytes, body: bytes) -> None:
-        old = self._by_key.pop(key, None)
-        if old is not None:
-            self._bytes -= len(old)
-        self._by_key[key] = body
-        self._bytes += len(body)
-        while len(self._by_key) > self.LIMIT or self._bytes > self.LIMIT_BYTES:
-            _, gone = self._by_key.popitem(last=False)
-            self._bytes -= len(gone)
-
-    def get(self, key: bytes) -> bytes | None:
-        return self._by_key.get(key)
 
 
 __all__ = ["FrontendConfig", "FrontendConfigError", "NetFrontend", "owner_of"]

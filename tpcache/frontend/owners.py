@@ -53,7 +53,10 @@ def bound_salt(owner: Owner, salt: str | None) -> str | None:
     if salt is None or not owner.credential or not isinstance(salt, str):
         return salt  # a salt of a wrong type is refused by the namespace's own check
     h = hashlib.blake2b(digest_size=16, person=b"tpcache-salt")
-    for part in (owner.credential.encode("utf-8", "surrogatepass"), salt.encode("utf-8", "surrogatepass")):
+    for part in (
+        owner.credential.encode("utf-8", "surrogatepass"),
+        salt.encode("utf-8", "surrogatepass"),
+    ):
         h.update(len(part).to_bytes(4, "big"))
         h.update(part)
     return "~" + h.hexdigest()
