@@ -14,10 +14,10 @@ import time
 
 import pytest
 import zmq
+from group_helpers import group_config
 
 from tpcache.cache.errors import DuplicateRequest, UnknownRequest
 from tpcache.client import Client
-from tpcache.coordinator.build import GroupConfig
 from tpcache.coordinator.local_ranks import start_local_group
 from tpcache.frontend import api
 from tpcache.frontend.frontend import serve_network
@@ -31,16 +31,8 @@ TOKEN_B = "b" * 20
 
 @pytest.fixture(scope="module")
 def coord():
-    cfg = GroupConfig(
-        tp=2,
-        capacity_tokens=4096,
-        cache=CacheSpec(page_size=4, max_request_tokens=1024),
-        num_layers=1,
-        kv_heads=2,
-        head_dim=4,
-        dtype="float32",
-        cpu_budget_bytes=1 << 22,
-        timeout_s=20.0,
+    cfg = group_config(
+        2, capacity_tokens=4096, cache=CacheSpec(page_size=4, max_request_tokens=1024)
     )
     c = start_local_group(cfg)
     yield c

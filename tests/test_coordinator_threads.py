@@ -13,6 +13,7 @@ import urllib.request
 
 import pytest
 from drill_worker import DrillWorker
+from group_helpers import group_config
 
 from tpcache.client import Client
 from tpcache.coordinator.build import GroupConfig
@@ -26,18 +27,7 @@ from tpcache.workers.spec import CacheSpec
 
 
 def config(**kw) -> GroupConfig:
-    return GroupConfig(
-        tp=2,
-        capacity_tokens=2048,
-        cache=CacheSpec(page_size=4, max_request_tokens=512),
-        num_layers=1,
-        kv_heads=2,
-        head_dim=4,
-        dtype="float32",
-        cpu_budget_bytes=1 << 22,
-        timeout_s=20.0,
-        **kw,
-    )
+    return group_config(2, capacity_tokens=2048, cache=CacheSpec(page_size=4), **kw)
 
 
 def test_scrapes_beside_steps_never_diverge() -> None:
