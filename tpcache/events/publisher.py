@@ -35,8 +35,13 @@ from tpcache.cache.events import (
 from tpcache.closing import Closing
 from tpcache.errors import TpcacheError
 from tpcache.events.event_config import EventConfig, EventConfigError
-from tpcache.events.replay_server import EventLog, ReplayServer, encode_seq
-from tpcache.workers.netsec import allow_clients, make_server, release_clients
+from tpcache.events.replay_server import EventLog, ReplayServer, encode_seq, limit_requests
+from tpcache.workers.netsec import (
+    allow_clients,
+    limit_subscriptions,
+    make_server,
+    release_clients,
+)
 
 __all__ = [
     "EventConfig",
@@ -163,6 +168,7 @@ class EventPublisher(Closing):
             sockets.append(pub)
             pub.setsockopt(zmq.LINGER, 0)
             pub.setsockopt(zmq.SNDHWM, cfg.queue_size)
+            limit_subscriptions(pub, self._topic)
             if cfg.curve_secret_key is not None:
                 make_server(pub, cfg.curve_secret_key)
             if cfg.binds:
@@ -180,6 +186,7 @@ class EventPublisher(Closing):
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)
             # Room for one whole replay (buffer, end marker) per client.
             router.setsockopt(zmq.SNDHWM, cfg.buffer_steps + 2)
+            limit_requests(router)
             router.bind(endpoint)
             return pub, router
         except zmq.ZMQError as exc:

@@ -13,6 +13,10 @@ Wire format of the replay socket (the request side is a DEALER):
   one per client: a request beyond that gets ``BUSY_MARKER`` (sequence -2) at once, and
   may ask again later.
 - anything else (more frames, another length) gets no reply.
+
+What a client can make the server hold (``limit_requests``, set before the socket binds):
+a frame longer than any request (8 bytes) ends its connection before it is buffered, and
+at most ``REQUESTS_WAITING`` of its requests wait to be read.
 """
 
 from __future__ import annotations
@@ -27,12 +31,26 @@ import zmq
 
 from tpcache.cache.events import KVEvent, KVEventBatch, encode_batch
 from tpcache.events.block_index import BlockIndex
+from tpcache.workers.netsec import limit_receive
 
 SNAPSHOT_REQUEST = b"SNAPSHOT"
 END_SEQ = -1
 END_MARKER: tuple[bytes, bytes, bytes] = (b"", END_SEQ.to_bytes(8, "big", signed=True), b"")
 BUSY_SEQ = -2
 BUSY_MARKER: tuple[bytes, bytes, bytes] = (b"", BUSY_SEQ.to_bytes(8, "big", signed=True), b"")
+# Every request is one frame of 8 bytes: a start sequence, or SNAPSHOT_REQUEST.
+REQUEST_BYTES = 8
+# A client asks and reads its reply (a whole replay) before it asks again: a few requests
+# queued are plenty, and ZMQ stops reading a connection that has more waiting.
+REQUESTS_WAITING = 4
+
+
+def limit_requests(sock: zmq.Socket) -> None:
+    """Before the replay socket binds: a peer that sends a frame longer than a request is
+    disconnected before the frame is buffered (ZMQ's MAXMSGSIZE, which also has to let
+    the handshake through), and at most ``REQUESTS_WAITING`` requests wait per
+    connection, so one client cannot make the server hold more than a few kilobytes."""
+    limit_receive(sock, REQUEST_BYTES, REQUESTS_WAITING)
 
 
 def encode_seq(seq: int) -> bytes:

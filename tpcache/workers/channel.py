@@ -21,6 +21,10 @@ answered under the same number:
 Pickle is used only between the hub and ranks it authenticated (IPC by file mode, TCP by
 CURVE keys).
 
+What a rank may make the hub hold: an answer of at most ``max_reply`` bytes
+(``channel_loop.MAX_REPLY``; the rank sends a ``ReplyTooLarge`` error in place of a larger
+one); a longer frame ends its connection as its header arrives, on either path.
+
 The hub never blocks forever: a send to a rank with ``hwm`` messages unanswered (it
 stopped reading) fails after the caller's timeout, before any rank is sent the message; a
 rank that is gone fails the send at once (its socket closed, or ``ROUTER_MANDATORY``); a
@@ -48,6 +52,7 @@ from tpcache.workers.channel_loop import (
     CALL,
     ERROR,
     HELLO,
+    MAX_REPLY,
     STEPS,
     STOP,
     UNIX,
@@ -55,6 +60,7 @@ from tpcache.workers.channel_loop import (
     ChannelConnectError,
     ChannelError,
     RankLoop,
+    ReplyTooLarge,
     pack,
     serve,
     unpack,
@@ -72,6 +78,7 @@ __all__ = [
     "ChannelError",
     "RankErrors",
     "RankLoop",
+    "ReplyTooLarge",
     "StepHub",
     "serve",
 ]
@@ -86,7 +93,8 @@ class StepHub:
     other tickets are out (a call may be sent while steps are in flight). Replies nobody
     collects (tickets abandoned after a failure) stay until the hub is closed, which a
     recovery does. A local connection that has not said hello within ``hello_s``
-    seconds is closed (``UnixLinks``). Not thread-safe.
+    seconds is closed (``UnixLinks``); a rank that sends an answer over ``max_reply``
+    bytes is cut off before it is read. Not thread-safe.
     """
 
     def __init__(
@@ -96,6 +104,7 @@ class StepHub:
         host: str,
         hwm: int = 1000,
         hello_s: float = HELLO_S,
+        max_reply: int = MAX_REPLY,
     ) -> None:
         self.world_size = world_size
         self.hwm = hwm  # messages unanswered per rank before a send waits
@@ -118,17 +127,17 @@ class StepHub:
             if local:
                 self._dir, path = hub_dir()
                 pollin = POLLIN if remote_ranks else select.POLLIN
-                self._unix = UnixLinks(path, local, HELLO, self._poller, pollin, hello_s)
+                self._unix = UnixLinks(path, local, HELLO, self._poller, pollin, hello_s, max_reply)
             if remote_ranks:
                 remote = {idents[r]: r for r in remote_ranks}
-                self._tcp = TcpLinks(remote, host, hwm, self._poller)
+                self._tcp = TcpLinks(remote, host, hwm, self._poller, max_reply)
         except BaseException:
             self.close()
             raise
         self.attach = [
             self._tcp.attach[r]
             if self._tcp is not None and r in remote_ranks
-            else Attach(UNIX + path, idents[r], hwm=hwm)
+            else Attach(UNIX + path, idents[r], hwm=hwm, max_reply=max_reply)
             for r in range(world_size)
         ]
 

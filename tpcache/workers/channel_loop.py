@@ -31,6 +31,14 @@ _HEARTBEAT_MS = 1000  # a TCP rank's ZMTP ping interval; 5 missed: its hub is go
 # reconnects (every 0.1 s) retried ~100 times, and well under the coordinator's wait for
 # its ranks (120 s by default), so the rank's reason arrives there before that times out.
 CONNECT_S = 10.0
+# The largest reply a rank sends its hub, and so the most one connection can make the hub
+# hold at a time (its TCP socket's MAXMSGSIZE, its Unix reader's frame limit). A reply is
+# a step's results (a few dozen bytes an op), a call's return value or an error; the only
+# large ones are a forward's logits, float32 rows x vocabulary: 256 MiB holds one row for
+# each of 512 requests over a 131,072-token vocabulary (a decode batch of a Llama 3
+# model), or every row of a 2,048-token prefill over a 32,000-token one. A rank refuses
+# to send more (``ReplyTooLarge``, raised to the caller) rather than be cut off.
+MAX_REPLY = 256 << 20
 
 _encode_frames = msgspec.msgpack.Encoder().encode
 _decode_frames = msgspec.msgpack.Decoder(list[bytes]).decode
@@ -71,6 +79,20 @@ class ChannelConnectError(ChannelError):
         self.reason = reason
 
 
+class ReplyTooLarge(TpcacheError, ValueError):
+    """A rank's answer to a message is larger than the step channel carries
+    (``Attach.max_reply``); the rank sent this error instead, and goes on."""
+
+    def __init__(self, what: str, size: int, limit: int) -> None:
+        super().__init__(
+            f"the answer to {what} is {size:,} bytes, over the step channel's limit of "
+            f"{limit:,}: for a forward, ask for fewer logit rows (the last of each request, "
+            f"not every one) or a shorter chunk"
+        )
+        self.size = size
+        self.limit = limit
+
+
 @dataclass(frozen=True)
 class Attach:
     """What one rank needs to join the channel (sent through the Ray setup call)."""
@@ -80,6 +102,7 @@ class Attach:
     server_key: str | None = None  # the hub's CURVE public key (TCP only)
     keypair: tuple[str, str] | None = None  # this rank's CURVE (public, secret)
     hwm: int = 1000  # messages queued at the rank before the hub's sends wait
+    max_reply: int = MAX_REPLY  # bytes of one answer, the most the hub reads (MAX_REPLY)
 
 
 class RankLoop:
@@ -122,14 +145,27 @@ def serve(
     return _serve_zmq(worker, rank, attach, loop, poll_s, connect_s)
 
 
-def _answer(worker: Any, body: bytes, loop: RankLoop) -> bytes:
-    """The reply body to the message ``body``."""
+def _answer(worker: Any, body: bytes, loop: RankLoop, max_reply: int) -> bytes:
+    """The reply body to the message ``body``: a ``ReplyTooLarge`` error in place of one
+    over ``max_reply`` bytes (the hub would drop the connection it came on)."""
     loop.busy_since = time.monotonic()
     try:
         out, reply = _run(worker, body[:1], body)
     finally:
         loop.busy_since = None
-    return pack(out, body[1:9], reply)
+    packed = pack(out, body[1:9], reply)
+    if len(packed) > max_reply:
+        too_large = ReplyTooLarge(_what(body), len(packed), max_reply)
+        packed = pack(ERROR, body[1:9], [_pickled(too_large)])
+    return packed
+
+
+def _what(body: bytes) -> str:
+    """What the message ``body`` asked for, in words (for an error)."""
+    number = int.from_bytes(body[1:9], "big")
+    if body[:1] == CALL:
+        return f"message {number} ({pickle.loads(unpack(body)[0])[0]})"
+    return f"message {number} (steps)"
 
 
 def _connect_unix(sock: socket.socket, rank: int, endpoint: str, connect_s: float) -> None:
@@ -174,7 +210,7 @@ def _serve_unix(
                 continue
             if body[:1] == STOP:
                 break
-            send_frame(sock, _answer(worker, body, loop))
+            send_frame(sock, _answer(worker, body, loop, attach.max_reply))
             handled += 1
     except OSError:  # after a good connect: the hub's end is gone (reset, broken pipe)
         pass
@@ -278,7 +314,7 @@ def _serve_zmq(
             body = sock.recv()
             if body[:1] == STOP:
                 break
-            sock.send(_answer(worker, body, loop))
+            sock.send(_answer(worker, body, loop, attach.max_reply))
             handled += 1
     finally:
         if monitor is not None:

@@ -83,6 +83,43 @@ def public_of(secret: str) -> str:
     return zmq.curve_public(secret.encode("ascii")).decode("ascii")
 
 
+# ZMQ holds the handshake's commands to a socket's MAXMSGSIZE too: the largest a client
+# sends is CURVE's INITIATE, 257 bytes and its metadata (the socket type, a routing id of
+# up to 255 bytes), 547 bytes in all. A limit below this would let no client in at all.
+HANDSHAKE_BYTES = 1024
+# What CURVE adds to every message on the wire: the MESSAGE command's name, its nonce,
+# the box's MAC and the flags byte.
+CURVE_FRAME_BYTES = 33
+
+
+def limit_receive(sock: zmq.Socket, max_message: int, rcvhwm: int) -> None:
+    """Bound what one peer can make ``sock`` hold. Call it before the socket binds or
+    connects: ZMQ copies a socket's options there, and a later change reaches no
+    connection made through that endpoint.
+
+    A peer that sends a frame larger than ``max_message`` (the largest the socket's
+    protocol carries; CURVE's framing and the handshake are allowed for here) is
+    disconnected by ZMQ as soon as the frame's header arrives, before the frame is
+    buffered; at most ``rcvhwm`` messages wait per connection for the socket's reader,
+    beyond which ZMQ stops reading that connection. So one connection can make this
+    process hold at most about ``rcvhwm`` messages of ``max_message`` bytes, and one that
+    has not completed its handshake (a peer without the key) a single frame."""
+    sock.setsockopt(zmq.MAXMSGSIZE, max(max_message + CURVE_FRAME_BYTES, HANDSHAKE_BYTES))
+    sock.setsockopt(zmq.RCVHWM, rcvhwm)
+
+
+# Subscriptions waiting per subscriber for a PUB socket's reader: a subscriber sends one
+# per topic it follows (tpcache's, one).
+SUBSCRIPTIONS_WAITING = 16
+
+
+def limit_subscriptions(pub: zmq.Socket, topic: bytes) -> None:
+    """``limit_receive`` for a PUB socket, before it binds or connects. All it receives is
+    subscriptions: a topic prefix behind a one-byte flag or a SUBSCRIBE command's name, so
+    the longest a subscriber of ``topic`` sends is that name and ``topic``."""
+    limit_receive(pub, len(b"\x09SUBSCRIBE") + len(topic), SUBSCRIPTIONS_WAITING)
+
+
 def make_server(sock: zmq.Socket, secret: str) -> None:
     """Make ``sock`` a CURVE server (before it binds): only clients that know the public
     key of ``secret`` complete the handshake, and the traffic is encrypted."""
@@ -145,6 +182,8 @@ __all__ = [
     "check_key",
     "endpoint_is_local",
     "is_loopback",
+    "limit_receive",
+    "limit_subscriptions",
     "make_client",
     "make_server",
     "new_keypair",

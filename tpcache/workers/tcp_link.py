@@ -1,6 +1,11 @@
 """The step channel's path to ranks on other nodes: a ZMQ ROUTER over TCP that is a
 CURVE server, letting in only the key pairs it made for those ranks (handed to them
-through the Ray setup call, which Ray's token protects). Each rank runs a DEALER."""
+through the Ray setup call, which Ray's token protects). Each rank runs a DEALER.
+
+What a peer can make the hub hold: a frame over ``max_reply`` bytes (the largest answer a
+rank sends: ``channel_loop.MAX_REPLY``) ends its connection as its header arrives, before
+it is buffered, whoever sent it: a peer without a rank's key pair never gets further than
+one frame of the handshake, and a rank has at most ``hwm`` answers owed (``StepHub``)."""
 
 from __future__ import annotations
 
@@ -10,8 +15,14 @@ from collections.abc import Callable
 
 import zmq
 
-from tpcache.workers.channel_loop import Attach, ChannelError
-from tpcache.workers.netsec import allow_clients, make_server, new_keypair, release_clients
+from tpcache.workers.channel_loop import MAX_REPLY, Attach, ChannelError
+from tpcache.workers.netsec import (
+    allow_clients,
+    limit_receive,
+    make_server,
+    new_keypair,
+    release_clients,
+)
 
 # Plain ints: pyzmq's enum flags cost an Enum call per use on the per-step path.
 POLLIN, POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
@@ -21,9 +32,17 @@ _RCVMORE, _MORE_NOBLOCK = int(zmq.RCVMORE), int(zmq.SNDMORE | zmq.NOBLOCK)
 
 class TcpLinks:
     """The hub's side of every remote rank: one ROUTER at ``host`` (a free port), one key
-    pair per rank in ``identities`` (identity -> rank); ``attach`` says how each joins."""
+    pair per rank in ``identities`` (identity -> rank); ``attach`` says how each joins.
+    A rank's answers are at most ``max_reply`` bytes each (it is told so in ``attach``)."""
 
-    def __init__(self, identities: dict[bytes, int], host: str, hwm: int, poller) -> None:
+    def __init__(
+        self,
+        identities: dict[bytes, int],
+        host: str,
+        hwm: int,
+        poller,
+        max_reply: int = MAX_REPLY,
+    ) -> None:
         self.identities = identities
         self._ctx = zmq.Context()
         self._zap = False
@@ -37,6 +56,9 @@ class TcpLinks:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             sock.setsockopt(zmq.SNDHWM, hwm)
+            # A rank answers each message once and is sent no more while it owes ``hwm``
+            # answers: with its hello, no more can be waiting from it.
+            limit_receive(sock, max_reply, hwm + 1)
             make_server(sock, secret)
             sock.bind(f"tcp://{host}:*")
             endpoint = sock.get(zmq.LAST_ENDPOINT).decode()
@@ -44,7 +66,8 @@ class TcpLinks:
             self.close()
             raise
         self.attach = {
-            r: Attach(endpoint, ident, public, keys[r], hwm) for ident, r in identities.items()
+            r: Attach(endpoint, ident, public, keys[r], hwm, max_reply)
+            for ident, r in identities.items()
         }
         poller.register(sock, POLLIN)
 

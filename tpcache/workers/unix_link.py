@@ -11,7 +11,9 @@ The socket lives in the hub's directory (mode 0700): only the user that runs the
 can connect, and a connection counts only once it names an identity the hub made. One
 that does not (a stray or stuck local client) is not kept: a wrong first frame closes it
 at once, silence closes it after ``HELLO_S``, and no more than ``SPARE_HELLOS`` beyond
-one per rank wait at a time, so such clients cannot pile up the hub's descriptors.
+one per rank wait at a time, so such clients cannot pile up the hub's descriptors. Nor
+can a connection make the hub hold more than one frame of ``max_frame`` bytes: a longer
+one is refused as its header arrives (``FrameTooLarge``), before its body is read.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import threading
 import time
 from collections import deque
 
+from tpcache.errors import TpcacheError
 from tpcache.workers.unix_writer import LinkWriter
 
 _HEADER = 8  # a frame's length, little-endian
@@ -45,11 +48,23 @@ def frame(body: bytes) -> list[bytes]:
     return [head + body] if len(body) < _COPY_BELOW else [head, body]
 
 
-class FrameReader:
-    """Whole frames out of the bytes a stream socket delivers, in order."""
+class FrameTooLarge(TpcacheError, ValueError):
+    """A frame's header declares more bytes than the reader takes; its body is not read."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"sent a frame of {size:,} bytes, over the limit of {limit:,}")
+        self.size = size
+        self.limit = limit
+
+
+class FrameReader:
+    """Whole frames out of the bytes a stream socket delivers, in order; with
+    ``max_frame``, none longer than that (``next`` raises ``FrameTooLarge`` as soon as
+    such a frame's header has arrived, so at most a read's worth of it is held)."""
+
+    def __init__(self, sock: socket.socket, max_frame: int | None = None) -> None:
         self.sock = sock
+        self.max_frame = max_frame
         self._buf = bytearray()
         self._pos = 0  # where the next frame starts in _buf
         self._chunk = bytearray(_CHUNK)
@@ -71,11 +86,16 @@ class FrameReader:
         return int.from_bytes(buf[pos : pos + _HEADER], "little")
 
     def next(self) -> bytes | None:
-        """The next whole frame's body, or None until more arrives."""
+        """The next whole frame's body, or None until more arrives. Raises
+        ``FrameTooLarge`` (and keeps raising it) if its header declares more than
+        ``max_frame`` bytes."""
         buf, pos = self._buf, self._pos
         if len(buf) - pos < _HEADER:
             return None
-        end = pos + _HEADER + int.from_bytes(buf[pos : pos + _HEADER], "little")
+        size = int.from_bytes(buf[pos : pos + _HEADER], "little")
+        if self.max_frame is not None and size > self.max_frame:
+            raise FrameTooLarge(size, self.max_frame)
+        end = pos + _HEADER + size
         if len(buf) < end:
             return None
         body = bytes(buf[pos + _HEADER : end])
@@ -106,13 +126,14 @@ class UnixLink:
     ``out``, ``closed`` and ``why`` are owned under ``lock``: the hub's thread queues and
     reads, the writer writes and cuts. Each part in ``out`` keeps the deadline (and the
     timeout it came from) of its message: a rank that has not taken a message by then
-    has stopped reading."""
+    has stopped reading. A frame from the rank over ``max_frame`` bytes cuts the link
+    as its header arrives."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, max_frame: int | None = None) -> None:
         sock.setblocking(False)
         self.sock = sock
         self.fd = sock.fileno()
-        self.reader = FrameReader(sock)
+        self.reader = FrameReader(sock, max_frame)
         self.lock = threading.Lock()
         self.out: deque[tuple[memoryview, float, float]] = deque()
         self.closed = False
@@ -167,22 +188,32 @@ class UnixLink:
     def read(self, whole: bool = True) -> list[bytes]:
         """The whole frames that have arrived (none if nothing has); with ``whole``
         False, of one read at most (a hello is small: a stranger streaming bytes is not
-        read on and on)."""
+        read on and on). A frame over the reader's ``max_frame`` cuts the link: the
+        frames before it are returned, and nothing after it is read."""
         reader = self.reader
+        frames: list[bytes] = []
         try:
-            # A short read took all there was: asking again would only raise
-            # BlockingIOError (poll reports what comes later).
-            while (n := reader.fill(socket.MSG_DONTWAIT)) == _CHUNK and whole:
-                pass
-            if n == 0:
-                self.gone()  # the end of the stream
+            while True:
+                n = reader.fill(socket.MSG_DONTWAIT)
+                # Taken after every read, so a frame too large is refused at its header,
+                # not once the rest of it has been read in.
+                while (body := reader.next()) is not None:
+                    frames.append(body)
+                if n == 0:
+                    self.gone()  # the end of the stream
+                # A short read took all there was: asking again would only raise
+                # BlockingIOError (poll reports what comes later).
+                if n < _CHUNK or not whole:
+                    break
         except BlockingIOError:
             pass
+        except FrameTooLarge as exc:
+            self.gone(str(exc))
+            # The sender sees its stream end instead of filling a buffer nobody reads.
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             self.gone()
-        frames = []
-        while (body := reader.next()) is not None:
-            frames.append(body)
         return frames
 
     def gone(self, why: str = "is gone (its socket closed)") -> None:
@@ -209,7 +240,9 @@ class UnixLinks:
 
     A connection has ``hello_s`` seconds from its accept to say hello: the hub's poll
     loop calls ``expire`` while any waits (``waiting``), which closes the late ones.
-    Nothing here blocks on a peer. Raises ``ValueError`` for ``hello_s`` not > 0."""
+    A rank's frame over ``max_frame`` bytes (None: no limit) cuts its link, unread (its
+    ``why`` says so). Nothing here blocks on a peer. Raises ``ValueError`` for
+    ``hello_s`` not > 0."""
 
     def __init__(
         self,
@@ -219,6 +252,7 @@ class UnixLinks:
         poller,
         pollin: int,
         hello_s: float = HELLO_S,
+        max_frame: int | None = None,
     ) -> None:
         if not 0 < hello_s < float("inf"):
             raise ValueError(f"hello_s must be seconds > 0, got {hello_s!r}")
@@ -226,6 +260,7 @@ class UnixLinks:
         self.identities = identities
         self.hello = hello
         self.hello_s = hello_s
+        self.max_frame = max_frame
         self.poller = poller
         self.pollin = pollin
         self.by_rank: dict[int, UnixLink] = {}
@@ -333,7 +368,7 @@ class UnixLinks:
                 sock, _ = self.listener.accept()
             except BlockingIOError:
                 return got
-            link = UnixLink(sock)
+            link = UnixLink(sock, self.max_frame)
             self._by_fd[link.fd] = link
             self.waiting[link.fd] = time.monotonic() + self.hello_s
             self.poller.register(link.fd, self.pollin)
