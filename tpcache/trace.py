@@ -62,6 +62,11 @@ class TraceNotFound(TraceError, FileNotFoundError):
     (``FileNotFoundError``), so a caller that catches either kind sees it."""
 
 
+class TraceNotText(TraceError, UnicodeError):
+    """A trace line that is not UTF-8 text (a binary file, another encoding). Also a
+    ``UnicodeError``, the base of the ``UnicodeDecodeError`` reading it raised before."""
+
+
 def _is_int(value: object) -> bool:
     # bool is an int subclass, but `true` in a trace is a mistake, not a length.
     return isinstance(value, int) and not isinstance(value, bool)
@@ -205,9 +210,10 @@ def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]
     from 0. Raises ``TraceError`` naming the 1-based line number for a malformed line
     (bad JSON, a missing field, a negative length, too few blocks for ``input_length``,
     a non-int or negative hash id, tokens beyond int32) or for gzip data that is cut
-    short or corrupt; ``TraceNotFound`` (also an ``OSError``) naming the path when there
-    is no file there; ``ValueError`` for a negative ``limit``; ``OSError`` when the file
-    cannot be read. Lines after the ``limit``-th request are not read.
+    short or corrupt; ``TraceNotText`` (a ``TraceError``) naming the line and the byte in
+    it for a line that is not UTF-8; ``TraceNotFound`` (also an ``OSError``) naming the
+    path when there is no file there; ``ValueError`` for a negative ``limit``; ``OSError``
+    when the file cannot be read. Lines after the ``limit``-th request are not read.
     """
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0 or None, got {limit}")
@@ -218,6 +224,8 @@ def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]
     with _open_text(path) as lines:
         try:
             for line_no, text in enumerate(lines, start=1):
+                if not text.isascii():  # (a fast test: a trace is ASCII but for strings)
+                    _check_text(path, line_no, text)
                 if not text.strip():
                     continue
                 try:
@@ -234,15 +242,33 @@ def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]
 
 
 def _open_text(path: str | Path) -> IO[str]:
-    """The file at ``path`` as text lines, decompressed when it starts with gzip's magic."""
+    """The file at ``path`` as text lines, decompressed when it starts with gzip's magic.
+
+    Bytes that are not UTF-8 come through as lone surrogates (``surrogateescape``), for
+    ``_check_text`` to name the line they are on: a strict decoder fails a whole chunk
+    ahead of the line being read, so it cannot say which line that is."""
     try:
         with open(path, "rb") as raw:
             magic = raw.read(len(_GZIP_MAGIC))
     except FileNotFoundError:
         raise _not_found(path) from None
     if magic == _GZIP_MAGIC:
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")  # the caller closes it
+        return gzip.open(path, "rt", encoding="utf-8", errors="surrogateescape")
+    return open(path, encoding="utf-8", errors="surrogateescape")  # the caller closes it
+
+
+def _check_text(path: str | Path, line_no: int, text: str) -> None:
+    """Raise ``TraceNotText`` if ``text`` (line ``line_no``) holds bytes that were not
+    UTF-8, naming the first of them and where it is in the line."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        offset = len(text[: exc.start].encode("utf-8", "surrogateescape"))
+        byte = text[exc.start].encode("utf-8", "surrogateescape")[0]
+        raise TraceNotText(
+            f"{path}: line {line_no}: not UTF-8 text (byte {byte:#04x} at byte {offset + 1} "
+            "of the line); a trace is JSON lines in UTF-8, plain or gzip"
+        ) from None
 
 
 def _not_found(path: str | Path) -> TraceNotFound:

@@ -20,6 +20,42 @@ from tpcache.cli.args import (
     positive_arg,
 )
 
+_EVENTS_BUFFER = 10_000
+_METRICS_HOST = "127.0.0.1"
+# Options that do nothing without another: the one they need, them, and why they need it.
+_NEEDS = {
+    "--events-endpoint": (
+        (
+            "--events-replay-endpoint",
+            "--events-topic",
+            "--events-buffer",
+            "--events-encoding",
+            "--events-curve-secret-file",
+            "--events-curve-client-keys-file",
+            "--events-insecure",
+        ),
+        "no KV events are published without it",
+    ),
+    "--metrics-port": (("--metrics-host",), "no metrics are served without it"),
+}
+
+
+def _value(args: argparse.Namespace, flag: str) -> object:
+    return getattr(args, flag.removeprefix("--").replace("-", "_"))
+
+
+def _alone(args: argparse.Namespace) -> str | None:
+    """Which options were given without the option they need (they would do nothing), or
+    None. An option's default is None (False for a switch): any other value was given."""
+    for needed, (flags, why) in _NEEDS.items():
+        if _value(args, needed) not in (None, ""):  # ("" publishes nothing either)
+            continue
+        given = [flag for flag in flags if _value(args, flag) not in (None, False)]
+        if given:
+            verb = "needs" if len(given) == 1 else "need"
+            return f"{' and '.join(given)} {verb} {needed} ({why})"
+    return None
+
 
 def add_serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a TP group's coordinator as a named Ray actor")
@@ -60,19 +96,21 @@ def _add_events_options(e: argparse._ArgumentGroup) -> None:
         default=None,
         help="ROUTER endpoint for replay and snapshots (e.g. tcp://127.0.0.1:5558)",
     )
+    # The defaults of the options below are None, so that one given without the option
+    # it needs can be told apart (``_alone``); ``_serve_config`` puts these in its place.
     e.add_argument(
-        "--events-topic", default="", help="topic of every event message (default empty)"
+        "--events-topic", default=None, help="topic of every event message (default empty)"
     )
     e.add_argument(
         "--events-buffer",
         type=positive_arg,
-        default=10_000,
-        help="batches kept for replay (default 10,000)",
+        default=None,
+        help=f"batches kept for replay (default {_EVENTS_BUFFER:,})",
     )
     e.add_argument(
         "--events-encoding",
         choices=("map", "array"),
-        default="map",
+        default=None,
         help="events as maps (default) or as arrays, the form vLLM's subscriber decodes",
     )
     e.add_argument(
@@ -103,8 +141,9 @@ def _add_events_options(e: argparse._ArgumentGroup) -> None:
     )
     e.add_argument(
         "--metrics-host",
-        default="127.0.0.1",
-        help="address the metrics endpoint binds (default loopback; 0.0.0.0 for all)",
+        default=None,
+        help=f"address the metrics endpoint binds (default {_METRICS_HOST}, loopback; 0.0.0.0 "
+        "for all)",
     )
 
 
@@ -157,6 +196,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tpcache.events.publisher import EventPublisherError
     from tpcache.frontend.service import AlreadyServing, find_served, serve, stop_served
 
+    if (alone := _alone(args)) is not None:
+        print(f"tpcache serve: {alone}", file=sys.stderr)
+        return 2
     try:
         config = _serve_config(args)
     except (ValueError, CacheError) as exc:  # EventConfigError is one; an unknown policy
@@ -238,7 +280,7 @@ def _print_serving(args: argparse.Namespace, actor, address: str, started: bool)
         import ray
 
         port = ray.get(actor.stats.remote())["metrics_port"]
-        print(f"  Prometheus metrics on http://{args.metrics_host}:{port}/metrics")
+        print(f"  Prometheus metrics on http://{_metrics_host(args)}:{port}/metrics")
 
 
 def _serve_config(args: argparse.Namespace):  # -> GroupConfig
@@ -249,25 +291,23 @@ def _serve_config(args: argparse.Namespace):  # -> GroupConfig
     config = group_config(args, args.capacity)
     if args.events_endpoint:
         events = EventConfig(
-            **picked(
-                args,
-                "endpoint",
-                "replay_endpoint",
-                "topic",
-                "encoding",
-                "insecure",
-                prefix="events_",
-            ),
-            buffer_steps=args.events_buffer,
+            **picked(args, "endpoint", "replay_endpoint", "insecure", prefix="events_"),
+            topic="" if args.events_topic is None else args.events_topic,
+            encoding=args.events_encoding or "map",
+            buffer_steps=args.events_buffer or _EVENTS_BUFFER,
             curve_secret_key=_read_key(args.events_curve_secret_file),
             curve_client_keys=_read_keys(args.events_curve_client_keys_file),
         )
         config = dataclasses.replace(config, events=events)
     if args.metrics_port is not None:
         config = dataclasses.replace(
-            config, metrics_port=args.metrics_port, metrics_host=args.metrics_host
+            config, metrics_port=args.metrics_port, metrics_host=_metrics_host(args)
         )
     return config
+
+
+def _metrics_host(args: argparse.Namespace) -> str:
+    return _METRICS_HOST if args.metrics_host is None else args.metrics_host
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
@@ -315,8 +355,24 @@ def cmd_keys(args: argparse.Namespace) -> int:
     from tpcache.workers.netsec import new_keypair
 
     public, secret = new_keypair()
-    fd = os.open(args.secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    path = args.secret_file
+    try:
+        # O_EXCL: a key already there may be in use; it is never written over.
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        what = "a directory" if os.path.isdir(path) else "a secret key is never written over"
+        return _keys_fail(f"{path} exists already ({what}): name a new file")
+    except OSError as exc:  # no such directory, not allowed there, a read-only disk, ...
+        where = os.path.dirname(path)
+        if isinstance(exc, FileNotFoundError) and where and not os.path.isdir(where):
+            return _keys_fail(f"no directory {where} to create {path} in")
+        return _keys_fail(f"cannot create {path!r}: {exc.strerror or exc}")
     with os.fdopen(fd, "w") as f:
         f.write(secret + "\n")
     print(public)
     return 0
+
+
+def _keys_fail(message: str) -> int:
+    print(f"tpcache keys: {message}", file=sys.stderr)
+    return 2

@@ -40,6 +40,7 @@ from tpcache.cache.namespace import CacheNamespace, make_namespace
 from tpcache.coordinator.errors import CoordinatorConfigError
 from tpcache.coordinator.step_types import step_timeout_for
 from tpcache.harness.gen_loop import GenLoop, LoopConfig
+from tpcache.harness.gen_memory import check_fits
 from tpcache.harness.gen_report import REFERENCE, mode_summary, summarize
 from tpcache.harness.gen_wire import ClientResult, GenClient, GenerateError
 from tpcache.trace import TraceRequest, check_scale, scaled_output_length, scaled_prompt_tokens
@@ -188,14 +189,16 @@ def run_generate(
     progress: Callable[[str, int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Both runs on one group of thread ranks; returns the summary (``tpcache generate
-    --json``). Raises ``GenerateError`` (before anything starts, for bad options or an
-    empty slice) or the group's errors."""
+    --json``). Raises ``GenerateError`` (before anything starts, for bad options, an
+    empty slice, or a model and KV pool larger than this machine's memory) or the
+    group's errors."""
     from tpcache.coordinator.local_ranks import start_local_group
     from tpcache.harness.engine import ModelEngine
     from tpcache.replay import ReplayOptions, replay
 
     requests = scaled_requests(trace, opts.scale)
     config = group_config(opts, requests)
+    _check_memory(opts, config)
     want = replay(
         trace, ReplayOptions(opts.capacity, opts.page_size, opts.policy, scale=opts.scale)
     )
@@ -211,6 +214,18 @@ def run_generate(
     finally:
         coord.close()
     return summarize(requests, opts, config, modes, want)
+
+
+def _check_memory(opts: GenerateOptions, config: GroupConfig) -> None:
+    """``gen_memory.check_fits`` for the run ``config`` starts (its ranks' KV pools are on
+    the host unless CUDA is there, ``kvpool.rank_device``)."""
+    import torch
+
+    m, capacity = opts.model, config.capacity_tokens
+    assert capacity is not None  # (``group_config`` sets it)
+    kv = config.pool_spec().bytes_per_slot * capacity * opts.tp
+    vocab = config.runner_args["vocab"]
+    check_fits(m.hidden, m.ffn, m.layers, vocab, kv, not torch.cuda.is_available())
 
 
 def run_mode(
