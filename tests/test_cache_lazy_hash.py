@@ -31,7 +31,7 @@ def test_lazy_and_eager_hashing_give_the_same_digest_and_blocks():
     for _ in range(6):
         drive(lazy, rng_a, 25)
         drive(eager, rng_b, 25)
-        assert lazy.tree._unhashed or lazy.tree.evicted_pages  # lazy really deferred
+        assert lazy.tree.unhashed or lazy.tree.evicted_pages  # lazy really deferred
         assert lazy.digest() == eager.digest()
     assert lazy.tree.evicted_pages > 0
     assert cached_blocks(lazy) == cached_blocks(eager)
@@ -43,7 +43,7 @@ def test_no_digest_keeps_no_dead_nodes():
     cache = RadixCache(CacheConfig(256, 4))
     drive(cache, random.Random(7), 3000)
     assert cache.tree.evicted_pages > 1000
-    assert len(cache.tree._unhashed) <= 2 * len(cache.tree.nodes) + 1025
+    assert len(cache.tree.unhashed) <= 2 * len(cache.tree.nodes) + 1025
 
 
 def test_hybrid_lazy_and_eager_hashing_agree():
@@ -121,7 +121,7 @@ def test_batches_larger_than_the_cap_and_deep_pending_chains():
         for cache in (lazy, eager):
             cache.admit(i, prompt)
             cache.finish(i)
-    assert len(lazy.tree._unhashed) > 20
+    assert len(lazy.tree.unhashed) > 20
     assert lazy.digest() == eager.digest()
     assert cached_blocks(lazy) == cached_blocks(eager)
     lazy.check_integrity()
@@ -133,7 +133,7 @@ def test_a_node_pending_twice_is_hashed_once():
     twice = RadixCache(CacheConfig(512, 4))
     for cache in (once, twice):
         drive(cache, random.Random(5), 20)
-    twice.tree._unhashed = twice.tree._unhashed + twice.tree._unhashed[-3:]
+    twice.tree.unhashed = twice.tree.unhashed + twice.tree.unhashed[-3:]
     assert once.digest() == twice.digest()
     twice.check_integrity()
 
@@ -162,10 +162,10 @@ def test_a_pending_node_whose_parent_is_not_listed_is_still_hashed():
         for turn in range(4):  # each turn extends the last: pending parents and children
             cache.admit(turn, stem + list(range(100, 100 + 8 * (turn + 1))))
             cache.finish(turn)
-    pending = lazy.tree._unhashed
+    pending = lazy.tree.unhashed
     leaves = [n for n in pending if not n.children]
     assert any(n.parent.states is None for n in leaves)  # a parent still waits too
-    lazy.tree._unhashed = leaves
+    lazy.tree.unhashed = leaves
     assert lazy.digest() == eager.digest()
     assert cached_blocks(lazy) == cached_blocks(eager)
     lazy.check_integrity()

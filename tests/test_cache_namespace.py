@@ -258,12 +258,12 @@ def test_match_prefix_and_insert_take_a_namespace(make) -> None:
     c.check_integrity()
     c.unlock(got.handle)
     # A refused insert (slots not lent) makes no anchor, takes no node id.
-    before = (snapshot(c), ns_view(c), c.tree._next_id)
+    before = (snapshot(c), ns_view(c), c.tree.next_node_id)
     with pytest.raises(InvalidSlots, match="cannot insert"):
         c.insert(R(1, 4), [40, 41, 42, 43], namespace=B)
     with pytest.raises(InvalidNamespace):
         c.match_prefix(R(1, 9), "A")
-    assert (snapshot(c), ns_view(c), c.tree._next_id) == before
+    assert (snapshot(c), ns_view(c), c.tree.next_node_id) == before
     c.evict(100)
     assert c.tree.spaces == {} and c.sizes().free == 64
     c.check_integrity()

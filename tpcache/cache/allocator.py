@@ -107,6 +107,10 @@ class PageAllocator:
     def tags_of(self, pages: np.ndarray) -> np.ndarray:
         return self._tags[pages]
 
+    def tagged(self, tag: int) -> np.ndarray:
+        """A bool per page: is it tagged ``tag``? (a full scan: for checks)."""
+        return self._tags == tag
+
     def pool_pages(self) -> tuple[int, ...]:
         """Pages per pool (one pool here)."""
         return (self.num_pages,)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from tpcache.cache.allocator import LENT
 from tpcache.cache.errors import AllocatorError, IntegrityError, InvalidSlots
 from tpcache.cache.namespace import CacheNamespace, as_namespace, is_anchor
-from tpcache.cache.node import _EMPTY_PAGES, _EMPTY_STATES
+from tpcache.cache.node import EMPTY_PAGES, EMPTY_STATES
 
 if TYPE_CHECKING:
     import numpy as np
@@ -35,9 +35,8 @@ def anchor_of(tree: RadixTree, space: CacheNamespace, create: bool = False) -> N
     key = space.key
     node = tree.root.children.get(key)
     if node is None and create:
-        node_id = tree._next_id
-        tree._next_id = node_id + 1
-        node = tree.node_type(node_id, tree.root, key, _EMPTY_PAGES, _EMPTY_STATES, tree.tick)
+        node_id = tree.new_node_id()
+        node = tree.node_type(node_id, tree.root, key, EMPTY_PAGES, EMPTY_STATES, tree.tick)
         node.lock = BASE_LOCK
         if tree.window is not None:  # a SwaNode: no tokens, never in the SWA order
             node.ntok = 0  # type: ignore[attr-defined]

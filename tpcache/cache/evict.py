@@ -18,7 +18,7 @@ from tpcache.cache.anchors import drop_anchor, is_anchor
 from tpcache.cache.events import BlockRemoved
 from tpcache.cache.hashing import block_hashes
 from tpcache.cache.keys import join_pages
-from tpcache.cache.node import _EMPTY_PAGES, _MASK, pages_of, term_of
+from tpcache.cache.node import EMPTY_PAGES, MASK, pages_of, term_of
 
 if TYPE_CHECKING:
     from tpcache.cache.node import Node
@@ -50,21 +50,21 @@ def evict(tree: RadixTree, num_pages: int, swa_pages: int) -> Freed:
         if not (node.lock or node.children) and node.alive:  # still an unlocked leaf
             delete(tree, node, out)
     if swa_pages:
-        tree._evict_window(swa_pages, out)
+        tree.evict_window(swa_pages, out)
     dead = out.dead
     if len(dead) == 1:  # one free group: what the tree held of the deleted nodes goes back
         pages, terms = dead[0].pages, dead[0].term
     elif dead:
         pages, terms = join_pages(map(pages_of, dead)), sum(map(term_of, dead))
     else:
-        pages, terms = _EMPTY_PAGES, 0
+        pages, terms = EMPTY_PAGES, 0
     tree.cached_pages -= pages.size
-    tree.digest_sum = (tree.digest_sum - terms) & _MASK
+    tree.digest_sum = (tree.digest_sum - terms) & MASK
     if tree.window is None:
         if dead:
             tree.alloc.free(pages, CACHED, checked=False)
     else:
-        tree._free(pages, out)
+        tree.free_evicted(pages, out)
     if dead and tree.hooks is not None:
         tree.hooks.on_evict(dead)
     return record_evict(tree, out, started)
@@ -93,7 +93,7 @@ def delete(tree: RadixTree, node: Node, out: Freed) -> None:
         dead.append(node)
         out.full += node.pages.size
         if tree.window is not None:
-            tree._deleted(node, out)
+            tree.deleted(node, out)
         if tree.record_events:
             tree.events.append(
                 BlockRemoved(block_hashes=block_hashes(node.states).tolist(), medium=tree.medium)
@@ -104,7 +104,7 @@ def delete(tree: RadixTree, node: Node, out: Freed) -> None:
             drop_anchor(tree, parent)
             return
         if tree.window is None or tree.valid_end(parent):
-            tree._queue(parent)
+            tree.queue_candidate(parent)
             return
         node = parent
         assert node.lock == 0, f"node {node.id}, an invalid match end, is locked"

@@ -15,8 +15,8 @@ from tpcache.cache.allocator import CACHED, FREE
 from tpcache.cache.anchors import check_anchor, check_spaces, is_anchor
 from tpcache.cache.errors import IntegrityError
 from tpcache.cache.host_moves import copy_term, has_dev_child
-from tpcache.cache.node import _MASK, page_terms
-from tpcache.cache.tree_check import _check_node
+from tpcache.cache.node import MASK, page_terms
+from tpcache.cache.tree_check import check_node
 
 if TYPE_CHECKING:
     from tpcache.cache.host_tree import HostTree
@@ -39,7 +39,7 @@ def check_host_tree(tree: HostTree) -> None:
             check_anchor(tree, node)
             _check_tier(tree, node)
             continue
-        _check_node(tree, node)
+        check_node(tree, node)
         _check_tier(tree, node)
         if node.dev:  # type: ignore[attr-defined]
             cached += node.pages.size
@@ -58,7 +58,7 @@ def check_host_tree(tree: HostTree) -> None:
         if term != node.term:
             raise IntegrityError(f"node {node.id}: digest term {node.term:#x} != {term:#x}")
         digest += term
-    recount = (cached, protected, host, copies, host_sum & _MASK)
+    recount = (cached, protected, host, copies, host_sum & MASK)
     counters = (tree.cached_pages, tree.protected_pages, tree.host_pages, tree.copy_pages,
                 tree.host_sum)  # fmt: skip
     if recount != counters:
@@ -73,8 +73,8 @@ def check_host_tree(tree: HostTree) -> None:
             f"host pool: {tree.host_alloc.count(FREE)} free + {host} cached"
             f" != {tree.host_alloc.num_pages} pages"
         )
-    if digest & _MASK != tree.digest_sum:
-        raise IntegrityError(f"tree digest {tree.digest_sum:#x} != recomputed {digest & _MASK:#x}")
+    if digest & MASK != tree.digest_sum:
+        raise IntegrityError(f"tree digest {tree.digest_sum:#x} != recomputed {digest & MASK:#x}")
     check_spaces(tree)
     c = tree.copies
     if not 0 <= c.completed <= c.started:

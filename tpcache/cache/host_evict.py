@@ -15,17 +15,17 @@ import numpy as np
 from tpcache.cache.allocator import CACHED
 from tpcache.cache.evict import Freed, record_evict
 from tpcache.cache.host_moves import (
-    _announce,
-    _drop_subtree,
-    _retier,
-    _started_write,
-    _take_host,
-    _wrote,
+    announce,
     copy_term,
+    count_written,
+    drop_subtree,
     has_dev_child,
+    retier,
+    started_write,
+    take_host,
 )
 from tpcache.cache.keys import join_pages
-from tpcache.cache.node import _MASK
+from tpcache.cache.node import MASK
 
 if TYPE_CHECKING:
     from tpcache.cache.host_tree import HostTree
@@ -58,10 +58,10 @@ class _Writes:
             node.host = host[k : k + n]
             if start is not None:
                 start(True, device, node.host)
-            if node.states is None:  # (``_retier``, inline: an unhashed node has no term)
+            if node.states is None:  # (``retier``, inline: an unhashed node has no term)
                 node.pages = shifted[k : k + n]
             else:
-                _retier(tree, node, shifted[k : k + n])
+                retier(tree, node, shifted[k : k + n])
             k += n
         if start is None:
             copies.started_many(len(self.nodes))
@@ -104,7 +104,7 @@ def evict_device(tree: HostTree, num_pages: int) -> Freed:
             node.dev = False
             if not node.children:
                 host_push(node)
-            parent = node.parent  # a device candidate now? (``HostTree._queue``, inline)
+            parent = node.parent  # a device candidate now? (``HostTree.queue_candidate``, inline)
             if parent.dev and not parent.lock and parent.alive and not has_dev_child(parent):
                 push(parent)
         else:
@@ -126,7 +126,7 @@ def _leave_device(
     tree.cached_pages -= n
     if node.host.size:  # a copy already (write-through): only the device's pages go
         tree.copy_pages -= n
-        tree.host_sum = (tree.host_sum - copy_term(node.host, node.pages)) & _MASK
+        tree.host_sum = (tree.host_sum - copy_term(node.host, node.pages)) & MASK
         moved = True
     elif tree.through is not None:
         moved = False
@@ -136,25 +136,25 @@ def _leave_device(
         writes.nodes.append(node)
         writes.devices.append(node.pages)
         writes.pages += n
-        _wrote(tree, node, n)
+        count_written(tree, node, n)
         moved = True
     else:  # write-back, if the host can drop enough for it
         if writes.pages:
             writes.flush(tree)
-        host = _take_host(tree, n)
+        host = take_host(tree, n)
         moved = host is not None
         if moved:
-            _started_write(tree, node, host)
+            started_write(tree, node, host)
     if moved:
         if tree.record_events:
-            _announce(tree, node, tree.medium, stored=False)
+            announce(tree, node, tree.medium, stored=False)
         if node.host.size:  # (a node in ``writes`` gets its pages at the flush)
-            _retier(tree, node, node.host + tree.offset)
+            retier(tree, node, node.host + tree.offset)
         node.dev = False
         if not node.children:
             tree.host_leaves.push(node)
     else:
-        _drop_subtree(tree, node)
-    parent = node.parent  # a device candidate now? (``HostTree._queue``, inline)
+        drop_subtree(tree, node)
+    parent = node.parent  # a device candidate now? (``HostTree.queue_candidate``, inline)
     if parent.dev and not parent.lock and parent.alive and not has_dev_child(parent):
         tree.leaves.push(parent)

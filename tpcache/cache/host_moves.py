@@ -2,7 +2,7 @@
 load or an insert brings back.
 
 - ``evict_device`` (``host_evict.py``): device candidates in policy order leave the
-  device, by the moves here (``write_to_host``'s pages, ``_drop_subtree``).
+  device, by the moves here (``write_to_host``'s pages, ``drop_subtree``).
 - ``_drop_host_leaves``: host-only leaves (``HostTree.host_leaves``) in policy order are
   deleted until the pages fit (pinned ones, being loaded, are skipped).
 - ``to_device``: a host-only node gets device pages (a load, or the pages of a request
@@ -26,7 +26,7 @@ from tpcache.cache.hashing import block_hashes
 from tpcache.cache.host_config import HOST
 from tpcache.cache.keys import join_pages
 from tpcache.cache.namespace import is_anchor
-from tpcache.cache.node import _EMPTY_PAGES, _MASK, page_terms
+from tpcache.cache.node import EMPTY_PAGES, MASK, page_terms
 
 if TYPE_CHECKING:
     from tpcache.cache.host_tree import HostTree
@@ -46,20 +46,20 @@ def copy_term(host: np.ndarray, device: np.ndarray) -> int:
     """Digest term of a node's host copy: each host page paired with its device page."""
     h = host.view(np.uint64) + np.uint64(_K2)
     d = device.view(np.uint64) + np.uint64(_K2 >> 1)
-    return int(np.add.reduce(h * d)) & _MASK
+    return int(np.add.reduce(h * d)) & MASK
 
 
-def _retier(tree: HostTree, node: Any, pages: np.ndarray) -> None:
+def retier(tree: HostTree, node: Any, pages: np.ndarray) -> None:
     """Give ``node`` new ``pages`` (its tier changed): its digest term follows if it is
     hashed (an unhashed node is hashed later, from the pages it has then)."""
     if node.states is not None:
         term = page_terms(node.states, pages)
-        tree.digest_sum = (tree.digest_sum - node.term + term) & _MASK
+        tree.digest_sum = (tree.digest_sum - node.term + term) & MASK
         node.term = term
     node.pages = pages
 
 
-def _announce(tree: HostTree, node: Any, medium: str, stored: bool) -> None:
+def announce(tree: HostTree, node: Any, medium: str, stored: bool) -> None:
     # Callers on the hot paths check ``record_events`` first: a call per move costs.
     if not tree.record_events:
         return
@@ -84,7 +84,7 @@ def _announce(tree: HostTree, node: Any, medium: str, stored: bool) -> None:
 
 
 # ---- device -> host ---------------------------------------------------------------------
-def _take_host(tree: HostTree, n: int) -> np.ndarray | None:
+def take_host(tree: HostTree, n: int) -> np.ndarray | None:
     """``n`` host pages for a copy, by host eviction if needed; None if they cannot be had."""
     alloc = tree.host_alloc
     if alloc.num_free >= n:
@@ -95,33 +95,33 @@ def _take_host(tree: HostTree, n: int) -> np.ndarray | None:
     return alloc.recycle(freed, CACHED, n, CACHED)  # (the dropped nodes' pages: theirs to sort)
 
 
-def _started_write(tree: HostTree, node: Any, host: np.ndarray) -> None:
+def started_write(tree: HostTree, node: Any, host: np.ndarray) -> None:
     node.host = host
     tree.copies.start(True, node.pages, host)
-    _wrote(tree, node, host.size)
+    count_written(tree, node, host.size)
 
 
-def _wrote(tree: HostTree, node: Any, n: int) -> None:
+def count_written(tree: HostTree, node: Any, n: int) -> None:
     tree.host_pages += n
     tree.written_pages += n
     if tree.record_events:
-        _announce(tree, node, HOST, stored=True)
+        announce(tree, node, HOST, stored=True)
 
 
 def write_to_host(tree: HostTree, node: Any) -> bool:
     """Copy device node ``node`` to the host (it keeps its device pages: write-through):
     host pages for it, by host eviction if needed. False, and nothing copied, if they
     cannot be had."""
-    host = _take_host(tree, node.pages.size)
+    host = take_host(tree, node.pages.size)
     if host is None:
         return False
-    _started_write(tree, node, host)
+    started_write(tree, node, host)
     tree.copy_pages += host.size
-    tree.host_sum = (tree.host_sum + copy_term(host, node.pages)) & _MASK
+    tree.host_sum = (tree.host_sum + copy_term(host, node.pages)) & MASK
     return True
 
 
-def _drop_subtree(tree: HostTree, node: Any) -> None:
+def drop_subtree(tree: HostTree, node: Any) -> None:
     """Delete device node ``node`` (its device pages are the caller's to free) and its
     descendants, all host-only (the device tier is closed under parents)."""
     stack = list(node.children.values())
@@ -133,9 +133,9 @@ def _drop_subtree(tree: HostTree, node: Any) -> None:
         tree.host_pages -= child.host.size
         tree.host_evicted_pages += child.host.size
         tree.host_leaves.forget(child)
-        _announce(tree, child, HOST, stored=False)
+        announce(tree, child, HOST, stored=False)
     _delete(tree, node)
-    _announce(tree, node, tree.medium, stored=False)
+    announce(tree, node, tree.medium, stored=False)
     _drop_empty_anchor(tree, node.parent)
 
 
@@ -149,7 +149,7 @@ def _delete(tree: HostTree, node: Any) -> None:
     del node.parent.children[node.kb[: 4 * tree.ps]]
     del tree.nodes[node.id]
     node.alive = False
-    tree.digest_sum = (tree.digest_sum - node.term) & _MASK
+    tree.digest_sum = (tree.digest_sum - node.term) & MASK
     # A dead node may stay referenced a while (stale heap entries, the tree's list of
     # nodes to hash), and its tokens are most of its memory: let them go now, so that
     # new nodes reuse that memory instead of growing the heap.
@@ -182,13 +182,13 @@ def _drop_host_leaves(tree: HostTree, n: int) -> np.ndarray | None:
         del node.parent.children[node.kb[:pb]]  # (``_delete``, inline)
         del nodes[node.id]
         node.alive = False
-        tree.digest_sum = (tree.digest_sum - node.term) & _MASK
+        tree.digest_sum = (tree.digest_sum - node.term) & MASK
         node.kb = b""
         host = node.host
         freed.append(host)
         have += host.size
         if events:
-            _announce(tree, node, HOST, stored=False)
+            announce(tree, node, HOST, stored=False)
         parent = node.parent
         if not (parent.dev or parent.children):
             tree.host_leaves.push(parent)
@@ -215,7 +215,7 @@ def to_device(tree: HostTree, node: Any, pages: np.ndarray, owner: int) -> None:
     pages = pages.copy()  # the node's own array from now on
     tree.alloc.retag(pages, owner, CACHED, checked=False)
     _on_device(tree, node, pages, False)
-    tree._queue(node)
+    tree.queue_candidate(node)
 
 
 def load(tree: HostTree, hosts: list[Any], pages: np.ndarray) -> int:
@@ -249,14 +249,14 @@ def _load_plain(tree: HostTree, hosts: list[Any], own: np.ndarray) -> None:
     for h in hosts:
         m = h.pages.size
         pages = own[k : k + m]
-        if h.states is None:  # (``_retier``, inline: an unhashed node has no term)
+        if h.states is None:  # (``retier``, inline: an unhashed node has no term)
             h.pages = pages
         else:
-            _retier(tree, h, pages)
+            retier(tree, h, pages)
         h.dev = True
         forget(h)
         frees.append(h.host)
-        h.host = _EMPTY_PAGES
+        h.host = EMPTY_PAGES
         h.pinned = False
         k += m
     tree.copies.started_many(len(hosts))
@@ -278,22 +278,22 @@ def _on_device(
     if loaded:
         tree.copies.start(False, pages, node.host)
         tree.loaded_pages += n
-    _retier(tree, node, pages)
+    retier(tree, node, pages)
     node.dev = True
     tree.cached_pages += n
     tree.host_leaves.forget(node)
     events = tree.record_events
     if events:
-        _announce(tree, node, tree.medium, stored=True)
+        announce(tree, node, tree.medium, stored=True)
     if tree.through is None:
         if frees is None:
             tree.host_alloc.free(node.host, CACHED, checked=False)
         else:
             frees.append(node.host)
         tree.host_pages -= n
-        node.host = _EMPTY_PAGES
+        node.host = EMPTY_PAGES
         if events:
-            _announce(tree, node, HOST, stored=False)
+            announce(tree, node, HOST, stored=False)
     else:
         tree.copy_pages += n
-        tree.host_sum = (tree.host_sum + copy_term(node.host, pages)) & _MASK
+        tree.host_sum = (tree.host_sum + copy_term(node.host, pages)) & MASK

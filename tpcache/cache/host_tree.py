@@ -37,7 +37,7 @@ from tpcache.cache.host_config import HostCopy
 from tpcache.cache.host_evict import evict_device
 from tpcache.cache.host_moves import has_dev_child, write_to_host
 from tpcache.cache.host_order import RunOrder
-from tpcache.cache.node import _EMPTY_PAGES, Node
+from tpcache.cache.node import EMPTY_PAGES, Node
 from tpcache.cache.policies import KeyFn
 from tpcache.cache.tree import RadixTree
 
@@ -59,7 +59,7 @@ class HostNode(Node):
     ) -> None:  # as Node's (named, not ``*args``: a node is made per split and leaf)
         Node.__init__(self, node_id, parent, key, pages, states, tick)
         self.dev = True  # ``pages`` are device pages (else host ids + offset)
-        self.host = _EMPTY_PAGES  # host pages holding a copy (all or none of them)
+        self.host = EMPTY_PAGES  # host pages holding a copy (all or none of them)
         self.pinned = False  # being loaded by an admit: no host eviction takes it
 
 
@@ -145,8 +145,8 @@ class HostTree(RadixTree):
         self.written_pages = self.loaded_pages = self.host_evicted_pages = 0
         super().__init__(alloc, key_fn, record_events=record_events, medium=medium)
 
-    def _clear(self) -> None:
-        super()._clear()
+    def clear(self) -> None:
+        super().clear()
         self.leaves = RunOrder(self.key_fn)  # (the base tree's order, in runs)
         self.host_alloc.reset()
         self.host_leaves = RunOrder(self.key_fn)  # host-only nodes without children
@@ -169,7 +169,7 @@ class HostTree(RadixTree):
             child.host = host[cut:].copy()  # type: ignore[attr-defined]
         return upper
 
-    def _queue(self, node: Node) -> None:
+    def queue_candidate(self, node: Node) -> None:
         # A device candidate: no lock and no child on the device (host children do not
         # hold it: they go down with it or stay below it on the host).
         dev = node.dev  # type: ignore[attr-defined]

@@ -2,7 +2,7 @@
 
 The walk goes as far as the key is cached; pages of that part that differ from the
 tree's are duplicates and go back to the allocator (with a window, they may revive a
-tombstone instead: ``RadixTree._revivable`` and ``_revive``); the rest becomes a new
+tombstone instead: ``RadixTree._revivable`` and ``revive``); the rest becomes a new
 leaf that takes over its pages, is hashed (now if events or a stateful policy need it,
 else later) and announced (``BlockStored``). Every node on the path is touched.
 """
@@ -19,7 +19,7 @@ from tpcache.cache.errors import InvalidSlots
 from tpcache.cache.events import BlockStored
 from tpcache.cache.hashing import block_hashes
 from tpcache.cache.keys import join_pages, key_bytes
-from tpcache.cache.node import _EMPTY_PAGES, Node, defer_hash, descend, pages_of
+from tpcache.cache.node import EMPTY_PAGES, Node, defer_hash, descend, pages_of
 
 if TYPE_CHECKING:
     from tpcache.cache.tree import RadixTree
@@ -64,9 +64,9 @@ def insert_key(
         given = pages[k0:k]
         differ = given != known
         dups = given[differ]
-        revive = tree._revivable(path, partial, differ)
+        revive = tree.revivable(path, partial, differ)
     else:
-        known = dups = _EMPTY_PAGES
+        known = dups = EMPTY_PAGES
     fresh = pages[k:] if k else pages  # no view to make when nothing was cached
     if not trusted:
         mine = np.concatenate((dups, fresh)) if dups.size else fresh
@@ -75,12 +75,12 @@ def insert_key(
         except Exception as exc:
             raise InvalidSlots(f"cannot insert: {exc}") from None
         if have < n:
-            tree._check_new_leaf(start or tree.root, path, partial, common, revive, n - have)
+            tree.check_new_leaf(start or tree.root, path, partial, common, revive, n - have)
 
     if partial is not None:
         path.append(tree.split(partial, common))
     if revive:
-        tree._revive(revive, path, pages[k0:k])
+        tree.revive(revive, path, pages[k0:k])
     end = path[-1] if path else (start or tree.root)
     tree.tick += 1
     tick = tree.tick
@@ -91,16 +91,16 @@ def insert_key(
         node.last_access = tick
         if priority > node.priority:
             node.priority = priority
-            tree._reprioritised(node)
+            tree.reprioritised(node)
         node = node.parent  # type: ignore[assignment]
     if dups.size:
         tree.alloc.free(dups, owner, checked=False)
     if have < n:
         end = add_leaf(tree, end, key[have:] if have else key, fresh.copy(), priority, owner)
     else:
-        tree._queue(end)
+        tree.queue_candidate(end)
     if tree.window is not None:
-        tree._inserted(end, tick, fresh.size)
+        tree.inserted(end, tick, fresh.size)
     if not want_pages:
         return have, None, end
     parts = [pages[:k0], known] if k0 else [known]
@@ -114,8 +114,7 @@ def add_leaf(
 ) -> Node:
     """A new leaf under ``parent``: ``key`` (int32, copied into the node), ``pages`` (the
     node's own array from now on), tagged ``owner`` until now."""
-    node_id = tree._next_id
-    tree._next_id = node_id + 1
+    node_id = tree.new_node_id()
     node = tree.node_type(node_id, parent, key_bytes(key), pages, None, tree.tick)
     node.priority = priority
     parent.children[node.kb[: 4 * tree.ps]] = node

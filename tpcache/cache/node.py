@@ -16,12 +16,12 @@ import numpy as np
 
 from tpcache.cache.hashing import ROOT_STATE
 
-_EMPTY_PAGES = np.zeros(0, dtype=np.int64)
+EMPTY_PAGES = np.zeros(0, dtype=np.int64)
 pages_of = operator.attrgetter("pages")  # a node's pages, without a Python frame per node
 term_of = operator.attrgetter("term")
-_EMPTY_STATES = np.zeros(0, dtype=np.uint64)
+EMPTY_STATES = np.zeros(0, dtype=np.uint64)
 _K = 0xA24BAED4963EE407  # odd
-_MASK = (1 << 64) - 1
+MASK = (1 << 64) - 1
 
 
 def page_terms(states: np.ndarray, pages: np.ndarray) -> int:
@@ -29,7 +29,7 @@ def page_terms(states: np.ndarray, pages: np.ndarray) -> int:
     covers each block (its chain state) with its page id; additive over pages. Two numpy
     calls."""
     p = pages.view(np.uint64) if pages.dtype == np.int64 else pages.astype(np.uint64)
-    return (int(states @ p) + _K * int(np.add.reduce(states))) & _MASK
+    return (int(states @ p) + _K * int(np.add.reduce(states))) & MASK
 
 
 def seed_of(tree, node) -> int:
@@ -97,15 +97,15 @@ def window_cut(
 
 def defer_hash(tree, node, now: bool) -> None:
     """Hash ``node`` now, or remember it for ``hash_pending`` (any tree with ``root``,
-    ``hasher``, ``nodes``, ``digest_sum`` and ``_unhashed``)."""
+    ``hasher``, ``nodes``, ``digest_sum`` and ``unhashed``)."""
     if now:
         hash_node(tree, node)
         return
-    tree._unhashed.append(node)
-    if len(tree._unhashed) > 2 * len(tree.nodes) + 1024:
+    tree.unhashed.append(node)
+    if len(tree.unhashed) > 2 * len(tree.nodes) + 1024:
         # Drop evicted nodes, so a cache nobody asks for a digest keeps no dead node
         # alive (amortised O(1) per insert).
-        tree._unhashed = [n for n in tree._unhashed if n.alive and n.states is None]
+        tree.unhashed = [n for n in tree.unhashed if n.alive and n.states is None]
 
 
 def hash_pending(tree) -> None:
@@ -114,7 +114,7 @@ def hash_pending(tree) -> None:
     Nodes whose parents are hashed go together (``hash_nodes``), level by level: a TP
     rank asks for a digest every step, after a few short new leaves.
     """
-    pending, tree._unhashed = tree._unhashed, []
+    pending, tree.unhashed = tree.unhashed, []
     if len(pending) <= 1:  # most steps add one leaf: hash_node walks up to a hashed parent
         if pending and pending[0].alive and pending[0].states is None:
             hash_node(tree, pending[0])
@@ -180,7 +180,7 @@ def _hash_batch(tree, batch: list, sizes: list[int]) -> None:
         n.states = states[a : a + m].copy()  # own arrays: no node pins the batch's
         n.term = term
         total += term
-    tree.digest_sum = total & _MASK
+    tree.digest_sum = total & MASK
 
 
 def hash_node(tree, node) -> None:
@@ -198,13 +198,13 @@ def hash_node(tree, node) -> None:
         if n.pages.size <= _FEW_PAGES:
             states = hasher.chain_few(n.kb, parent_state)
             # page_terms in Python ints: sum(state * (page + K)), the two sums in C
-            n.term = (sum(map(operator.mul, states, n.pages.tolist())) + _K * sum(states)) & _MASK
+            n.term = (sum(map(operator.mul, states, n.pages.tolist())) + _K * sum(states)) & MASK
             n.states = np.array(states, dtype=np.uint64)
         else:
             n.states = hasher.chain(np.frombuffer(n.kb, dtype=np.int32), parent_state)
             n.term = page_terms(n.states, n.pages)
         total += n.term
-    tree.digest_sum = total & _MASK
+    tree.digest_sum = total & MASK
 
 
 class Node:
@@ -289,8 +289,7 @@ def split_node(tree: Any, child: Node, at: int) -> Node:
     parent = child.parent
     assert parent is not None and 0 < at < len(child.kb) // 4 and at % ps == 0
     hashed = child.states is not None
-    node_id = tree._next_id
-    tree._next_id = node_id + 1
+    node_id = tree.new_node_id()
     upper = tree.node_type(
         node_id,
         parent,
@@ -305,10 +304,10 @@ def split_node(tree: Any, child: Node, at: int) -> Node:
     upper.lock = child.lock
     if hashed:
         upper.term = page_terms(upper.states, upper.pages)
-        child.term = (child.term - upper.term) & _MASK
+        child.term = (child.term - upper.term) & MASK
         child.states = child.states[cut:].copy()
     else:
-        tree._unhashed.append(upper)
+        tree.unhashed.append(upper)
     child.kb = child.kb[4 * at :]
     child.pages = child.pages[cut:].copy()
     pb = 4 * ps

@@ -310,7 +310,7 @@ class PrefixCache:
     def reset(self) -> None:
         events = self.tree.events
         self.alloc.reset()
-        self.tree._clear()
+        self.tree.clear()
         self.reqs = ReqTable()
         self.handles = HandleLocks(self.tree)
         self._room.ask = self._room.no_ask

@@ -264,7 +264,7 @@ class PairedAllocator:
 
     def swa_count(self, tag: int) -> int:
         """SWA pages whose full page is tagged ``tag`` (a full scan: for checks)."""
-        return int(((self._swa_of >= 0) & (self.full._tags == tag)).sum())
+        return int(((self._swa_of >= 0) & self.full.tagged(tag)).sum())
 
     def check_integrity(self) -> None:
         """The full pool, and: the SWA pages in use are exactly those mapped from full

@@ -71,8 +71,8 @@ class SwaTree(RadixTree):
         self._next_mark = ROOT_MARK + 1
         super().__init__(alloc, key_fn, record_events=record_events, medium=medium)
 
-    def _clear(self) -> None:
-        super()._clear()
+    def clear(self) -> None:
+        super().clear()
         self.root.swa_lock = 1  # type: ignore[attr-defined]
         self.root.mark = ROOT_MARK  # type: ignore[attr-defined]
         self.swa_pages = 0  # SWA pages in the tree (pages of non-tombstones)
@@ -141,7 +141,7 @@ class SwaTree(RadixTree):
             node = node.parent  # type: ignore[assignment]
 
     # ---- inserts: revival and the new leaf's window --------------------------------------
-    def _revivable(self, path: list[SwaNode], partial: Any, differ: np.ndarray) -> Revive:  # type: ignore[override]
+    def revivable(self, path: list[SwaNode], partial: Any, differ: np.ndarray) -> Revive:  # type: ignore[override]
         """Tombstones on the insert path whose every page the newcomer gives anew, with
         their page offsets after the start; and whether the partial node's matched part
         (its upper half once split) is one."""
@@ -157,7 +157,7 @@ class SwaTree(RadixTree):
         in_partial = partial is not None and partial.tombstone and bool(differ[off:].all())
         return out, in_partial
 
-    def _check_new_leaf(  # type: ignore[override]
+    def check_new_leaf(  # type: ignore[override]
         self,
         top: SwaNode,
         path: list[SwaNode],
@@ -191,7 +191,7 @@ class SwaTree(RadixTree):
             f" window ({self.window} tokens) and the given pages cannot revive it"
         )
 
-    def _revive(self, revive: Revive, path: list[SwaNode], given: np.ndarray) -> None:  # type: ignore[override]
+    def revive(self, revive: Revive, path: list[SwaNode], given: np.ndarray) -> None:  # type: ignore[override]
         nodes, revive_partial = revive
         if revive_partial:  # path[-1] is the partial node's upper half now
             nodes = [*nodes, (path[-1], given.size - path[-1].pages.size)]
@@ -204,11 +204,11 @@ class SwaTree(RadixTree):
             self.swa_pages += size
             self._queue_swa(node)
 
-    def _reprioritised(self, node: SwaNode) -> None:  # type: ignore[override]
+    def reprioritised(self, node: SwaNode) -> None:  # type: ignore[override]
         if not node.swa_lock and not node.tombstone:
             self._queue_swa(node)
 
-    def _inserted(self, end: SwaNode, tick: int, new_pages: int) -> None:  # type: ignore[override]
+    def inserted(self, end: SwaNode, tick: int, new_pages: int) -> None:  # type: ignore[override]
         if new_pages:  # a new leaf, with the SWA pages of its own
             self.swa_pages += new_pages
             self.swa_order.push(end)  # alive, no tombstone, not locked
@@ -273,10 +273,10 @@ class SwaTree(RadixTree):
         if not (node.swa_lock or node.tombstone) and node.alive:  # free SWA KV
             self.swa_order.push(node)
 
-    def _evict_window(self, num_pages: int, out: Freed) -> None:
+    def evict_window(self, num_pages: int, out: Freed) -> None:
         evict_window(self, num_pages, out)
 
-    def _deleted(self, node: SwaNode, out: Freed) -> None:  # type: ignore[override]
+    def deleted(self, node: SwaNode, out: Freed) -> None:  # type: ignore[override]
         self.leaves.live.pop(node, None)  # .forget(node), without the call
         self.swa_order.live.pop(node, None)
         size = node.pages.size
@@ -287,7 +287,7 @@ class SwaTree(RadixTree):
             out.swa += size
             self.swa_pages -= size
 
-    def _free(self, pages: np.ndarray, out: Freed) -> None:
+    def free_evicted(self, pages: np.ndarray, out: Freed) -> None:
         # A node tombstoned and then deleted in this call still maps its SWA pages, so
         # freeing it whole frees them: only live tombstones free their SWA part alone.
         tombs = live_tombstone_pages(out)

@@ -28,8 +28,8 @@ from tpcache.cache.evict import Freed, evict
 from tpcache.cache.hashing import PageHasher
 from tpcache.cache.namespace import CacheNamespace
 from tpcache.cache.node import (
-    _EMPTY_PAGES,
-    _EMPTY_STATES,
+    EMPTY_PAGES,
+    EMPTY_STATES,
     Node,
     descend,
     hash_pending,
@@ -85,10 +85,10 @@ class RadixTree:
         # Node ids only grow, across reset() too, so a handle from before a reset can
         # never name a node created after it.
         self._next_id = 1
-        self._clear()
+        self.clear()
 
-    def _clear(self) -> None:
-        self.root = self.node_type(0, None, b"", _EMPTY_PAGES, _EMPTY_STATES, 0)
+    def clear(self) -> None:
+        self.root = self.node_type(0, None, b"", EMPTY_PAGES, EMPTY_STATES, 0)
         self.root.lock = 1  # the root is never evicted
         self.nodes: dict[int, Node] = {0: self.root}
         self.tick = 0
@@ -98,11 +98,23 @@ class RadixTree:
         # Namespaces with an anchor (``anchors.py``), by anchor key: the namespace and its
         # chain seed. An anchor lives exactly while it has children.
         self.spaces: dict[bytes, tuple[CacheNamespace, int]] = {}
-        # Nodes whose block hashes are not computed yet (see ``ensure_hashed``).
-        self._unhashed: list[Node] = []
+        # Nodes whose block hashes are not computed yet (see ``ensure_hashed``): the
+        # tree's, appended and drained by the hashing walks of ``node.py``.
+        self.unhashed: list[Node] = []
         self.leaves = EvictionOrder(self.key_fn)  # the unlocked leaves
         if self.hooks is not None:
             self.hooks.reset()
+
+    def new_node_id(self) -> int:
+        """A fresh node id: ids only grow, across ``clear`` too."""
+        node_id = self._next_id
+        self._next_id = node_id + 1
+        return node_id
+
+    @property
+    def next_node_id(self) -> int:
+        """The id the next new node gets (read-only)."""
+        return self._next_id
 
     # ---- lookup -------------------------------------------------------------------------
     def descend(self, key: np.ndarray, n: int, node: Node | None = None, pos: int = 0) -> Match:
@@ -146,7 +158,7 @@ class RadixTree:
             node.last_access = tick
             node.hits += 1
         if path and queue:
-            self._queue(path[-1])
+            self.queue_candidate(path[-1])
 
     def ensure_hashed(self) -> None:
         """Compute the block hashes (and digest terms) of every node that lacks them.
@@ -220,11 +232,11 @@ class RadixTree:
         """May a match end at ``node``'s end?"""
         return True
 
-    def _revivable(self, path: list[Node], partial: Node | None, differ: np.ndarray) -> Any:
+    def revivable(self, path: list[Node], partial: Node | None, differ: np.ndarray) -> Any:
         """What an insert over ``path`` revives (``None``: nothing)."""
         return None
 
-    def _check_new_leaf(
+    def check_new_leaf(
         self,
         top: Node,
         path: list[Node],
@@ -236,27 +248,27 @@ class RadixTree:
         """Raise ``InvalidSlots`` if an insert's new leaf of ``tail`` tokens after ``top``,
         ``path`` and ``common`` tokens of ``partial`` could never be matched."""
 
-    def _revive(self, revive: Any, path: list[Node], given: np.ndarray) -> None:
-        """Revive what ``_revivable`` found, with the given pages of the walked part."""
+    def revive(self, revive: Any, path: list[Node], given: np.ndarray) -> None:
+        """Revive what ``revivable`` found, with the given pages of the walked part."""
 
-    def _reprioritised(self, node: Node) -> None:
+    def reprioritised(self, node: Node) -> None:
         """``node``'s priority was raised by an insert."""
 
-    def _inserted(self, end: Node, tick: int, new_pages: int) -> None:
+    def inserted(self, end: Node, tick: int, new_pages: int) -> None:
         """An insert ended at ``end`` at ``tick``, adding ``new_pages`` (a new leaf's)."""
 
-    def _evict_window(self, num_pages: int, out: Freed) -> None:
+    def evict_window(self, num_pages: int, out: Freed) -> None:
         """The second eviction order (SWA KV) frees ``num_pages`` more."""
 
-    def _deleted(self, node: Node, out: Freed) -> None:
+    def deleted(self, node: Node, out: Freed) -> None:
         """``node`` was deleted by an eviction."""
 
-    def _free(self, pages: np.ndarray, out: Freed) -> None:
+    def free_evicted(self, pages: np.ndarray, out: Freed) -> None:
         """Return what an eviction took to the allocator (the deleted nodes' ``pages``,
         and what the window's order freed)."""
 
     # ---- eviction -----------------------------------------------------------------------
-    def _queue(self, node: Node) -> None:
+    def queue_candidate(self, node: Node) -> None:
         if not (node.lock or node.children) and node.alive:  # an unlocked leaf
             self.leaves.push(node)
 

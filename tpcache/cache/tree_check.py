@@ -13,7 +13,7 @@ import numpy as np
 from tpcache.cache.allocator import CACHED, FREE, HELD, LENT
 from tpcache.cache.anchors import BASE_LOCK, check_anchor, check_spaces, is_anchor
 from tpcache.cache.errors import CacheError, IntegrityError
-from tpcache.cache.node import _MASK, page_terms, seed_of
+from tpcache.cache.node import MASK, page_terms, seed_of
 
 if TYPE_CHECKING:
     from tpcache.cache.node import Node
@@ -86,7 +86,7 @@ def check_tree(tree: RadixTree) -> None:
         if is_anchor(node):
             check_anchor(tree, node)
             continue
-        _check_node(tree, node)
+        check_node(tree, node)
         if node.lock == 0 and not node.children:
             k = leaves.key_of(node)
             if k != tree.key_fn(node) or (k, node.id) not in live:
@@ -113,15 +113,15 @@ def check_tree(tree: RadixTree) -> None:
         )
     _check_pages(tree, all_pages, pages_total)
     check_spaces(tree)
-    if digest & _MASK != tree.digest_sum:
-        raise IntegrityError(f"tree digest {tree.digest_sum:#x} != recomputed {digest & _MASK:#x}")
+    if digest & MASK != tree.digest_sum:
+        raise IntegrityError(f"tree digest {tree.digest_sum:#x} != recomputed {digest & MASK:#x}")
     if window is not None:
         window.finish()
     if tree.hooks is not None:
         tree.hooks.check_integrity()
 
 
-def _check_node(tree: RadixTree, node: Node) -> None:
+def check_node(tree: RadixTree, node: Node) -> None:
     ps = tree.ps
     parent = node.parent
     if parent is None or not node.alive or tree.nodes.get(node.id) is not node:
