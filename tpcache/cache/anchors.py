@@ -25,12 +25,12 @@ if TYPE_CHECKING:
     import numpy as np
 
     from tpcache.cache.node import Node
-    from tpcache.cache.tree import RadixTree
+    from tpcache.cache.shapes import TreeShape
 
 BASE_LOCK = 1  # an anchor's own lock (full, and SWA with a window)
 
 
-def anchor_of(tree: RadixTree, space: CacheNamespace, create: bool = False) -> Node | None:
+def anchor_of(tree: TreeShape, space: CacheNamespace, create: bool = False) -> Node | None:
     """The anchor of ``space`` in ``tree``; ``None`` if it has none and not ``create``."""
     key = space.key
     node = tree.root.children.get(key)
@@ -47,7 +47,7 @@ def anchor_of(tree: RadixTree, space: CacheNamespace, create: bool = False) -> N
     return node
 
 
-def drop_anchor(tree: RadixTree, node: Node) -> None:
+def drop_anchor(tree: TreeShape, node: Node) -> None:
     """Delete anchor ``node``: it just lost its last child, and only its base lock is
     left (a request below it would have kept a locked child)."""
     assert not node.children and node.lock == BASE_LOCK, f"anchor {node.id} still in use"
@@ -57,7 +57,7 @@ def drop_anchor(tree: RadixTree, node: Node) -> None:
     node.alive = False
 
 
-def namespace_of(tree: RadixTree, node: Node) -> CacheNamespace | None:
+def namespace_of(tree: TreeShape, node: Node) -> CacheNamespace | None:
     """The namespace ``node`` is cached in (``None``: the default one). O(depth)."""
     if not tree.spaces:
         return None
@@ -68,7 +68,7 @@ def namespace_of(tree: RadixTree, node: Node) -> CacheNamespace | None:
     return None if found is None else found[0]
 
 
-def match_in(tree: RadixTree, key: np.ndarray, n: int, namespace: Any) -> tuple[Any, Any]:
+def match_in(tree: TreeShape, key: np.ndarray, n: int, namespace: Any) -> tuple[Any, Any]:
     """The namespace checked (``as_namespace``; ``None``: the default one) and the match
     of ``key[:n]`` in it (``RadixTree.match_walk``; nothing where it has no anchor).
     Changes nothing; raises ``InvalidNamespace``."""
@@ -81,7 +81,7 @@ def match_in(tree: RadixTree, key: np.ndarray, n: int, namespace: Any) -> tuple[
     return space, ([], 0, None, 0) if start is None else tree.match_walk(key, n, start)
 
 
-def insert_start(tree: RadixTree, node: Node, space: CacheNamespace | None, grow: bool) -> Node:
+def insert_start(tree: TreeShape, node: Node, space: CacheNamespace | None, grow: bool) -> Node:
     """Where a request's insert walks from: its locked ``node``, or, for a request in
     ``space`` that matched nothing (its node is the root), the namespace's anchor, made
     now if the insert will ``grow`` the tree (so no anchor is ever left childless)."""
@@ -92,7 +92,7 @@ def insert_start(tree: RadixTree, node: Node, space: CacheNamespace | None, grow
     return anchor
 
 
-def lent_insert_start(tree: RadixTree, namespace: Any, pages: np.ndarray) -> Node | None:
+def lent_insert_start(tree: TreeShape, namespace: Any, pages: np.ndarray) -> Node | None:
     """Where a caller's insert of lent ``pages`` in ``namespace`` walks from: ``None`` (the
     root) for the default namespace, else its anchor, made only once the pages are known
     to be the caller's (without an anchor, the insert caches all of them as a new leaf),
@@ -111,7 +111,7 @@ def lent_insert_start(tree: RadixTree, namespace: Any, pages: np.ndarray) -> Nod
     return found
 
 
-def check_anchor(tree: RadixTree, node: Node) -> None:
+def check_anchor(tree: TreeShape, node: Node) -> None:
     """``check_integrity``'s part for an anchor: under the root by its whole key, known
     in ``spaces``, no pages, children, the base locks above its children's."""
     space = tree.spaces.get(node.kb)
@@ -132,7 +132,7 @@ def check_anchor(tree: RadixTree, node: Node) -> None:
         )
 
 
-def check_spaces(tree: RadixTree) -> None:
+def check_spaces(tree: TreeShape) -> None:
     """Every namespace in ``spaces`` has its anchor under the root."""
     anchors = sum(1 for k in tree.root.children if is_anchor_key(k))
     if anchors != len(tree.spaces):

@@ -11,7 +11,7 @@ is deleted. The window's own order (SWA KV) is in ``swa_evict.py``.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tpcache.cache.allocator import CACHED
 from tpcache.cache.anchors import drop_anchor, is_anchor
@@ -19,25 +19,13 @@ from tpcache.cache.events import BlockRemoved
 from tpcache.cache.hashing import block_hashes
 from tpcache.cache.keys import join_pages
 from tpcache.cache.node import EMPTY_PAGES, MASK, pages_of, term_of
+from tpcache.cache.shapes import Freed, TreeShape
 
 if TYPE_CHECKING:
     from tpcache.cache.node import Node
-    from tpcache.cache.tree import RadixTree
 
 
-class Freed:
-    """What one ``evict`` call took; the pages go back in one free group per pool."""
-
-    __slots__ = ("dead", "full", "swa", "tombs")
-
-    def __init__(self) -> None:
-        self.dead: list[Any] = []  # deleted nodes, in eviction order
-        self.tombs: list[Any] = []  # nodes that lost only their SWA KV (a window's)
-        self.full = 0  # full pages freed
-        self.swa = 0  # SWA pages freed (a window's)
-
-
-def evict(tree: RadixTree, num_pages: int, swa_pages: int) -> Freed:
+def evict(tree: TreeShape, num_pages: int, swa_pages: int) -> Freed:
     """``RadixTree.evict``: the full order until ``num_pages`` are freed, then the
     window's order (if ``swa_pages``), then one release; times the call."""
     started = time.perf_counter()
@@ -70,7 +58,7 @@ def evict(tree: RadixTree, num_pages: int, swa_pages: int) -> Freed:
     return record_evict(tree, out, started)
 
 
-def record_evict(tree: Any, out: Freed, started: float) -> Freed:
+def record_evict(tree: TreeShape, out: Freed, started: float) -> Freed:
     """Count an eviction call that freed ``out`` and keep its time (the last 10-20k)."""
     tree.evicted_pages += out.full
     tree.evict_calls += 1
@@ -81,7 +69,7 @@ def record_evict(tree: Any, out: Freed, started: float) -> Freed:
     return out
 
 
-def delete(tree: RadixTree, node: Node, out: Freed) -> None:
+def delete(tree: TreeShape, node: Node, out: Freed) -> None:
     """Delete unlocked leaf ``node`` into ``out``; then its parent if it became a leaf
     that may not end a match, and so on up."""
     pb, root, nodes, dead = 4 * tree.ps, tree.root, tree.nodes, out.dead

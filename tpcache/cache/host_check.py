@@ -19,10 +19,10 @@ from tpcache.cache.node import MASK, page_terms
 from tpcache.cache.tree_check import check_node
 
 if TYPE_CHECKING:
-    from tpcache.cache.host_tree import HostTree
+    from tpcache.cache.shapes import HostTreeShape
 
 
-def check_host_tree(tree: HostTree) -> None:
+def check_host_tree(tree: HostTreeShape) -> None:
     """Walk the whole tiered tree and recount; raise ``IntegrityError`` naming what broke."""
     tree.ensure_hashed()
     nodes = tree.walk()
@@ -81,7 +81,7 @@ def check_host_tree(tree: HostTree) -> None:
         raise IntegrityError(f"copies: {c.completed} completed of {c.started} started")
 
 
-def _check_tier(tree: HostTree, node: Any) -> None:
+def _check_tier(tree: HostTreeShape, node: Any) -> None:
     if node.pinned:
         raise IntegrityError(f"node {node.id} is still pinned for a load")
     if node.dev:

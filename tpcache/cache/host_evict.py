@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tpcache.cache.allocator import CACHED
-from tpcache.cache.evict import Freed, record_evict
+from tpcache.cache.evict import record_evict
 from tpcache.cache.host_moves import (
     announce,
     copy_term,
@@ -26,9 +26,10 @@ from tpcache.cache.host_moves import (
 )
 from tpcache.cache.keys import join_pages
 from tpcache.cache.node import MASK
+from tpcache.cache.shapes import Freed
 
 if TYPE_CHECKING:
-    from tpcache.cache.host_tree import HostTree
+    from tpcache.cache.shapes import HostTreeShape
 
 
 class _Writes:
@@ -45,7 +46,7 @@ class _Writes:
         self.devices: list[np.ndarray] = []  # each node's device pages
         self.pages = 0
 
-    def flush(self, tree: HostTree) -> None:
+    def flush(self, tree: HostTreeShape) -> None:
         if not self.pages:
             return
         host = tree.host_alloc.alloc(self.pages, CACHED)
@@ -70,7 +71,7 @@ class _Writes:
         self.pages = 0
 
 
-def evict_device(tree: HostTree, num_pages: int) -> Freed:
+def evict_device(tree: HostTreeShape, num_pages: int) -> Freed:
     """``HostTree.evict``: device candidates in policy order until ``num_pages`` device
     pages are freed or none is left; the pages go back in one free group. Times the call.
 
@@ -117,7 +118,7 @@ def evict_device(tree: HostTree, num_pages: int) -> Freed:
 
 
 def _leave_device(
-    tree: HostTree, node: Any, out: Freed, freed: list[np.ndarray], writes: _Writes
+    tree: HostTreeShape, node: Any, out: Freed, freed: list[np.ndarray], writes: _Writes
 ) -> None:
     n = node.pages.size
     out.full += n

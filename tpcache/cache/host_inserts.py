@@ -17,11 +17,11 @@ from tpcache.cache.node import pages_of
 from tpcache.errors import TpcacheError
 
 if TYPE_CHECKING:
-    from tpcache.cache.host_tree import HostTree
+    from tpcache.cache.shapes import HostTreeShape
 
 
 def revive(
-    tree: HostTree, key: np.ndarray, pages: np.ndarray, start: Any, start_pos: int, owner: int
+    tree: HostTreeShape, key: np.ndarray, pages: np.ndarray, start: Any, start_pos: int, owner: int
 ) -> None:
     """Give the host-only nodes that caching ``key`` (pages ``pages``, tagged ``owner``;
     ``start`` ends at ``key[:start_pos]``) walks over the given device pages, top-down."""
@@ -42,7 +42,7 @@ def revive(
         at += n
 
 
-def check_lent(tree: HostTree, key: np.ndarray, pages: np.ndarray, start: Any = None) -> None:
+def check_lent(tree: HostTreeShape, key: np.ndarray, pages: np.ndarray, start: Any = None) -> None:
     """Raise ``InvalidSlots`` (nothing changed) unless every given page is the tree's
     device page at its place (below ``start``, a namespace's anchor, or the root) or a
     page lent to the caller. Pure."""

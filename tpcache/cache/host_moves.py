@@ -29,7 +29,7 @@ from tpcache.cache.namespace import is_anchor
 from tpcache.cache.node import EMPTY_PAGES, MASK, page_terms
 
 if TYPE_CHECKING:
-    from tpcache.cache.host_tree import HostTree
+    from tpcache.cache.shapes import HostTreeShape
 
 _K2 = 0x9E3779B97F4A7C15  # odd
 
@@ -49,7 +49,7 @@ def copy_term(host: np.ndarray, device: np.ndarray) -> int:
     return int(np.add.reduce(h * d)) & MASK
 
 
-def retier(tree: HostTree, node: Any, pages: np.ndarray) -> None:
+def retier(tree: HostTreeShape, node: Any, pages: np.ndarray) -> None:
     """Give ``node`` new ``pages`` (its tier changed): its digest term follows if it is
     hashed (an unhashed node is hashed later, from the pages it has then)."""
     if node.states is not None:
@@ -59,7 +59,7 @@ def retier(tree: HostTree, node: Any, pages: np.ndarray) -> None:
     node.pages = pages
 
 
-def announce(tree: HostTree, node: Any, medium: str, stored: bool) -> None:
+def announce(tree: HostTreeShape, node: Any, medium: str, stored: bool) -> None:
     # Callers on the hot paths check ``record_events`` first: a call per move costs.
     if not tree.record_events:
         return
@@ -84,7 +84,7 @@ def announce(tree: HostTree, node: Any, medium: str, stored: bool) -> None:
 
 
 # ---- device -> host ---------------------------------------------------------------------
-def take_host(tree: HostTree, n: int) -> np.ndarray | None:
+def take_host(tree: HostTreeShape, n: int) -> np.ndarray | None:
     """``n`` host pages for a copy, by host eviction if needed; None if they cannot be had."""
     alloc = tree.host_alloc
     if alloc.num_free >= n:
@@ -95,20 +95,20 @@ def take_host(tree: HostTree, n: int) -> np.ndarray | None:
     return alloc.recycle(freed, CACHED, n, CACHED)  # (the dropped nodes' pages: theirs to sort)
 
 
-def started_write(tree: HostTree, node: Any, host: np.ndarray) -> None:
+def started_write(tree: HostTreeShape, node: Any, host: np.ndarray) -> None:
     node.host = host
     tree.copies.start(True, node.pages, host)
     count_written(tree, node, host.size)
 
 
-def count_written(tree: HostTree, node: Any, n: int) -> None:
+def count_written(tree: HostTreeShape, node: Any, n: int) -> None:
     tree.host_pages += n
     tree.written_pages += n
     if tree.record_events:
         announce(tree, node, HOST, stored=True)
 
 
-def write_to_host(tree: HostTree, node: Any) -> bool:
+def write_to_host(tree: HostTreeShape, node: Any) -> bool:
     """Copy device node ``node`` to the host (it keeps its device pages: write-through):
     host pages for it, by host eviction if needed. False, and nothing copied, if they
     cannot be had."""
@@ -121,7 +121,7 @@ def write_to_host(tree: HostTree, node: Any) -> bool:
     return True
 
 
-def drop_subtree(tree: HostTree, node: Any) -> None:
+def drop_subtree(tree: HostTreeShape, node: Any) -> None:
     """Delete device node ``node`` (its device pages are the caller's to free) and its
     descendants, all host-only (the device tier is closed under parents)."""
     stack = list(node.children.values())
@@ -139,13 +139,13 @@ def drop_subtree(tree: HostTree, node: Any) -> None:
     _drop_empty_anchor(tree, node.parent)
 
 
-def _drop_empty_anchor(tree: HostTree, node: Any) -> None:
+def _drop_empty_anchor(tree: HostTreeShape, node: Any) -> None:
     """A namespace's anchor that just lost its last child goes too (``anchors.py``)."""
     if not node.children and is_anchor(node):
         drop_anchor(tree, node)
 
 
-def _delete(tree: HostTree, node: Any) -> None:
+def _delete(tree: HostTreeShape, node: Any) -> None:
     del node.parent.children[node.kb[: 4 * tree.ps]]
     del tree.nodes[node.id]
     node.alive = False
@@ -157,7 +157,7 @@ def _delete(tree: HostTree, node: Any) -> None:
 
 
 # ---- the host pool ----------------------------------------------------------------------
-def _drop_host_leaves(tree: HostTree, n: int) -> np.ndarray | None:
+def _drop_host_leaves(tree: HostTreeShape, n: int) -> np.ndarray | None:
     """Delete host-only leaves in policy order until ``n`` host pages would be free; the
     pages they held (the caller frees them, one group), or None if ``n`` cannot be freed
     (nothing deleted then). Pinned leaves (being loaded) are skipped."""
@@ -208,7 +208,7 @@ def _drop_host_leaves(tree: HostTree, n: int) -> np.ndarray | None:
 
 
 # ---- host -> device ---------------------------------------------------------------------
-def to_device(tree: HostTree, node: Any, pages: np.ndarray, owner: int) -> None:
+def to_device(tree: HostTreeShape, node: Any, pages: np.ndarray, owner: int) -> None:
     """Host-only ``node`` gets the device ``pages`` (tagged ``owner`` until now) of a
     request that computed the same tokens (an insert over it). Its parent is on the
     device already (callers go top-down)."""
@@ -218,7 +218,7 @@ def to_device(tree: HostTree, node: Any, pages: np.ndarray, owner: int) -> None:
     tree.queue_candidate(node)
 
 
-def load(tree: HostTree, hosts: list[Any], pages: np.ndarray) -> int:
+def load(tree: HostTreeShape, hosts: list[Any], pages: np.ndarray) -> int:
     """Load the host-only path ``hosts`` (top-down, pinned by an admit) into the first of
     ``pages`` (HELD); a copy is started for each node. Returns the pages they took. None
     is queued for eviction: the caller locks the last one at once."""
@@ -240,7 +240,7 @@ def load(tree: HostTree, hosts: list[Any], pages: np.ndarray) -> int:
     return n
 
 
-def _load_plain(tree: HostTree, hosts: list[Any], own: np.ndarray) -> None:
+def _load_plain(tree: HostTreeShape, hosts: list[Any], own: np.ndarray) -> None:
     """``load``'s nodes under write-back, with no events and no copy kept: each node as
     ``_on_device`` does it, the counters once."""
     forget = tree.host_leaves.forget
@@ -267,7 +267,7 @@ def _load_plain(tree: HostTree, hosts: list[Any], own: np.ndarray) -> None:
 
 
 def _on_device(
-    tree: HostTree, node: Any, pages: np.ndarray, loaded: bool, frees: list | None = None
+    tree: HostTreeShape, node: Any, pages: np.ndarray, loaded: bool, frees: list | None = None
 ) -> None:
     """Host-only ``node`` is on the device in ``pages`` (the tree's already): its copy
     starts if ``loaded``; write-back frees the host copy then (exclusive tiers; copies run

@@ -32,13 +32,14 @@ from typing import Any
 import numpy as np
 
 from tpcache.cache.errors import LockError
-from tpcache.cache.evict import Freed
-from tpcache.cache.host_config import HostCopy
+from tpcache.cache.host_check import check_host_tree
+from tpcache.cache.host_copylog import CopyLog
 from tpcache.cache.host_evict import evict_device
 from tpcache.cache.host_moves import has_dev_child, write_to_host
 from tpcache.cache.host_order import RunOrder
 from tpcache.cache.node import EMPTY_PAGES, Node
 from tpcache.cache.policies import KeyFn
+from tpcache.cache.shapes import Freed
 from tpcache.cache.tree import RadixTree
 
 
@@ -61,57 +62,6 @@ class HostNode(Node):
         self.dev = True  # ``pages`` are device pages (else host ids + offset)
         self.host = EMPTY_PAGES  # host pages holding a copy (all or none of them)
         self.pinned = False  # being loaded by an admit: no host eviction takes it
-
-
-class CopyLog:
-    """The copies a cache started, numbered from 0. Counters always; the records only
-    when ``keep`` (a rank runs them; a replay has no use for them). ``defer``: the
-    completed prefix moves only by ``CopyWaits.done`` (else every copy completes as it
-    starts); then, per device page, ``touch`` keeps 1 + the id of the last copy started that
-    reads or writes it and ``loads`` of the last load that writes it (0: none), so a
-    request waits only for the copies of its own pages (``host_waits.py``)."""
-
-    def __init__(self, keep: bool, defer: bool = False, device_pages: int = 0) -> None:
-        self.keep = keep
-        self.started = 0  # copies started (ids 0 .. started - 1)
-        self.completed = 0  # their completed prefix (agreed, in a lockstep)
-        self.records: list[HostCopy] = []  # owned here; taken by ``take``
-        # Owned here: written as copies start, read by ``pending_on``.
-        self.touch = np.zeros(device_pages, np.int64) if defer else None
-        self.loads = np.zeros(device_pages, np.int64) if defer else None
-        # Nothing per copy is kept (a replay): ``started_many`` may count copies at once.
-        self.counts_only = not keep and not defer
-
-    def start(self, to_host: bool, device: np.ndarray, host: np.ndarray) -> int:
-        cid = self.started
-        self.started = cid + 1
-        if self.touch is None:
-            self.completed = cid + 1
-        else:
-            self.touch[device] = cid + 1
-            if not to_host:
-                self.loads[device] = cid + 1  # type: ignore[index]
-        if self.keep:
-            self.records.append(HostCopy(cid, to_host, device.copy(), host.copy()))
-        return cid
-
-    def started_many(self, k: int) -> None:
-        """``k`` copies start (``counts_only``): what ``start`` would count, nothing else."""
-        self.started += k
-        self.completed = self.started
-
-    def pending_on(self, pages: np.ndarray, loads: bool) -> int:
-        """1 + the id of the last copy not known done that touches one of the device
-        ``pages`` (``loads``: the last load that writes one); 0 if none. Pure."""
-        table = self.loads if loads else self.touch
-        if table is None or self.started == self.completed or not pages.size:
-            return 0
-        last = int(table[pages].max())
-        return last if last > self.completed else 0
-
-    def take(self) -> list[HostCopy]:
-        out, self.records = self.records, []
-        return out
 
 
 class HostTree(RadixTree):
@@ -219,8 +169,6 @@ class HostTree(RadixTree):
                 c.started, c.completed)  # fmt: skip
 
     def check_integrity(self) -> None:
-        from tpcache.cache.host_check import check_host_tree
-
         check_host_tree(self)
 
     # ---- the host walk ------------------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from tpcache.cache.errors import HostTierError, IntegrityError
-from tpcache.cache.host_tree import CopyLog
+from tpcache.cache.host_copylog import CopyLog
 
 
 class CopyWaits:

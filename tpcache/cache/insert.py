@@ -2,7 +2,7 @@
 
 The walk goes as far as the key is cached; pages of that part that differ from the
 tree's are duplicates and go back to the allocator (with a window, they may revive a
-tombstone instead: ``RadixTree._revivable`` and ``revive``); the rest becomes a new
+tombstone instead: ``RadixTree.revivable`` and ``revive``); the rest becomes a new
 leaf that takes over its pages, is hashed (now if events or a stateful policy need it,
 else later) and announced (``BlockStored``). Every node on the path is touched.
 """
@@ -22,11 +22,11 @@ from tpcache.cache.keys import join_pages, key_bytes
 from tpcache.cache.node import EMPTY_PAGES, Node, defer_hash, descend, pages_of
 
 if TYPE_CHECKING:
-    from tpcache.cache.tree import RadixTree
+    from tpcache.cache.shapes import TreeShape
 
 
 def insert_key(
-    tree: RadixTree,
+    tree: TreeShape,
     key: np.ndarray,
     pages: np.ndarray,
     priority: int = 0,
@@ -110,7 +110,7 @@ def insert_key(
 
 
 def add_leaf(
-    tree: RadixTree, parent: Node, key: np.ndarray, pages: np.ndarray, priority: int, owner: int
+    tree: TreeShape, parent: Node, key: np.ndarray, pages: np.ndarray, priority: int, owner: int
 ) -> Node:
     """A new leaf under ``parent``: ``key`` (int32, copied into the node), ``pages`` (the
     node's own array from now on), tagged ``owner`` until now."""

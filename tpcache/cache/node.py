@@ -277,6 +277,10 @@ class SwaNode(Node):
         self.swa_hits = 0
 
 
+# ``descend``'s (path, tokens to its end, partial node, its common tokens)
+Match = tuple[list[Node], int, Node | None, int]
+
+
 def split_node(tree: Any, child: Node, at: int) -> Node:
     """Cut ``child`` of ``tree`` after ``at`` tokens (whole pages); returns the new upper
     node, registered in the tree.

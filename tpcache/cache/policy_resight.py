@@ -34,14 +34,25 @@ written), ``classes`` (default 2: first seen, seen before).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from tpcache.cache.errors import CacheError, IntegrityError
 from tpcache.cache.ghost import GhostTable
 from tpcache.cache.lifetimes import LifetimeModel
 
 if TYPE_CHECKING:
-    from tpcache.cache.tree import Node, RadixTree
+    from tpcache.cache.node import Node
+
+
+class ResightTree(Protocol):
+    """What the policy reads and asks of the ``RadixTree`` it is attached to."""
+
+    tick: int
+    ps: int
+
+    def split(self, child: Node, at: int) -> Node: ...
+    def rekey(self) -> None: ...
+
 
 NAME = "resight"
 
@@ -89,11 +100,11 @@ class ResightPolicy:
         self.ghost = GhostTable(max(1, int(self.params.ghost_factor * capacity_pages)))
         self.model = LifetimeModel(self.k, capacity_pages, halve_every=self.ghost.capacity)
         self.solve_every = max(1, capacity_pages // 4)
-        self.tree: RadixTree | None = None
+        self.tree: ResightTree | None = None
         self.rekeys = 0  # statistics only: how often the bonuses changed
         self.reset()
 
-    def attach(self, tree: RadixTree) -> None:
+    def attach(self, tree: ResightTree) -> None:
         self.tree = tree
 
     def reset(self) -> None:

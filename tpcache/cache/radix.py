@@ -16,7 +16,6 @@ import numpy as np
 
 from tpcache.cache.allocator import PageAllocator
 from tpcache.cache.errors import NoSwaPool
-from tpcache.cache.evict import Freed
 from tpcache.cache.keys import TokenLike, as_slots, join_pages
 from tpcache.cache.node import pages_of
 from tpcache.cache.policies import make_policy
@@ -31,6 +30,7 @@ from tpcache.cache.records import (
     MatchResult,
 )
 from tpcache.cache.reqtable import RequestId
+from tpcache.cache.shapes import Freed
 from tpcache.cache.tree import RadixTree
 
 __all__ = [

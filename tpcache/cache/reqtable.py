@@ -27,7 +27,8 @@ from tpcache.cache.records import RequestRow
 
 if TYPE_CHECKING:
     from tpcache.cache.namespace import CacheNamespace
-    from tpcache.cache.tree import Node, RadixTree
+    from tpcache.cache.node import Node
+    from tpcache.cache.shapes import TreeShape
 
 RequestId = int | str
 MAX_ID_LEN = 256
@@ -268,7 +269,7 @@ class ReqTable:
     def held_pages(self) -> int:
         return sum(r.pages.size - r.cached_pages for r in self._rows.values())
 
-    def check_integrity(self, tree: RadixTree, alloc: PageAllocator) -> None:
+    def check_integrity(self, tree: TreeShape, alloc: PageAllocator) -> None:
         """Each row's prefix is its node's path; its own pages are HELD and nobody else's."""
         ps = alloc.page_size
         own: list[np.ndarray] = []

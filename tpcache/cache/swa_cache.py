@@ -30,13 +30,13 @@ from typing import Any
 import numpy as np
 
 from tpcache.cache.errors import AllocatorError, InvalidSlots, StaleBoundary
-from tpcache.cache.evict import Freed
 from tpcache.cache.keys import TokenLike, as_slots, join_pages, pages_to_slots
 from tpcache.cache.node import pages_of
 from tpcache.cache.policies import policy_key
 from tpcache.cache.prefix import PrefixCache
 from tpcache.cache.protocol import Evictor
 from tpcache.cache.reqtable import RequestId
+from tpcache.cache.shapes import Freed
 from tpcache.cache.swa_allocator import PairedAllocator
 from tpcache.cache.swa_config import (
     HybridConfig,

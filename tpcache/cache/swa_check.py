@@ -10,7 +10,8 @@ from tpcache.cache.allocator import CACHED
 from tpcache.cache.errors import IntegrityError
 
 if TYPE_CHECKING:
-    from tpcache.cache.swa_tree import SwaNode, SwaTree
+    from tpcache.cache.node import SwaNode
+    from tpcache.cache.shapes import SwaTreeShape
 
 
 class WindowCheck:
@@ -24,7 +25,7 @@ class WindowCheck:
 
     names = ("swa", "swa protected", "tombstones", "tombstone pages")
 
-    def __init__(self, tree: SwaTree) -> None:
+    def __init__(self, tree: SwaTreeShape) -> None:
         self.tree = tree
         self.live = tree.swa_order.live_entries()
         self.marks: dict[int, int] = {tree.root.mark: 0}

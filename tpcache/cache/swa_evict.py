@@ -22,12 +22,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tpcache.cache.evict import Freed, delete
+from tpcache.cache.evict import delete
 from tpcache.cache.keys import join_pages
 from tpcache.cache.policies import KeyFn
+from tpcache.cache.shapes import Freed, SwaTreeShape
 
 if TYPE_CHECKING:
-    from tpcache.cache.swa_tree import SwaNode, SwaTree
+    from tpcache.cache.node import SwaNode
 
 # The policies of ``policies.py`` with the SWA recency in place of the node's recency.
 SWA_POLICY_KEYS: dict[str, KeyFn] = {
@@ -45,7 +46,7 @@ def swa_policy_key(name: str) -> KeyFn:
     return SWA_POLICY_KEYS[name]
 
 
-def evict_window(tree: SwaTree, num_pages: int, out: Freed) -> None:
+def evict_window(tree: SwaTreeShape, num_pages: int, out: Freed) -> None:
     """Evict from the SWA order until ``out`` has freed ``num_pages`` SWA pages (what the
     full order freed first counts) or the order runs dry."""
     pop = tree.swa_order.pop
@@ -62,7 +63,7 @@ def evict_window(tree: SwaTree, num_pages: int, out: Freed) -> None:
             delete(tree, node, out)
 
 
-def tombstone(tree: SwaTree, node: SwaNode, out: Freed) -> None:
+def tombstone(tree: SwaTreeShape, node: SwaNode, out: Freed) -> None:
     """Drop the SWA KV of inner ``node``; delete the leaves it leaves unmatchable."""
     size = node.pages.size
     node.tombstone = True

@@ -28,10 +28,10 @@ import numpy as np
 
 from tpcache.cache.allocator import CACHED
 from tpcache.cache.errors import InvalidSlots, LockError, StaleBoundary
-from tpcache.cache.evict import Freed
 from tpcache.cache.node import SwaNode, window_cut
 from tpcache.cache.order import EvictionOrder
 from tpcache.cache.policies import KeyFn
+from tpcache.cache.shapes import Freed
 from tpcache.cache.swa_allocator import PairedAllocator
 from tpcache.cache.swa_check import WindowCheck
 from tpcache.cache.swa_evict import evict_window, live_tombstone_pages

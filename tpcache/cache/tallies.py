@@ -3,17 +3,34 @@ conservation law's terms) and its digest (the lockstep's comparison). Read-only.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from tpcache.cache.allocator import HELD, LENT
+from tpcache.cache.handles import HandleLocks
 from tpcache.cache.hashing import fmix64_int, fold_fields
-from tpcache.cache.records import CacheSizes
+from tpcache.cache.records import CacheSizes, HostTierStats
+from tpcache.cache.reqtable import ReqTable
+from tpcache.cache.shapes import TreeShape
 
-if TYPE_CHECKING:
-    from tpcache.cache.prefix import PrefixCache
+
+class CacheShape(Protocol):
+    """``prefix.PrefixCache`` as its reports and checks read it (here, and
+    ``tree_check.check_cache``), named by shape so that they need not import it."""
+
+    page_size: int
+    pool_names: tuple[str, ...]
+    alloc: Any  # a PageAllocator, or a PairedAllocator
+    tree: TreeShape
+    reqs: ReqTable
+    handles: HandleLocks
+
+    @property
+    def num_pools(self) -> int: ...
+    def pool_sizes(self) -> tuple[CacheSizes, ...]: ...
+    def host_tier(self) -> HostTierStats | None: ...
 
 
-def pool_sizes(cache: PrefixCache) -> tuple[CacheSizes, ...]:
+def pool_sizes(cache: CacheShape) -> tuple[CacheSizes, ...]:
     """Capacity, free, evictable, protected and held tokens of each pool, in
     ``cache.pool_names`` order."""
     ps, alloc, tree = cache.page_size, cache.alloc, cache.tree
@@ -27,7 +44,7 @@ def pool_sizes(cache: PrefixCache) -> tuple[CacheSizes, ...]:
     )
 
 
-def cache_digest(cache: PrefixCache) -> int:
+def cache_digest(cache: CacheShape) -> int:
     """A 64-bit fold of the tree (keys, pages, priorities, locks), the allocator and the
     running requests: equal on two processes iff their caches agree (w.h.p.)."""
     t = cache.tree
@@ -38,7 +55,7 @@ def cache_digest(cache: PrefixCache) -> int:
     )
 
 
-def host_figures(cache: PrefixCache) -> dict[str, int]:
+def host_figures(cache: CacheShape) -> dict[str, int]:
     """A host tier's pool and moves in tokens (``Cache.host_tier``; none without one), as
     a coordinator's ``stats()`` reports them: since the cache was made, a reset included.
     ``host_hit_tokens`` (loaded back) are part of the prefix hits."""

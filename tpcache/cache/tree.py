@@ -24,12 +24,13 @@ import numpy as np
 
 from tpcache.cache.errors import LockError
 from tpcache.cache.events import KVEvent
-from tpcache.cache.evict import Freed, evict
+from tpcache.cache.evict import evict
 from tpcache.cache.hashing import PageHasher
 from tpcache.cache.namespace import CacheNamespace
 from tpcache.cache.node import (
     EMPTY_PAGES,
     EMPTY_STATES,
+    Match,
     Node,
     descend,
     hash_pending,
@@ -38,11 +39,10 @@ from tpcache.cache.node import (
 from tpcache.cache.order import EvictionOrder
 from tpcache.cache.policies import KeyFn, PolicyHooks
 from tpcache.cache.records import CacheStats
+from tpcache.cache.shapes import Freed
 from tpcache.cache.tree_check import check_tree
 
 __all__ = ["Freed", "Node", "RadixTree"]
-
-Match = tuple[list[Any], int, Any, int]  # descend's (path, tokens to its end, partial, common)
 
 
 class RadixTree:

@@ -17,13 +17,13 @@ from tpcache.cache.node import MASK, page_terms, seed_of
 
 if TYPE_CHECKING:
     from tpcache.cache.node import Node
-    from tpcache.cache.prefix import PrefixCache
-    from tpcache.cache.tree import RadixTree
+    from tpcache.cache.shapes import TreeShape
+    from tpcache.cache.tallies import CacheShape
 
 Holder = tuple[Any, int, int]  # (node, boundary mark, lock count) of a request or a handle
 
 
-def check_cache(cache: PrefixCache) -> None:
+def check_cache(cache: CacheShape) -> None:
     """Verify the conservation law per pool, the allocator, the tree, every request row
     and every lock; raise ``IntegrityError`` with the numbers."""
     several = cache.num_pools > 1
@@ -50,7 +50,7 @@ def check_cache(cache: PrefixCache) -> None:
     check_locks(tree, [(r.node, r.mark, 1) for r in running] + cache.handles.holders())
 
 
-def _check_pages(tree: RadixTree, all_pages: list[np.ndarray], pages_total: int) -> None:
+def _check_pages(tree: TreeShape, all_pages: list[np.ndarray], pages_total: int) -> None:
     """The tree's pages against the allocator: as many cached, each once, each tagged."""
     if tree.alloc.count(CACHED) != pages_total:
         raise IntegrityError(
@@ -64,7 +64,7 @@ def _check_pages(tree: RadixTree, all_pages: list[np.ndarray], pages_total: int)
             raise IntegrityError("a tree page is not tagged cached in the allocator")
 
 
-def check_tree(tree: RadixTree) -> None:
+def check_tree(tree: TreeShape) -> None:
     """Walk the whole tree and recount; raise ``IntegrityError`` naming what broke.
 
     Checks the shape and hash chains, lock order (a node's lock covers its children's),
@@ -121,7 +121,7 @@ def check_tree(tree: RadixTree) -> None:
         tree.hooks.check_integrity()
 
 
-def check_node(tree: RadixTree, node: Node) -> None:
+def check_node(tree: TreeShape, node: Node) -> None:
     ps = tree.ps
     parent = node.parent
     if parent is None or not node.alive or tree.nodes.get(node.id) is not node:
@@ -148,7 +148,7 @@ def check_node(tree: RadixTree, node: Node) -> None:
         raise IntegrityError(f"node {node.id}: block hash chain does not match its tokens")
 
 
-def check_locks(tree: RadixTree, holders: list[Holder]) -> None:
+def check_locks(tree: TreeShape, holders: list[Holder]) -> None:
     """Every node's lock counts are exactly those of the requests and handle locks at or
     below it: the full lock up to the root and, with a window, the SWA lock up to each
     one's boundary."""
