@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from tpcache.cache.allocator import LENT
 from tpcache.cache.errors import AllocatorError, IntegrityError, InvalidSlots
 from tpcache.cache.namespace import CacheNamespace, as_namespace, is_anchor
-from tpcache.cache.node import EMPTY_PAGES, EMPTY_STATES
+from tpcache.cache.node import EMPTY_PAGES, EMPTY_STATES, Match
 
 if TYPE_CHECKING:
     import numpy as np
@@ -68,7 +68,9 @@ def namespace_of(tree: TreeShape, node: Node) -> CacheNamespace | None:
     return None if found is None else found[0]
 
 
-def match_in(tree: TreeShape, key: np.ndarray, n: int, namespace: Any) -> tuple[Any, Any]:
+def match_in(
+    tree: TreeShape, key: np.ndarray, n: int, namespace: Any
+) -> tuple[CacheNamespace | None, Match]:
     """The namespace checked (``as_namespace``; ``None``: the default one) and the match
     of ``key[:n]`` in it (``RadixTree.match_walk``; nothing where it has no anchor).
     Changes nothing; raises ``InvalidNamespace``."""
@@ -78,7 +80,7 @@ def match_in(tree: TreeShape, key: np.ndarray, n: int, namespace: Any) -> tuple[
     if space is None:
         return None, tree.match_walk(key, n)
     start = anchor_of(tree, space)
-    return space, ([], 0, None, 0) if start is None else tree.match_walk(key, n, start)
+    return space, Match([], 0, None, 0) if start is None else tree.match_walk(key, n, start)
 
 
 def insert_start(tree: TreeShape, node: Node, space: CacheNamespace | None, grow: bool) -> Node:

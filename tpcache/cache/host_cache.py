@@ -116,16 +116,15 @@ class HostCache(OnePoolCache):
     def admit_prefix_len(self, tokens: TokenLike, namespace: Any = None) -> int:
         key = as_tokens(tokens)
         n = (key.size - 1) // self.page_size * self.page_size
-        _, pos, _, common = match_in(self.tree, key, n, namespace)[1]
-        return pos + common  # the host part too: an admit loads it
+        return match_in(self.tree, key, n, namespace)[1].end  # the host part too: an admit loads it
 
     def match_prefix(self, tokens: TokenLike, namespace: Any = None) -> HostMatchResult:
         key = as_tokens(tokens, defer_sign=True)
         tree = self.tree
         _, found = match_in(tree, key, key.size // self.page_size * self.page_size, namespace)
-        check_sign(key, found[1] + found[3])
+        check_sign(key, found.end)
         path, pos, partial, common, *_ = tree.tier_cut(*found)
-        host = found[1] + found[3] - pos - common
+        host = found.end - pos - common
         path, pos = tree.split_match(path, pos, partial, common)
         tree.touch(path)
         res = self._match_result(path, pos)

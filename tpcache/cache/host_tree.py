@@ -27,7 +27,7 @@ completed count moves only by ``CopyWaits.done(n)``, with the count the ranks ag
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -62,6 +62,20 @@ class HostNode(Node):
         self.dev = True  # ``pages`` are device pages (else host ids + offset)
         self.host = EMPTY_PAGES  # host pages holding a copy (all or none of them)
         self.pinned = False  # being loaded by an admit: no host eviction takes it
+
+
+class TierCut(NamedTuple):
+    """A match cut where its device prefix ends: the device part (as ``node.Match``),
+    then the host-only nodes beyond it, matched whole, and the host-only node where the
+    match stops part-way with its common tokens."""
+
+    path: list[Node]
+    pos: int
+    partial: Node | None
+    common: int
+    hosts: list[Node]
+    host_partial: Node | None
+    host_common: int
 
 
 class HostTree(RadixTree):
@@ -172,19 +186,15 @@ class HostTree(RadixTree):
         check_host_tree(self)
 
     # ---- the host walk ------------------------------------------------------------------
-    def tier_cut(
-        self, path: list[Node], pos: int, partial: Node | None, common: int
-    ) -> tuple[list[Node], int, Node | None, int, list[Node], Node | None, int]:
-        """A ``descend`` result cut where the device prefix ends: (device path, its
-        tokens, device partial node, its common tokens, host-only path, host partial
-        node, its common tokens)."""
+    def tier_cut(self, path: list[Node], pos: int, partial: Node | None, common: int) -> TierCut:
+        """A ``descend`` result cut where the device prefix ends."""
         if path and not path[-1].dev:  # (else all are: the device tier is closed under parents)
             i = next(i for i, node in enumerate(path) if not node.dev)  # type: ignore[attr-defined]
             dpos = pos - sum(len(n.kb) for n in path[i:]) // 4
-            return path[:i], dpos, None, 0, path[i:], partial, common
+            return TierCut(path[:i], dpos, None, 0, path[i:], partial, common)
         if partial is not None and not partial.dev:  # type: ignore[attr-defined]
-            return path, pos, None, 0, [], partial, common
-        return path, pos, partial, common, [], None, 0
+            return TierCut(path, pos, None, 0, [], partial, common)
+        return TierCut(path, pos, partial, common, [], None, 0)
 
     def host_only_pages(self) -> int:
         return self.host_pages - self.copy_pages

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -38,13 +38,30 @@ def seed_of(tree, node) -> int:
     return ROOT_STATE if node is tree.root else tree.spaces[node.kb][1]
 
 
-def descend(node, ps: int, key: np.ndarray, n: int, pos: int):
+class Match(NamedTuple):
+    """Where a walk of a key stopped (``descend``; ``RadixTree.match_walk``): the nodes
+    matched whole (``path``), the tokens up to the end of the last of them (``pos``), the
+    node where the walk stops part-way (``partial``, ``None`` if none) and how many of
+    its tokens match (``common``, whole pages)."""
+
+    path: list[Node]
+    pos: int
+    partial: Node | None
+    common: int
+
+    @property
+    def end(self) -> int:
+        """Tokens matched in all."""
+        return self.pos + self.common
+
+
+def descend(node: Any, ps: int, key: np.ndarray, n: int, pos: int) -> Match:
     """The walk behind ``RadixTree.descend`` (``children`` keyed by first-page bytes,
     ``kb`` the node's token bytes): one dict probe and one byte comparison per node, a
     vectorised compare where it diverges."""
     path = []
     if pos >= n:
-        return path, pos, None, 0
+        return Match(path, pos, None, 0)
     mv = memoryview(key).cast("B")  # byte offsets below: 4 per token, no copy
     b, end, pb = 4 * pos, 4 * n, 4 * ps
     while b < end:
@@ -60,18 +77,16 @@ def descend(node, ps: int, key: np.ndarray, n: int, pos: int):
                 node = child
                 continue
         elif kb.startswith(mv[b:end]):
-            return path, b // 4, child, (end - b) // 4
+            return Match(path, b // 4, child, (end - b) // 4)
         pos = b // 4
         ck = np.frombuffer(kb, dtype=np.int32)
         m = min(ck.size, n - pos)
         common = int((key[pos : pos + m] == ck[:m]).argmin()) // ps * ps
-        return path, pos, child, common
-    return path, b // 4, None, 0
+        return Match(path, pos, child, common)
+    return Match(path, b // 4, None, 0)
 
 
-def window_cut(
-    path: list[Any], pos: int, partial: Any, common: int, window: int
-) -> tuple[list[Any], int, Any, int]:
+def window_cut(path: list[Any], pos: int, partial: Any, common: int, window: int) -> Match:
     """A ``descend`` result cut back to where a match may end in a tree with tombstones
     (``SwaNode``): the path has no tombstone, or the tokens since the last tombstone
     number at least ``window``. The count restarts at every tombstone."""
@@ -89,10 +104,10 @@ def window_cut(
             best_k, best_pos = k, at
     valid_partial = not seen or since + common >= window
     if partial is not None and not partial.tombstone and valid_partial:
-        return path, pos, partial, common
+        return Match(path, pos, partial, common)
     if best_k == len(path):
-        return path, pos, None, 0
-    return path[:best_k], best_pos, None, 0
+        return Match(path, pos, None, 0)
+    return Match(path[:best_k], best_pos, None, 0)
 
 
 def defer_hash(tree, node, now: bool) -> None:
@@ -275,10 +290,6 @@ class SwaNode(Node):
         self.mark = 0  # boundary mark of SWA locks that stop here; 0: none given out
         self.swa_access = tick  # last use of its SWA KV (it was in a match's last window)
         self.swa_hits = 0
-
-
-# ``descend``'s (path, tokens to its end, partial node, its common tokens)
-Match = tuple[list[Node], int, Node | None, int]
 
 
 def split_node(tree: Any, child: Node, at: int) -> Node:

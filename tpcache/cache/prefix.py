@@ -2,15 +2,13 @@
 
 It joins a page allocator, the radix tree and the request-to-slot table, and runs the
 tree-level calls (match, insert, lock, evict) and the request lifecycle (admit, extend,
-cache_unfinished, finish, abort) over them. A cache kind adds data and a few hooks, not
-a second copy: its pools (``pool_names``; per-pool figures come back as tuples in that
-order), its tree (``RadixTree``; ``SwaTree`` adds the sliding window), and what its
-handles and results carry. ``RadixCache`` (one pool) and ``HybridCache`` (full + SWA)
-are the two kinds; both implement ``protocol.Cache``.
-
-The same op sequence gives the same tree, the same slot ids and the same digest in every
-process. Every public method validates its input before it changes anything and raises
-a ``CacheError`` subclass otherwise.
+cache_unfinished, finish, abort) over them. A cache kind adds data and a few hooks, not a
+second copy: its pools (``pool_names``; per-pool figures come back as tuples in that
+order), its tree (``RadixTree``; ``SwaTree`` adds the window), and what its handles and
+results carry. ``RadixCache`` (one pool) and ``HybridCache`` (full + SWA) are the two
+kinds; both implement ``protocol.Cache``. The same op sequence gives the same tree, slot
+ids and digest in every process. Every public method validates its input before it
+changes anything and raises a ``CacheError`` subclass otherwise.
 """
 
 from __future__ import annotations
@@ -64,8 +62,7 @@ class PrefixCache:
     these methods (the digest and ``check_integrity`` read them); so is ``_room``. A kind
     gives ``pool_names``, its allocator and tree, its results and its answers to the SWA
     calls (``_match_result``, ``_admit_result``, ``_evict_result``, ``swa_slots``,
-    ``request_swa_slots``, ``tombstoned_pages``, ``sizes``): ``radix.OnePoolCache``'s or
-    ``HybridCache``'s.
+    ``request_swa_slots``, ``tombstoned_pages``, ``sizes``): ``OnePoolCache``'s, ``HybridCache``'s.
     """
 
     pool_names: tuple[str, ...] = ("full",)
@@ -94,14 +91,13 @@ class PrefixCache:
     def admit_prefix_len(self, tokens: TokenLike, namespace: Any = None) -> int:
         key = as_tokens(tokens)
         ps = self.page_size
-        _, pos, _, common = match_in(self.tree, key, (key.size - 1) // ps * ps, namespace)[1]
-        return pos + common
+        return match_in(self.tree, key, (key.size - 1) // ps * ps, namespace)[1].end
 
     def match_prefix(self, tokens: TokenLike, namespace: Any = None) -> MatchResult:
         key = as_tokens(tokens, defer_sign=True)
         tree = self.tree
         _, found = match_in(tree, key, key.size // self.page_size * self.page_size, namespace)
-        check_sign(key, found[1] + found[3])
+        check_sign(key, found.end)
         path, pos = tree.split_match(*found)
         tree.touch(path)
         return self._match_result(path, pos)
