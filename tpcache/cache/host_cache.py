@@ -75,10 +75,9 @@ from tpcache.cache.node import descend, pages_of
 from tpcache.cache.policies import policy_key
 from tpcache.cache.protocol import Evictor
 from tpcache.cache.radix import OnePoolCache
-from tpcache.cache.records import CacheSizes, HostTierStats
+from tpcache.cache.records import CacheSizes, HostTierStats, RequestId
 from tpcache.cache.reqtable import (
     Asked,
-    RequestId,
     as_priority,
 )
 from tpcache.cache.tree_check import check_cache

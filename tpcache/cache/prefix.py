@@ -34,11 +34,10 @@ from tpcache.cache.keys import (
 )
 from tpcache.cache.node import pages_of
 from tpcache.cache.protocol import Evictor
-from tpcache.cache.records import AdmitResult, CacheSizes, EvictResult, MatchResult
+from tpcache.cache.records import AdmitResult, CacheSizes, EvictResult, MatchResult, RequestId
 from tpcache.cache.reqtable import (
     Asked,
     ReqTable,
-    RequestId,
     admitted_length,
     as_priority,
     check_count,

@@ -30,9 +30,9 @@ from tpcache.cache.records import (
     Handle,
     HostTierStats,
     MatchResult,
+    RequestId,
     RequestRow,
 )
-from tpcache.cache.reqtable import RequestId
 
 # The ``evict`` callback of admit/extend: called with the local shortfall of each pool,
 # in pages, once the match is locked; evicts what it decides (e.g. what the op log says).

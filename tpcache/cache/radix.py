@@ -28,8 +28,8 @@ from tpcache.cache.records import (
     EvictResult,
     Handle,
     MatchResult,
+    RequestId,
 )
-from tpcache.cache.reqtable import RequestId
 from tpcache.cache.shapes import Freed
 from tpcache.cache.tree import RadixTree
 

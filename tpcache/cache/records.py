@@ -14,6 +14,9 @@ from tpcache.cache.errors import CacheError
 from tpcache.cache.keys import pages_to_slots, read_only
 from tpcache.cache.policies import CACHE_POLICIES, check_policy_params
 
+# A running request's id, as every cache call takes it (checked: ``reqtable.check_request_id``).
+RequestId = int | str
+
 
 @dataclass(frozen=True, kw_only=True)
 class CacheOptions:
@@ -142,7 +145,7 @@ class RequestRow:
     The caller's record, as ``MatchResult`` (not frozen: the coordinator and the ranks
     read a row on every finish and forward, and a frozen record costs a microsecond)."""
 
-    rid: int | str
+    rid: RequestId
     tokens: np.ndarray
     pages: np.ndarray
     num_tokens: int

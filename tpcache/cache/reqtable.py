@@ -23,14 +23,13 @@ from tpcache.cache.errors import (
 )
 from tpcache.cache.keys import joined_key, pages_to_slots, read_only
 from tpcache.cache.namespace import is_anchor
-from tpcache.cache.records import RequestRow
+from tpcache.cache.records import RequestId, RequestRow
 
 if TYPE_CHECKING:
     from tpcache.cache.namespace import CacheNamespace
     from tpcache.cache.node import Node
     from tpcache.cache.shapes import TreeShape
 
-RequestId = int | str
 MAX_ID_LEN = 256
 _I64 = 1 << 63
 

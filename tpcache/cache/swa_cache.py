@@ -35,7 +35,7 @@ from tpcache.cache.node import pages_of
 from tpcache.cache.policies import policy_key
 from tpcache.cache.prefix import PrefixCache
 from tpcache.cache.protocol import Evictor
-from tpcache.cache.reqtable import RequestId
+from tpcache.cache.records import RequestId
 from tpcache.cache.shapes import Freed
 from tpcache.cache.swa_allocator import PairedAllocator
 from tpcache.cache.swa_config import (
