@@ -50,6 +50,8 @@ class SwaTree(RadixTree):
     """
 
     node_type = SwaNode
+    window: int  # tokens a lock keeps SWA KV for (never None here)
+    root: SwaNode  # made by the base tree's ``clear`` from ``node_type``
 
     def __init__(
         self,
@@ -61,7 +63,7 @@ class SwaTree(RadixTree):
         record_events: bool = False,
         medium: str = "GPU",
     ) -> None:
-        self.window = window  # type: ignore[assignment]
+        self.window = window
         # The SWA order's key (``swa_evict.swa_policy_key``): it reads the SWA recency,
         # so a touch requeues only a path's last window.
         self.swa_key_fn = swa_key_fn
@@ -73,8 +75,8 @@ class SwaTree(RadixTree):
 
     def clear(self) -> None:
         super().clear()
-        self.root.swa_lock = 1  # type: ignore[attr-defined]
-        self.root.mark = ROOT_MARK  # type: ignore[attr-defined]
+        self.root.swa_lock = 1
+        self.root.mark = ROOT_MARK
         self.swa_pages = 0  # SWA pages in the tree (pages of non-tombstones)
         self.swa_protected = 0  # SWA pages of nodes with swa_lock > 0
         self.tombstones = 0  # tombstone nodes
@@ -86,7 +88,7 @@ class SwaTree(RadixTree):
         """The longest *window-valid* cached prefix of ``key[:n]`` (``node.window_cut``)
         from the root or an anchor ``start``, changing nothing."""
         found = self.descend(key, n, start)
-        return window_cut(*found, self.window) if self.tombstones else found  # type: ignore[arg-type]
+        return window_cut(*found, self.window) if self.tombstones else found
 
     def valid_end(self, node: SwaNode, acc: int = 0) -> bool:  # type: ignore[override]
         """May a match end at ``node``'s end (its last window, or whole path, has SWA KV)?
@@ -226,7 +228,7 @@ class SwaTree(RadixTree):
             if acc >= w or node.parent is root:
                 return node
             node = node.parent  # type: ignore[assignment]
-        return root  # type: ignore[return-value]
+        return root
 
     def mark_of(self, top: SwaNode) -> int:  # type: ignore[override]
         """The boundary mark of ``top``, giving it one if it has none."""
