@@ -43,9 +43,9 @@ from pathlib import Path
 import numpy as np
 
 from tpcache.cache.keys import as_tokens
-from tpcache.workers import oplog
-from tpcache.workers.lockstep import apply_op, apply_step, local_evict
-from tpcache.workers.ops import Admit, Finish, Step, decode_step, encode, pack_tokens
+from tpcache.lockstep import oplog
+from tpcache.lockstep.ops import Admit, Finish, Step, decode_step, encode, pack_tokens
+from tpcache.workers.protocol import apply_op, apply_step, local_evict
 from tpcache.workers.spec import CacheSpec
 
 BATCH = 8

@@ -1,5 +1,5 @@
 """What a gloo all-reduce costs by its element count: why a lockstep step's collectives
-carry as few int64 as they can (``tpcache.workers.group``).
+carry as few int64 as they can (``tpcache.group.tp_group``).
 
     .venv/bin/python scripts/bench_gloo.py [--ranks 2 4] [--sizes 1 2 3 6] [--calls 1000]
         [--rounds 3] [--ops min band]
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tpcache.workers.group_spec import free_port
+from tpcache.group.spec import free_port
 
 OPS = {"min": dist.ReduceOp.MIN, "band": dist.ReduceOp.BAND}
 

@@ -1,4 +1,4 @@
-"""Copy throughput of one rank's host tier (``workers/hostcopy.py``): device pool to host
+"""Copy throughput of one rank's host tier (``kv/host_copy.py``): device pool to host
 pool and back, in pages of ``--page`` slots, through the copy engine's thread, against a
 bare ``torch`` copy of the same bytes (one ``index_select`` + ``index_copy_`` per layer,
 the floor of what the engine does). On CUDA the device pool is on the GPU and the host
@@ -31,8 +31,8 @@ import torch
 
 from tpcache.coordinator.build import GroupConfig
 from tpcache.coordinator.local_ranks import start_local_group
-from tpcache.workers.hostcopy import TO_DEVICE, TO_HOST, CopyEngine, CopyJob, host_pool
-from tpcache.workers.kvpool import KVPool, PoolSpec
+from tpcache.kv.host_copy import TO_DEVICE, TO_HOST, CopyEngine, CopyJob, host_pool
+from tpcache.kv.pool import KVPool, PoolSpec
 from tpcache.workers.spec import CacheSpec
 
 

@@ -1,6 +1,6 @@
 """The step channel's choice of local path, by measurement: a broadcast of ``--bytes``
 to N processes with an 8-byte answer from each, over a Unix stream socket per process
-(what ``workers/unix_link.py`` uses) and over ZMQ IPC (ROUTER/DEALER, what the channel
+(what ``transport/unix_link.py`` uses) and over ZMQ IPC (ROUTER/DEALER, what the channel
 used before), rounds alternating. Prints the median round trip and the CPU every process
 together burnt per round trip, with the machine and its load.
 

@@ -46,7 +46,7 @@ import ray
 
 from tpcache.coordinator.core import Coordinator, CoordinatorConfig
 from tpcache.frontend.service import GroupConfig, start_group
-from tpcache.workers.ops import Admit, Finish, Step, encode, pack_tokens
+from tpcache.lockstep.ops import Admit, Finish, Step, encode, pack_tokens
 from tpcache.workers.rank import CacheSpec
 
 _TCK = os.sysconf("SC_CLK_TCK")

@@ -1,5 +1,5 @@
 """A stand-in rank for the step channel's own tests: it runs the real channel loop
-(``tpcache.workers.channel.serve``) around a worker whose "steps" are plain bytes, so the
+(``tpcache.transport.channel.serve``) around a worker whose "steps" are plain bytes, so the
 tests can see exactly what arrived, in which order, and make a rank slow or kill it."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import hashlib
 import threading
 import time
 
-from tpcache.workers.channel import Attach, RankLoop, serve
+from tpcache.transport.channel import Attach, RankLoop, serve
 
 
 class EchoWorker:

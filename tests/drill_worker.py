@@ -22,11 +22,11 @@ import msgspec
 import numpy as np
 import torch
 
-from tpcache.workers.kvpool import PoolSpec
-from tpcache.workers.lockstep import apply_step
-from tpcache.workers.ops import Admit, Evict, Op, Step, StepResult, pack_tokens, unpack_tokens
+from tpcache.kv.pool import PoolSpec
+from tpcache.lockstep.ops import Admit, Evict, Op, Step, StepResult, pack_tokens, unpack_tokens
+from tpcache.model.batch import RunnerBatch
+from tpcache.workers.protocol import apply_step
 from tpcache.workers.rank import RankWorker
-from tpcache.workers.runner_batch import RunnerBatch
 
 FAULTS = ("corrupt", "fail", "sleep", "crash")
 

@@ -22,18 +22,18 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from tpcache.group.spec import GroupError
+from tpcache.group.tp_group import TPGroup
 from tpcache.harness.engine import ModelEngine
 from tpcache.harness.modelcheck import Workload, run_workload
+from tpcache.model.llama import LlamaReference, LlamaSpec
+from tpcache.model.runner_spec import RunnerSpec, runner_pool
 from tpcache.torchrun import TorchrunRanks, coordinator
-from tpcache.workers.group import TPGroup
-from tpcache.workers.group_spec import GroupError
 from tpcache.workers.lead import follow
-from tpcache.workers.llama import LlamaReference, LlamaSpec
 from tpcache.workers.rank import RankWorker
-from tpcache.workers.runner_spec import RunnerSpec, runner_pool
 from tpcache.workers.spec import CacheSpec, WorkerSpec
 
-LLAMA = "tpcache.workers.llama:LlamaRunner"
+LLAMA = "tpcache.model.llama:LlamaRunner"
 ARGS = {"heads": 8, "kv_heads": 2, "hidden": 48, "ffn": 96, "vocab": 64}
 
 

@@ -19,8 +19,8 @@ import torch
 from tpcache.coordinator.core import Coordinator, CoordinatorConfig
 from tpcache.coordinator.step_types import RankCallError
 from tpcache.harness.engine import ModelEngine
-from tpcache.workers.kvpool import PoolSpec
-from tpcache.workers.model import ModelSpec
+from tpcache.kv.pool import PoolSpec
+from tpcache.model.reference import ModelSpec
 from tpcache.workers.rank import CacheSpec, RankWorker, WorkerSpec
 
 

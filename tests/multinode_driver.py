@@ -20,7 +20,7 @@ from ray.cluster_utils import Cluster
 from tpcache.coordinator.build import GroupConfig
 from tpcache.frontend.service import connect, serve, start_group
 from tpcache.harness.demo import run_demo, synthetic_chat
-from tpcache.workers.lockstep import DivergenceError
+from tpcache.workers.protocol import DivergenceError
 from tpcache.workers.spec import CacheSpec
 
 FRONTEND = """

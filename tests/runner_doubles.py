@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tpcache.workers.runner import KVLayout, KVShard, RankShard, RunnerOutput
-from tpcache.workers.runner_batch import RunnerBatch
+from tpcache.model.batch import RunnerBatch
+from tpcache.model.runner import KVLayout, KVShard, RankShard, RunnerOutput
 
 
 @dataclass(frozen=True)

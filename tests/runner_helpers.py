@@ -12,12 +12,12 @@ from tpcache.coordinator.build import GroupConfig
 from tpcache.coordinator.core import CoordinatorConfig
 from tpcache.coordinator.local_ranks import start_local_group
 from tpcache.harness.engine import ModelEngine
-from tpcache.workers.llama import LlamaReference, LlamaSpec
-from tpcache.workers.model import ModelSpec
+from tpcache.model.llama import LlamaReference, LlamaSpec
+from tpcache.model.reference import ModelSpec
 from tpcache.workers.rank import CacheSpec
 
-REFERENCE = "tpcache.workers.model:ReferenceRunner"
-LLAMA = "tpcache.workers.llama:LlamaRunner"
+REFERENCE = "tpcache.model.reference:ReferenceRunner"
+LLAMA = "tpcache.model.llama:LlamaRunner"
 RECORDING = "runner_doubles:RecordingRunner"
 
 _NO_RECOVERY = (

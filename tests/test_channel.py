@@ -1,4 +1,4 @@
-"""The step channel alone (``tpcache.workers.channel``): the coordinator's hub and the
+"""The step channel alone (``tpcache.transport.channel``): the coordinator's hub and the
 ranks' loops over real sockets (Unix sockets, and ZMQ CURVE TCP on loopback), with stand-in
 workers that answer with the length and hash of each step (``channel_helpers``)."""
 
@@ -14,9 +14,9 @@ import msgspec
 import pytest
 from channel_helpers import EchoWorker, expected, rank_process, run_rank
 
-from tpcache.workers.channel import CALL, STEPS, ChannelError, RankErrors, StepHub
-from tpcache.workers.channel_loop import pack, unpack
-from tpcache.workers.netsec import new_keypair
+from tpcache.transport.channel import CALL, STEPS, ChannelError, RankErrors, StepHub
+from tpcache.transport.channel_loop import pack, unpack
+from tpcache.transport.netsec import new_keypair
 
 
 def never_dead() -> None:
@@ -228,7 +228,7 @@ def test_the_socket_is_private_and_a_stranger_is_not_a_rank() -> None:
     import socket
     import stat
 
-    from tpcache.workers.unix_link import send_frame
+    from tpcache.transport.unix_link import send_frame
 
     hub = StepHub(2, set(), "")
     path = hub.attach[0].endpoint.removeprefix("unix://")
@@ -321,7 +321,7 @@ def test_frames_split_anywhere_come_out_whole_and_in_order() -> None:
     import socket
     import threading
 
-    from tpcache.workers.unix_link import _CHUNK, FrameReader, frame
+    from tpcache.transport.unix_link import _CHUNK, FrameReader, frame
 
     seed = random.randrange(1 << 30)
     print(f"seed {seed}")

@@ -17,7 +17,7 @@ import time
 import pytest
 from channel_helpers import EchoWorker
 
-from tpcache.workers.channel import (
+from tpcache.transport.channel import (
     STEPS,
     Attach,
     ChannelConnectError,
@@ -26,7 +26,7 @@ from tpcache.workers.channel import (
     StepHub,
     serve,
 )
-from tpcache.workers.netsec import new_keypair
+from tpcache.transport.netsec import new_keypair
 
 
 def never_dead() -> None:

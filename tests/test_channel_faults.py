@@ -14,11 +14,11 @@ import time
 import pytest
 from channel_helpers import EchoWorker, run_rank
 
-from tpcache.workers import private_dir as pd
-from tpcache.workers.channel import STEPS, ChannelError, StepHub
-from tpcache.workers.channel_loop import ERROR, HELLO, RESULTS, pack
-from tpcache.workers.private_dir import PrivateDir, socket_base, sweep
-from tpcache.workers.unix_link import FrameReader, send_frame
+from tpcache.transport import private_dir as pd
+from tpcache.transport.channel import STEPS, ChannelError, StepHub
+from tpcache.transport.channel_loop import ERROR, HELLO, RESULTS, pack
+from tpcache.transport.private_dir import PrivateDir, socket_base, sweep
+from tpcache.transport.unix_link import FrameReader, send_frame
 
 
 def never_dead() -> None:
@@ -195,7 +195,7 @@ def test_a_dead_owners_directory_is_swept_and_a_live_ones_is_not(tmp_path, prefi
 def test_a_killed_ranks_rendezvous_directory_goes_with_the_next_group(tmp_path) -> None:
     """A rendezvous store's directory whose owner died (its lock free) is removed when
     the next store on the machine is made; its own is left until it is dropped."""
-    from tpcache.workers.group_spec import StoreDir
+    from tpcache.group.spec import StoreDir
 
     orphan = tempfile.mkdtemp(prefix=pd.RDV_PREFIX)
     open(os.path.join(orphan, pd.LOCK), "w").close()

@@ -14,9 +14,9 @@ import time
 import pytest
 from channel_helpers import expected, run_rank
 
-from tpcache.workers.channel import STEPS, StepHub
-from tpcache.workers.channel_loop import HELLO, RESULTS, pack
-from tpcache.workers.unix_link import HELLO_S, SPARE_HELLOS, FrameReader, send_frame
+from tpcache.transport.channel import STEPS, StepHub
+from tpcache.transport.channel_loop import HELLO, RESULTS, pack
+from tpcache.transport.unix_link import HELLO_S, SPARE_HELLOS, FrameReader, send_frame
 
 
 def never_dead() -> None:

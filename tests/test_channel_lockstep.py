@@ -20,7 +20,7 @@ from group_helpers import group_config
 
 from tpcache.coordinator.core import CoordinatorConfig
 from tpcache.frontend.service import start_group
-from tpcache.workers.lockstep import LockstepError
+from tpcache.workers.protocol import LockstepError
 
 TIMEOUT_S = 30.0  # the collective timeout: a peer left waiting would take this long
 

@@ -190,7 +190,7 @@ def test_serve_refuses_a_metrics_host_without_a_metrics_port(nowhere: str) -> No
 def test_the_weights_counted_are_the_weights_drawn() -> None:
     """The size ``generate`` refuses by is what the reference model allocates."""
     from tpcache.harness.gen_memory import weight_bytes
-    from tpcache.workers.model import ModelSpec, full_weights
+    from tpcache.model.reference import ModelSpec, full_weights
 
     spec = ModelSpec(vocab=97, hidden=24, heads=3, head_dim=8, ffn=40, num_layers=3)
     drawn = sum(t.numel() * t.element_size() for t in full_weights(spec).values())

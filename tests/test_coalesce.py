@@ -12,7 +12,7 @@ from group_helpers import group_config
 
 from tpcache.coordinator.core import CoordinatorConfig
 from tpcache.frontend.service import start_group
-from tpcache.workers.lockstep import DivergenceError
+from tpcache.workers.protocol import DivergenceError
 
 SLEEP_S = 2.0  # a slow rank: long against a few admits, short against the suite
 

@@ -22,7 +22,7 @@ from tpcache.coordinator.local_ranks import start_local_group
 from tpcache.frontend import api
 from tpcache.frontend.frontend import serve_network
 from tpcache.frontend.netfront import FrontendConfig
-from tpcache.workers.errors import LockstepError
+from tpcache.lockstep.errors import LockstepError
 from tpcache.workers.spec import CacheSpec
 
 

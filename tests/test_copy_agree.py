@@ -18,11 +18,11 @@ from tpcache.cache.host_config import HostCopy
 from tpcache.coordinator.copy_agree import CopyCompletion
 from tpcache.coordinator.step_check import odd_ranks
 from tpcache.coordinator.step_types import Closed
-from tpcache.workers.context import ForwardError
+from tpcache.kv.host_copy import CopyEngineClosed
+from tpcache.kv.pool import KVPool, PoolSpec
+from tpcache.lockstep.ops import CopySync, StepResult, encode
+from tpcache.model.context import ForwardError
 from tpcache.workers.copysync import RankCopies, agree_pools, sync_copies
-from tpcache.workers.hostcopy import CopyEngineClosed
-from tpcache.workers.kvpool import KVPool, PoolSpec
-from tpcache.workers.ops import CopySync, StepResult, encode
 from tpcache.workers.rank import CacheSpec
 
 PAGE = 4
@@ -170,8 +170,8 @@ def test_a_failing_copy_is_never_counted_done_while_it_finishes() -> None:
     import torch
 
     from tpcache.cache.host_config import HostCopy
+    from tpcache.kv.pool import KVPool, PoolSpec
     from tpcache.workers.copysync import RankCopies
-    from tpcache.workers.kvpool import KVPool, PoolSpec
 
     dev = KVPool(PoolSpec(1, 1, 1, 1, "float32"), 64, torch.device("cpu"))
     switch = sys.getswitchinterval()

@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from tpcache.workers.group_spec import GroupError
-from tpcache.workers.kvpool import PoolSpec
+from tpcache.group.spec import GroupError
+from tpcache.kv.pool import PoolSpec
 from tpcache.workers.rank import RankWorker
 from tpcache.workers.spec import WorkerSpec
 
@@ -253,7 +253,7 @@ def _until_served(coord: Any, trial: int, deadline: float, rank0_gone: threading
     """Call the coordinator as a client would until calls made after rank 0's process is
     gone succeed: each call (and each health check) brings a due recovery attempt."""
     from tpcache.frontend.api import CoordinatorUnavailable, RequestLost
-    from tpcache.workers.lockstep import LockstepError
+    from tpcache.workers.protocol import LockstepError
 
     n = 0
     while True:

@@ -82,8 +82,8 @@ def test_errors_with_their_own_constructors_pickle_whole() -> None:
     from tpcache.coordinator.step_types import RankCallError
     from tpcache.events.event_config import EventConfigError
     from tpcache.frontend.service import AlreadyServing
-    from tpcache.workers.channel import RankErrors
-    from tpcache.workers.channel_loop import ChannelConnectError, ChannelError
+    from tpcache.transport.channel import RankErrors
+    from tpcache.transport.channel_loop import ChannelConnectError, ChannelError
 
     cause = ValueError("bad op")
     errors: list[BaseException] = [
@@ -109,8 +109,8 @@ def test_errors_with_their_own_constructors_pickle_whole() -> None:
 def test_every_buildable_tpcache_error_round_trips() -> None:
     """Each class whose constructor takes one message (most of them) and each lockstep
     error (step, detail) comes back equal from pickle, OSError-based ones included."""
+    from tpcache.lockstep.errors import DivergenceError, RankFailure
     from tpcache.trace import TraceNotFound
-    from tpcache.workers.errors import DivergenceError, RankFailure
 
     done = 0
     for cls in _exception_classes():

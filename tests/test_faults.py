@@ -24,10 +24,10 @@ from tpcache.frontend import api
 from tpcache.frontend.api import CoordinatorUnavailable, RequestLost
 from tpcache.frontend.frontend import handle
 from tpcache.frontend.service import GroupConfig, start_group
+from tpcache.group.tp_group import GroupInputError
 from tpcache.harness.soak import run_soak
-from tpcache.workers.group import GroupInputError
-from tpcache.workers.kvpool import PoolSpec
-from tpcache.workers.lockstep import DivergenceError, LockstepError, RankFailure
+from tpcache.kv.pool import PoolSpec
+from tpcache.workers.protocol import DivergenceError, LockstepError, RankFailure
 from tpcache.workers.rank import CacheSpec
 from tpcache.workers.spec import WorkerSpec
 

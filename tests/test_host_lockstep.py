@@ -21,8 +21,8 @@ from tpcache.frontend.api import AdmitCall, AdmitReply, CachedReply, FinishCall
 from tpcache.frontend.frontend import dispatch
 from tpcache.frontend.service import start_group
 from tpcache.harness.demo import DemoRequest, run_demo
-from tpcache.workers.context import ForwardError, build_forward
-from tpcache.workers.lockstep import RankFailure
+from tpcache.model.context import ForwardError, build_forward
+from tpcache.workers.protocol import RankFailure
 from tpcache.workers.rank import CacheSpec
 
 PAGE = 4

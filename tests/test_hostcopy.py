@@ -1,4 +1,4 @@
-"""A rank's copies between its device pool and its host pool (``workers/hostcopy.py``):
+"""A rank's copies between its device pool and its host pool (``kv/host_copy.py``):
 exact bytes both ways on every layer, done in id order (a prefix), slow and failing jobs,
 and bad jobs refused before anything is queued. CPU pools (CUDA paths are GPU-only)."""
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tpcache.workers.hostcopy import (
+from tpcache.kv.host_copy import (
     TO_DEVICE,
     TO_HOST,
     CopyEngine,
@@ -21,7 +21,7 @@ from tpcache.workers.hostcopy import (
     CopyJob,
     host_pool,
 )
-from tpcache.workers.kvpool import KVPool, PoolSpec
+from tpcache.kv.pool import KVPool, PoolSpec
 
 SPEC = PoolSpec(num_layers=3, kv_heads=4, head_dim=8, tp=2, dtype="float32")
 

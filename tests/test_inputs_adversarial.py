@@ -24,7 +24,7 @@ from tpcache.cache.swa_cache import HybridCache
 from tpcache.cache.swa_config import HybridConfig, SwaHandle
 from tpcache.coordinator.build import GroupConfig
 from tpcache.coordinator.local_ranks import start_local_group
-from tpcache.workers.ops import decode_step, unpack_tokens
+from tpcache.lockstep.ops import decode_step, unpack_tokens
 from tpcache.workers.spec import CacheSpec
 
 PROMPT = list(range(100, 130))

@@ -16,7 +16,7 @@ from drill_worker import DrillWorker
 from tpcache.coordinator.build import GroupConfig
 from tpcache.coordinator.core import CoordinatorConfig
 from tpcache.coordinator.local_ranks import start_local_group
-from tpcache.workers.lockstep import DivergenceError, RankFailure
+from tpcache.workers.protocol import DivergenceError, RankFailure
 from tpcache.workers.spec import CacheSpec
 
 PROMPT = list(range(1, 41))

@@ -19,7 +19,7 @@ from tpcache.cache.radix import RadixCache
 from tpcache.frontend import api
 from tpcache.frontend.frontend import handle
 from tpcache.frontend.service import start_group
-from tpcache.workers.lockstep import DivergenceError
+from tpcache.workers.protocol import DivergenceError
 
 
 @pytest.fixture(scope="module")

@@ -24,10 +24,10 @@ from tpcache.coordinator.core import CoordinatorConfig
 from tpcache.frontend.service import GroupConfig, start_group
 from tpcache.harness.engine import ModelEngine
 from tpcache.harness.modelcheck import Workload, run_script, run_workload
-from tpcache.workers.context import ForwardError, build_forward
-from tpcache.workers.llama import LlamaReference, LlamaSpec
-from tpcache.workers.model import ModelSpec, reference_logits
-from tpcache.workers.ops import encode, pack_slots, unpack_slots
+from tpcache.lockstep.ops import encode, pack_slots, unpack_slots
+from tpcache.model.context import ForwardError, build_forward
+from tpcache.model.llama import LlamaReference, LlamaSpec
+from tpcache.model.reference import ModelSpec, reference_logits
 from tpcache.workers.rank import CacheSpec
 
 TOL = 1e-5
@@ -314,7 +314,7 @@ def test_a_runner_named_in_the_group_config_runs_batched_on_ray_ranks(ray_cluste
     print(f"seed={seed}")
     args = {"seed": seed, "heads": 4, "kv_heads": 2, "hidden": 32, "ffn": 64, "vocab": 64}
     cfg = dataclasses.replace(
-        group_config(2, "base"), runner="tpcache.workers.llama:LlamaRunner", runner_args=args
+        group_config(2, "base"), runner="tpcache.model.llama:LlamaRunner", runner_args=args
     )
     assert cfg.worker_spec().pool.kv_heads == 2  # the runner's, not the config's 4
     coord = start_group(cfg)

@@ -16,17 +16,17 @@ import torch
 from drill_worker import DrillWorker
 from model_helpers import host_script, local_engine
 
+from tpcache.group.tp_group import GroupInputError, TPGroup
 from tpcache.harness.modelcheck import Workload, run_script, run_workload
-from tpcache.workers.context import ForwardError, build_forward, check_forward
-from tpcache.workers.group import GroupInputError, TPGroup
-from tpcache.workers.model import (
+from tpcache.lockstep.ops import pack_slots, unpack_slots
+from tpcache.model.context import ForwardError, build_forward, check_forward
+from tpcache.model.reference import (
     ModelConfigError,
     ModelSpec,
     full_weights,
     reference_logits,
     shard_weights,
 )
-from tpcache.workers.ops import pack_slots, unpack_slots
 from tpcache.workers.rank import CacheSpec
 
 TOL = 1e-5
@@ -186,7 +186,7 @@ def test_ranks_refuse_a_forward_that_disagrees_with_their_cache():
         with pytest.raises(ForwardError):
             check_forward(ranks.workers[1].cache, bad)
     # one rank given an off-by-one slot: every rank refuses, nobody hangs
-    from tpcache.workers.ops import encode
+    from tpcache.lockstep.ops import encode
 
     futs = [
         ranks.pool.submit(ranks.workers[0].forward, encode(cmd)),

@@ -18,7 +18,7 @@ from tpcache.coordinator.local_ranks import start_local_group
 from tpcache.frontend import api
 from tpcache.frontend.frontend import serve_network
 from tpcache.frontend.netfront import FrontendConfig
-from tpcache.workers.errors import DivergenceError, RankFailure
+from tpcache.lockstep.errors import DivergenceError, RankFailure
 from tpcache.workers.spec import CacheSpec
 
 PROMPT = list(range(1, 41))

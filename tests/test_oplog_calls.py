@@ -1,4 +1,4 @@
-"""The mirror's logged calls (``workers.oplog``) and their fast paths: the op a rank gets is
+"""The mirror's logged calls (``lockstep.oplog``) and their fast paths: the op a rank gets is
 the same bytes whatever form the caller's tokens take, and a rank that applies the ops
 ends where the mirror is."""
 
@@ -11,9 +11,9 @@ from tpcache.cache.allocator import CACHED, FREE, HELD, PageAllocator
 from tpcache.cache.errors import DuplicateRequest, InvalidTokens
 from tpcache.cache.keys import frozen_tokens
 from tpcache.cache.radix import CacheConfig, RadixCache
-from tpcache.workers.lockstep import apply_op, local_evict
-from tpcache.workers.oplog import logged_admit, logged_finish
-from tpcache.workers.ops import Finish, pack_tokens
+from tpcache.lockstep.oplog import logged_admit, logged_finish
+from tpcache.lockstep.ops import Finish, pack_tokens
+from tpcache.workers.protocol import apply_op, local_evict
 
 
 def _cache() -> RadixCache:

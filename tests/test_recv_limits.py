@@ -24,9 +24,9 @@ from channel_helpers import EchoWorker, expected, run_rank
 
 from tpcache.cache.events import AllBlocksCleared
 from tpcache.events.publisher import EventConfig, EventPublisher
-from tpcache.workers.channel import CALL, STEPS, ChannelError, RankErrors, StepHub
-from tpcache.workers.channel_loop import HELLO, MAX_REPLY, ReplyTooLarge
-from tpcache.workers.unix_link import send_frame
+from tpcache.transport.channel import CALL, STEPS, ChannelError, RankErrors, StepHub
+from tpcache.transport.channel_loop import HELLO, MAX_REPLY, ReplyTooLarge
+from tpcache.transport.unix_link import send_frame
 
 LOOPBACK = "tcp://127.0.0.1:*"
 CLAIMED = 512 << 20  # what the message's header says: over every limit tested here

@@ -9,11 +9,10 @@ from runner_helpers import LLAMA, RECORDING, base_cache, group_config, hybrid_ca
 
 from tpcache.coordinator.build import GroupConfig
 from tpcache.coordinator.local_ranks import start_local_group
-from tpcache.workers.kvpool import PoolSpec
-from tpcache.workers.model import ModelConfigError, ModelSpec
-from tpcache.workers.rank import RankWorker, WorkerSpec
-from tpcache.workers.runner import KVLayout, RunnerConfigError
-from tpcache.workers.runner_spec import (
+from tpcache.kv.pool import PoolSpec
+from tpcache.model.reference import ModelConfigError, ModelSpec
+from tpcache.model.runner import KVLayout, RunnerConfigError
+from tpcache.model.runner_spec import (
     RunnerSpec,
     RunnerSpecError,
     build_runner,
@@ -21,6 +20,7 @@ from tpcache.workers.runner_spec import (
     runner_options,
     runner_pool,
 )
+from tpcache.workers.rank import RankWorker, WorkerSpec
 
 
 def test_runner_options_parse_the_cli_flags_into_group_config_fields():
@@ -76,10 +76,10 @@ def test_group_config_refuses_a_bad_runner_before_anything_starts():
         GroupConfig(runner=LLAMA, runner_args=["heads=8"])  # type: ignore[arg-type]
     bad = [
         ("tpcache.no_such_module:X", {}, "cannot import"),
-        ("tpcache.workers.model:NoSuchRunner", {}, "has no"),
-        ("tpcache.workers.model:ModelSpec", {}, "not a ModelRunner"),
+        ("tpcache.model.reference:NoSuchRunner", {}, "has no"),
+        ("tpcache.model.reference:ModelSpec", {}, "not a ModelRunner"),
         ("runner_doubles:NotARunner", {}, "no load, check_batch, run"),
-        ("tpcache.workers.model:ReferenceRunner", {"bogus": 1}, "bogus"),
+        ("tpcache.model.reference:ReferenceRunner", {"bogus": 1}, "bogus"),
         (LLAMA, {"bogus": 1}, "unknown LlamaSpec arguments"),
         (LLAMA, {"dtype": "int8"}, "dtype"),
         (LLAMA, {"heads": 6, "kv_heads": 4}, "multiple of kv_heads"),

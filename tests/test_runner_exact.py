@@ -26,7 +26,7 @@ from runner_helpers import (
 
 from tpcache.harness.engine import Decode, Prefill
 from tpcache.harness.modelcheck import Workload, run_script, run_workload
-from tpcache.workers.model import ModelSpec
+from tpcache.model.reference import ModelSpec
 
 TOL = 1e-5
 # The reference: 4 heads of 8 (multi-head attention). Llama: 8 query heads over 4 KV

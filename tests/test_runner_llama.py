@@ -12,11 +12,11 @@ import torch
 from runner_helpers import LLAMA, base_cache, runner_engine
 
 from tpcache.harness.modelcheck import Workload, run_workload
-from tpcache.workers.attention import attend
-from tpcache.workers.llama import LlamaReference
-from tpcache.workers.llama_weights import LlamaSpec, load_shard, random_weights
-from tpcache.workers.runner import RunnerConfigError
-from tpcache.workers.safetensors_io import SafeFile, SafetensorsError, save_file
+from tpcache.model.attention import attend
+from tpcache.model.llama import LlamaReference
+from tpcache.model.llama_weights import LlamaSpec, load_shard, random_weights
+from tpcache.model.runner import RunnerConfigError
+from tpcache.model.safetensors_io import SafeFile, SafetensorsError, save_file
 
 TOL = 1e-5
 

@@ -14,8 +14,8 @@ from tpcache.cache.errors import DuplicateRequest, InvalidTokens, UnknownRequest
 from tpcache.cache.keys import pages_to_slots
 from tpcache.coordinator.step_types import RankCallError
 from tpcache.harness.engine import Chunk, Compute, Decode, ModelEngine, Prefill
-from tpcache.workers.context import ForwardError, build_forward
-from tpcache.workers.ops import Forward, ForwardBatch, encode
+from tpcache.lockstep.ops import Forward, ForwardBatch, encode
+from tpcache.model.context import ForwardError, build_forward
 
 HYBRID_ARGS = {"num_layers": 3, "swa_layers": [0, 2], "window": 8}
 

@@ -21,7 +21,7 @@ from tpcache.events.event_config import EventConfig, EventConfigError
 from tpcache.events.metrics import CoordinatorMetrics, MetricsError
 from tpcache.events.publisher import EventPublisher
 from tpcache.events.subscriber import EventSubscriber, EventSubscriberError
-from tpcache.workers.netsec import new_keypair, public_of
+from tpcache.transport.netsec import new_keypair, public_of
 
 LOOPBACK = "tcp://127.0.0.1:*"
 
@@ -203,7 +203,7 @@ def test_a_taken_metrics_port_is_a_clear_error() -> None:
 def _rank(rank: int, store: str, out) -> None:
     import torch
 
-    from tpcache.workers.group import GroupSpec, TPGroup
+    from tpcache.group.tp_group import GroupSpec, TPGroup
 
     spec = GroupSpec(rank, 2, "127.0.0.1", 1, "gloo", 10.0, 30.0, store_path=store)
     group = TPGroup.init(spec, torch.device("cpu"))

@@ -114,7 +114,7 @@ def test_a_hung_rank_at_tp1_is_found_within_the_step_timeout(ray_cluster) -> Non
     """TP=1: no peer's collective or answer can show the rank hung; only the coordinator's
     own wait does, and that is --timeout's now (2 s: 7 s), not the default 120 s."""
     from tpcache.frontend.service import start_group
-    from tpcache.workers.lockstep import RankFailure
+    from tpcache.workers.protocol import RankFailure
 
     args = build_parser().parse_args(
         ["demo", "--tp", "1", "--timeout", "2", "--page-size", "4", "--capacity", "1024"]

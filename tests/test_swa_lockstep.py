@@ -25,9 +25,9 @@ from tpcache.cache.swa_config import HybridConfig
 from tpcache.coordinator.build import GroupConfig
 from tpcache.coordinator.local_ranks import start_local_group
 from tpcache.harness.soak import run_soak
-from tpcache.workers.lockstep import apply_op, local_evict
-from tpcache.workers.oplog import logged_admit, logged_extend
-from tpcache.workers.ops import Abort, CacheUnfinished, Evict, Finish, pack_tokens
+from tpcache.lockstep.oplog import logged_admit, logged_extend
+from tpcache.lockstep.ops import Abort, CacheUnfinished, Evict, Finish, pack_tokens
+from tpcache.workers.protocol import apply_op, local_evict
 from tpcache.workers.spec import CacheSpec
 
 POLICIES = ["lru", "mru", "fifo", "filo", "lfu", "priority"]

@@ -26,9 +26,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from tpcache.cache.errors import CacheError, LockError, OutOfCapacity, UnknownHandle
 from tpcache.cache.swa_cache import HybridCache
 from tpcache.cache.swa_config import HybridConfig, SwaHandle
-from tpcache.workers.lockstep import apply_op, local_evict
-from tpcache.workers.oplog import evict_result, logged_admit, logged_extend
-from tpcache.workers.ops import Abort, CacheUnfinished, Evict, Finish, OpResult, pack_tokens
+from tpcache.lockstep.oplog import evict_result, logged_admit, logged_extend
+from tpcache.lockstep.ops import Abort, CacheUnfinished, Evict, Finish, OpResult, pack_tokens
+from tpcache.workers.protocol import apply_op, local_evict
 
 Key = tuple[int, ...]
 _CUT = st.integers(-1, 60) | st.just(-1)  # where a prompt leaves a known sequence

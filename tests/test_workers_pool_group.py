@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tpcache.workers.group import TPGroup
-from tpcache.workers.group_spec import (
+from tpcache.group.spec import (
     GroupError,
     GroupInputError,
     GroupSpec,
@@ -21,7 +20,8 @@ from tpcache.workers.group_spec import (
     i64_to_u64,
     u64_to_i64,
 )
-from tpcache.workers.kvpool import (
+from tpcache.group.tp_group import TPGroup
+from tpcache.kv.pool import (
     KVPool,
     PoolConfigError,
     PoolError,

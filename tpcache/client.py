@@ -32,7 +32,7 @@ import zmq
 
 from tpcache.frontend import api
 from tpcache.frontend.calls import Batch, Pending, RequestCalls, UnexpectedReply, checked
-from tpcache.workers.netsec import make_client
+from tpcache.transport.netsec import make_client
 
 
 class Client(RequestCalls[api.AdmitReply, api.SlotsReply, api.CachedReply, None]):

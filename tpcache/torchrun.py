@@ -32,10 +32,10 @@ from tpcache.cli.args import add_count_option, seconds_arg
 from tpcache.coordinator.core import Coordinator, CoordinatorConfig
 from tpcache.coordinator.step_types import RankCallError
 from tpcache.harness.torchrun_check import RunConfig, run_checks
-from tpcache.workers.kvpool import PoolSpec
+from tpcache.kv.pool import PoolSpec
+from tpcache.lockstep.ops import RunCall, RunStep, Stop
+from tpcache.model.reference import ModelSpec
 from tpcache.workers.lead import PeerCallError, follow, lead_command
-from tpcache.workers.model import ModelSpec
-from tpcache.workers.ops import RunCall, RunStep, Stop
 from tpcache.workers.rank import RankWorker
 from tpcache.workers.spec import CacheSpec, WorkerSpec
 

@@ -21,7 +21,7 @@ fast copies run. What waits is the KV data's reader: a request's forward. A page
 touched by a copy that is not done in two ways: a write-back still reads the device
 pages an eviction just freed (and an admit or extend may hand them out at once), and a
 load still writes the device pages of the prefix it brings back. Copies run one at a
-time in id order (``workers/hostcopy.py``), so copy-after-copy hazards (a host page
+time in id order (``kv/host_copy.py``), so copy-after-copy hazards (a host page
 freed and written again, a load of a node still being written) are ordered by the ids
 alone; copy-versus-forward hazards are closed by readiness, per request and only for
 the copies that touch its own row's device pages (``host_waits.py``), recorded by an

@@ -352,7 +352,7 @@ def _read_keys(path: str | None) -> tuple[str, ...]:
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
-    from tpcache.workers.netsec import new_keypair
+    from tpcache.transport.netsec import new_keypair
 
     public, secret = new_keypair()
     path = args.secret_file

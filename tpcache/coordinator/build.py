@@ -16,9 +16,9 @@ from tpcache.coordinator.step_types import RankTransport, StepObserver
 from tpcache.events.event_config import EventConfig
 from tpcache.events.metrics import CoordinatorMetrics, EventsHook
 from tpcache.events.publisher import EventPublisher
-from tpcache.workers.group_spec import check_seconds
-from tpcache.workers.kvpool import PoolSpec
-from tpcache.workers.runner_spec import RunnerSpec, RunnerSpecError, runner_pool
+from tpcache.group.spec import check_seconds
+from tpcache.kv.pool import PoolSpec
+from tpcache.model.runner_spec import RunnerSpec, RunnerSpecError, runner_pool
 from tpcache.workers.spec import CacheSpec, WorkerSpec
 
 # The Ray placement strategies and step paths a group may ask for (ranks.py checks them

@@ -16,7 +16,7 @@ from typing import Any
 
 from tpcache.cache.protocol import Cache
 from tpcache.errors import TpcacheError
-from tpcache.workers.ops import CopiesDone, CopySync, Op, OpResult, StepResult
+from tpcache.lockstep.ops import CopiesDone, CopySync, Op, OpResult, StepResult
 
 _SYNC_WAIT_S = 0.05  # how long ranks wait for a forward's copies before a CopySync agrees
 

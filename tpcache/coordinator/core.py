@@ -32,8 +32,8 @@ from tpcache.coordinator.step_types import (
 )
 from tpcache.coordinator.steps import StepPipeline
 from tpcache.events.publisher import EventPublisher
-from tpcache.workers.oplog import evict_result, logged_admit, logged_extend, logged_finish
-from tpcache.workers.ops import (
+from tpcache.lockstep.oplog import evict_result, logged_admit, logged_extend, logged_finish
+from tpcache.lockstep.ops import (
     Abort,
     CacheUnfinished,
     Evict,

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from tpcache.coordinator.build import Endpoints, GroupConfig, build_coordinator
 from tpcache.coordinator.core import Coordinator
 from tpcache.coordinator.step_types import RankCallError, first_cause
-from tpcache.workers.group import TPGroup
+from tpcache.group.tp_group import TPGroup
 from tpcache.workers.rank import RankWorker
 from tpcache.workers.spec import WorkerSpec
 

@@ -31,7 +31,7 @@ from tpcache.coordinator.build import STRATEGIES, TRANSPORTS
 from tpcache.coordinator.errors import PlacementError
 from tpcache.coordinator.step_path import RAY_CALLS, ChannelPath
 from tpcache.coordinator.step_types import RankCallError, first_cause
-from tpcache.workers.group_spec import node_ip
+from tpcache.group.spec import node_ip
 from tpcache.workers.rank import RankWorker
 from tpcache.workers.spec import WorkerSpec
 

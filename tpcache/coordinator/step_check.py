@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from tpcache.coordinator.copy_agree import CopyCompletion
 from tpcache.coordinator.step_types import Closed, RankCallError, RankTransport
-from tpcache.workers.ops import decode_result
+from tpcache.lockstep.ops import decode_result
 
 
 def odd_ranks(step: Closed, outs: list[bytes], copies: CopyCompletion) -> tuple[list[int], float]:

@@ -1,4 +1,4 @@
-"""The per-step path of Ray ranks: the step channel (``workers/channel.py``) instead of a
+"""The per-step path of Ray ranks: the step channel (``transport/channel.py``) instead of a
 Ray actor call per rank per message.
 
 Ray still starts each rank's channel loop (one long actor call, ``serve_steps``, whose
@@ -17,7 +17,7 @@ import ray
 from ray.exceptions import RayTaskError
 
 from tpcache.coordinator.step_types import RankCallError, first_cause
-from tpcache.workers.channel import CALL, STEPS, ChannelError, RankErrors, StepHub
+from tpcache.transport.channel import CALL, STEPS, ChannelError, RankErrors, StepHub
 
 # Calls answered by the actor itself (Ray), not queued behind steps in the channel.
 RAY_CALLS = frozenset(("ping", "health", "pid", "address", "local_store", "stop_steps"))

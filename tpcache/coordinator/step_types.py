@@ -10,8 +10,8 @@ from typing import Any, Protocol
 
 from tpcache.coordinator.errors import CoordinatorConfigError
 from tpcache.errors import TpcacheError
-from tpcache.workers.group_spec import GroupInputError, check_seconds
-from tpcache.workers.ops import OpResult
+from tpcache.group.spec import GroupInputError, check_seconds
+from tpcache.lockstep.ops import OpResult
 
 MAX_SECONDS = 1e9  # the longest wait a config may ask for (~31 years: "no limit")
 

@@ -46,8 +46,8 @@ from tpcache.coordinator.step_types import (
     Recovery,
     StepObserver,
 )
-from tpcache.workers.lockstep import DivergenceError, LockstepError, RankFailure
-from tpcache.workers.ops import Op, OpResult, Step, encode
+from tpcache.lockstep.ops import Op, OpResult, Step, encode
+from tpcache.workers.protocol import DivergenceError, LockstepError, RankFailure
 
 _T = TypeVar("_T")
 

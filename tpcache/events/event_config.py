@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from tpcache.cache.events import ENCODINGS
 from tpcache.errors import TpcacheError
-from tpcache.workers.netsec import NetSecError, check_key, endpoint_is_local
+from tpcache.transport.netsec import NetSecError, check_key, endpoint_is_local
 
 _TRANSPORTS = ("tcp", "ipc", "inproc", "pgm", "epgm", "ws", "wss", "tipc", "vmci")
 

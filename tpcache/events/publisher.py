@@ -36,7 +36,7 @@ from tpcache.closing import Closing
 from tpcache.errors import TpcacheError
 from tpcache.events.event_config import EventConfig, EventConfigError
 from tpcache.events.replay_server import EventLog, ReplayServer, encode_seq, limit_requests
-from tpcache.workers.netsec import (
+from tpcache.transport.netsec import (
     allow_clients,
     limit_subscriptions,
     make_server,

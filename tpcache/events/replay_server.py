@@ -31,7 +31,7 @@ import zmq
 
 from tpcache.cache.events import KVEvent, KVEventBatch, encode_batch
 from tpcache.events.block_index import BlockIndex
-from tpcache.workers.netsec import limit_receive
+from tpcache.transport.netsec import limit_receive
 
 SNAPSHOT_REQUEST = b"SNAPSHOT"
 END_SEQ = -1

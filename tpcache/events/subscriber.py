@@ -21,7 +21,7 @@ from tpcache.closing import Closing
 from tpcache.errors import TpcacheError
 from tpcache.events.block_index import BlockIndex, IndexProblem, ProblemKind, StoredBlock
 from tpcache.events.replay_server import BUSY_SEQ, END_SEQ, SNAPSHOT_REQUEST, decode_seq
-from tpcache.workers.netsec import NetSecError, check_key, make_client
+from tpcache.transport.netsec import NetSecError, check_key, make_client
 
 __all__ = [
     "BlockIndex",

@@ -223,7 +223,7 @@ def decode_replies(data: bytes) -> list[Reply]:
 
 def error_types() -> dict[str, type[BaseException]]:
     """Every error a reply may name, by type name (for clients to re-raise them)."""
-    from tpcache.workers.errors import DivergenceError, LockstepError, RankFailure
+    from tpcache.lockstep.errors import DivergenceError, LockstepError, RankFailure
 
     found: dict[str, type[BaseException]] = {}
     for obj in vars(cache_errors).values():
@@ -246,7 +246,7 @@ def error_types() -> dict[str, type[BaseException]]:
 def error_reply(exc: BaseException, retryable: bool | None = None) -> ErrorReply:
     """``exc`` as the reply that names it: its type's name, its message, ``retryable``
     (None: the error's own), and the step of a lockstep error. Changes nothing."""
-    from tpcache.workers.errors import LockstepError
+    from tpcache.lockstep.errors import LockstepError
 
     retry = bool(getattr(exc, "retryable", False)) if retryable is None else retryable
     step = exc.step if isinstance(exc, LockstepError) else None
@@ -262,7 +262,7 @@ def raise_reply_error(reply: ErrorReply) -> None:
     lockstep error gets the reply's ``step`` and the message it had (``"step N: ..."``);
     from a server that sends no step, step -1 (its message then reads ``"step -1: step
     N: ..."``, as before the field)."""
-    from tpcache.workers.errors import LockstepError
+    from tpcache.lockstep.errors import LockstepError
 
     cls = error_types().get(reply.error)
     if cls is None:

@@ -49,7 +49,7 @@ from tpcache.frontend.owners import (
     own_message,
     scoped_id,
 )
-from tpcache.workers.lockstep import LockstepError
+from tpcache.workers.protocol import LockstepError
 
 # What a call answers as a typed error (the Ray service's own calls too), not as a crash.
 REJECTED = (CacheError, CoordinatorUnavailable, RequestLost, LockstepError, CopiesNotDone)

@@ -54,7 +54,7 @@ from tpcache.frontend.api import (
 )
 from tpcache.frontend.owners import Owner
 from tpcache.frontend.recent import RecentReplies, request_key
-from tpcache.workers.netsec import (
+from tpcache.transport.netsec import (
     NetSecError,
     allow_clients,
     check_key,

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tpcache.workers.group_spec import (
+from tpcache.group.spec import (
     GroupError,
     GroupInputError,
     GroupSpec,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tpcache.errors import TpcacheError
-from tpcache.workers.private_dir import RDV_PREFIX, PrivateDir
+from tpcache.transport.private_dir import RDV_PREFIX, PrivateDir
 
 _BACKENDS = ("gloo", "nccl", "auto")
 _I64_MIN = -(2**63)

@@ -35,15 +35,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tpcache.workers.group_join import attached_backend, join_default_group
-from tpcache.workers.group_spec import (
+from tpcache.group.join import attached_backend, join_default_group
+from tpcache.group.spec import (
     _I64_MIN,
     GroupError,
     GroupInputError,
     GroupSpec,
     i64_to_u64,
 )
-from tpcache.workers.group_wire import Wire
+from tpcache.group.wire import Wire
 
 _M31 = (1 << 31) - 1
 _FLAG = 1 << 62  # set by every healthy rank in _fold_pair; a failed rank sends 0

@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from tpcache.workers.group_join import first_line
-from tpcache.workers.group_spec import _I64_MAX, _I64_MIN, GroupError, GroupInputError
+from tpcache.group.join import first_line
+from tpcache.group.spec import _I64_MAX, _I64_MIN, GroupError, GroupInputError
 
 _T = TypeVar("_T")
 

@@ -37,14 +37,14 @@ from tpcache.harness.engine_work import (
     Prefill,
     Work,
 )
-from tpcache.workers.context import ForwardError, build_forward, build_forward_batch
-from tpcache.workers.ops import (
+from tpcache.lockstep.ops import (
     ForwardBatchResult,
     RequestId,
     decode_forward_batch_result,
     encode,
     unpack_slots,
 )
+from tpcache.model.context import ForwardError, build_forward, build_forward_batch
 
 __all__ = ["Chunk", "Compute", "Decode", "ForwardOut", "ModelEngine", "Prefill", "Work"]
 

@@ -5,7 +5,7 @@ a mistyped one would otherwise end in an allocation of tens of gigabytes failing
 torch, or in the machine swapping.
 
 What a run holds (float32): the model's weights, drawn whole on the host and kept there
-(``workers.model.full_weights``), and each rank's shard of them, which is a copy where a
+(``model.reference.full_weights``), and each rank's shard of them, which is a copy where a
 rank takes columns (Wq, Wk, Wv, up); so about twice the weights. The ranks' KV pools are
 on the host too when there is no GPU.
 """

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from tpcache.harness.gen_wire import ClientResult
     from tpcache.harness.generate import GenerateOptions, GenRequest
 
-REFERENCE = "tpcache.workers.model:ReferenceRunner"
+REFERENCE = "tpcache.model.reference:ReferenceRunner"
 
 
 def mode_summary(

@@ -22,9 +22,9 @@ import numpy as np
 import zmq
 
 from tpcache.errors import TpcacheError
-from tpcache.workers.ops import encode
-from tpcache.workers.ops import pack_tokens as pack
-from tpcache.workers.ops import unpack_tokens as unpack
+from tpcache.lockstep.ops import encode
+from tpcache.lockstep.ops import pack_tokens as pack
+from tpcache.lockstep.ops import unpack_tokens as unpack
 
 
 class GenerateError(TpcacheError):
@@ -58,7 +58,7 @@ class Refused(msgspec.Struct, tag=True, frozen=True):
 ToLoop = Submit
 ToClient = Token | Done | Refused
 
-# Messages are encoded, and token ids packed, as the step channel's are (``workers.ops``).
+# Messages are encoded, and token ids packed, as the step channel's are (``lockstep.ops``).
 # Both decoders raise ``msgspec.ValidationError``/``DecodeError`` for a malformed message.
 decode_submit = msgspec.msgpack.Decoder(ToLoop).decode
 decode_reply = msgspec.msgpack.Decoder(ToClient).decode

@@ -13,8 +13,8 @@ from typing import Any
 from tpcache.coordinator.core import Coordinator
 from tpcache.harness.engine import ModelEngine
 from tpcache.harness.modelcheck import Workload, run_script, run_workload
-from tpcache.workers.errors import DivergenceError
-from tpcache.workers.model import ModelSpec
+from tpcache.lockstep.errors import DivergenceError
+from tpcache.model.reference import ModelSpec
 from tpcache.workers.spec import CacheSpec
 
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from tpcache.errors import TpcacheError
-from tpcache.workers.kvpool import KVPool
+from tpcache.kv.pool import KVPool
 
 TO_HOST, TO_DEVICE = "d2h", "h2d"
 _MOST_TAKEN = 256  # jobs taken off the queue at once (bounds a group's size)

@@ -13,7 +13,7 @@ import numpy as np
 from tpcache.cache.keys import TokenLike, as_tokens, int_sum, key_bytes
 from tpcache.cache.namespace import CacheNamespace, as_namespace
 from tpcache.cache.reqtable import check_request_id
-from tpcache.workers.ops import (
+from tpcache.lockstep.ops import (
     OP_TOKENS,
     Admit,
     Extend,

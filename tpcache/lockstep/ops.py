@@ -136,7 +136,7 @@ class StepResult(msgspec.Struct, frozen=True):
     copies_done: int = -1  # the count the step's last CopySync agreed (-1: none ran)
 
 
-# ---- the model (tpcache.workers.model): the same structs under Ray and torchrun --------------
+# ---- the model (tpcache.model.reference): the same structs under Ray and torchrun --------------
 class Forward(msgspec.Struct, tag=True, frozen=True):
     """Run the model on the new ``tokens`` of running request ``rid``.
 

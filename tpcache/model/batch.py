@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tpcache.workers.attention import attend, attend_one_each
+from tpcache.model.attention import attend, attend_one_each
 
 RequestId = int | str
 

@@ -18,7 +18,7 @@ import torch
 from tpcache.cache.errors import CacheError
 from tpcache.cache.keys import TokenLike, as_tokens, pages_to_slots
 from tpcache.errors import TpcacheError
-from tpcache.workers.ops import (
+from tpcache.lockstep.ops import (
     Forward,
     ForwardBatch,
     RequestId,
@@ -27,7 +27,7 @@ from tpcache.workers.ops import (
     unpack_slots,
     unpack_tokens,
 )
-from tpcache.workers.runner_batch import RequestInput, RunnerBatch
+from tpcache.model.batch import RequestInput, RunnerBatch
 
 
 class ForwardError(TpcacheError, RuntimeError):

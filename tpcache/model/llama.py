@@ -9,7 +9,7 @@ Face ``config.json`` as ``config=`` gives the shape). ``llama_reference_logits``
 same model over a whole sequence at once, without any pool: what the cached path is
 checked against. Shapes and weights: ``llama_weights``.
 
-    tpcache serve --runner tpcache.workers.llama:LlamaRunner \\
+    tpcache serve --runner tpcache.model.llama:LlamaRunner \\
         --runner-arg config=/models/x/config.json --runner-arg weights=/models/x \\
         --runner-arg dtype=bfloat16
 """
@@ -22,9 +22,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tpcache.workers.attention import attend, rms_norm, rotary
-from tpcache.workers.llama_weights import LlamaSpec, load_shard
-from tpcache.workers.runner import (
+from tpcache.model.attention import attend, rms_norm, rotary
+from tpcache.model.batch import RunnerBatch, paged_attention
+from tpcache.model.llama_weights import LlamaSpec, load_shard
+from tpcache.model.runner import (
     Collectives,
     KVShard,
     RankShard,
@@ -33,7 +34,6 @@ from tpcache.workers.runner import (
     check_vocab,
     torch_dtype,
 )
-from tpcache.workers.runner_batch import RunnerBatch, paged_attention
 
 _ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from tpcache.workers.runner import KVLayout, RunnerConfigError
-from tpcache.workers.safetensors_io import SafeFile, iter_tensors, safetensors_files
+from tpcache.model.runner import KVLayout, RunnerConfigError
+from tpcache.model.safetensors_io import SafeFile, iter_tensors, safetensors_files
 
 _IGNORED = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry; recomputed here
 

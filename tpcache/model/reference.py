@@ -18,7 +18,7 @@ Sliding-window layers (``swa_layers``) see only the last ``window`` tokens befor
 query. With the hybrid cache, their K and V live in the SWA pool at the SWA slots the
 cache maps, and only the window is read.
 
-May import torch, numpy and ``tpcache.workers``/``tpcache.cache``; nothing else.
+May import torch, numpy and ``tpcache.model``/``tpcache.cache``; nothing else.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tpcache.workers.attention import attend, rms_norm, rotary
-from tpcache.workers.runner import (
+from tpcache.model.attention import attend, rms_norm, rotary
+from tpcache.model.batch import RunnerBatch, paged_attention
+from tpcache.model.runner import (
     Collectives,
     KVLayout,
     KVShard,
@@ -44,7 +45,6 @@ from tpcache.workers.runner import (
     check_vocab,
     torch_dtype,
 )
-from tpcache.workers.runner_batch import RunnerBatch, paged_attention
 
 
 class ModelConfigError(RunnerConfigError):
@@ -160,7 +160,7 @@ def shard_weights(spec: ModelSpec, rank: int, tp: int) -> dict[str, torch.Tensor
 class ReferenceRunner(ShardRunner):
     """The built-in checking model as a ``ModelRunner``: one rank's shard, on the rank's
     device, in the pool's dtype. Arguments: ``ModelSpec``'s fields and ``dtype``
-    (``tpcache.workers.model:ReferenceRunner`` with ``--runner-arg heads=8`` ...).
+    (``tpcache.model.reference:ReferenceRunner`` with ``--runner-arg heads=8`` ...).
 
     Mixed precision: weights, activations and KV in ``dtype``; the residual stream, the
     row-parallel products (Wo, down: their weights rounded to the dtype, then held in

@@ -17,8 +17,8 @@ is collective: it enters the same collectives in the same order on every rank (t
 batch is the same on every rank); ``check_batch`` must not enter any collective, since
 its verdict is agreed by MIN before ``run`` starts.
 
-Two runners ship: ``tpcache.workers.model:ReferenceRunner`` (the built-in checking
-model) and ``tpcache.workers.llama:LlamaRunner`` (a standard decoder: RMSNorm, RoPE,
+Two runners ship: ``tpcache.model.reference:ReferenceRunner`` (the built-in checking
+model) and ``tpcache.model.llama:LlamaRunner`` (a standard decoder: RMSNorm, RoPE,
 grouped-query attention, SwiGLU). The batch records, and the paged attention both of
 them use, live in ``runner_batch``; naming a runner (``"module:Class"`` and arguments)
 in ``runner_spec``.
@@ -32,8 +32,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from tpcache.errors import TpcacheError
-from tpcache.workers.kvpool import _DTYPES, KVPool, PoolSpec
-from tpcache.workers.runner_batch import RunnerBatch
+from tpcache.kv.pool import _DTYPES, KVPool, PoolSpec
+from tpcache.model.batch import RunnerBatch
 
 
 class RunnerConfigError(TpcacheError, ValueError):

@@ -16,8 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tpcache.workers.kvpool import PoolSpec
-from tpcache.workers.runner import KVLayout, ModelRunner, RunnerConfigError
+from tpcache.kv.pool import PoolSpec
+from tpcache.model.runner import KVLayout, ModelRunner, RunnerConfigError
 
 _TARGET = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 

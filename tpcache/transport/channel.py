@@ -48,7 +48,7 @@ import msgspec
 import zmq
 
 from tpcache.errors import TpcacheError
-from tpcache.workers.channel_loop import (
+from tpcache.transport.channel_loop import (
     CALL,
     ERROR,
     HELLO,
@@ -65,9 +65,9 @@ from tpcache.workers.channel_loop import (
     serve,
     unpack,
 )
-from tpcache.workers.private_dir import PrivateDir, hub_dir
-from tpcache.workers.tcp_link import POLLIN, TcpLinks
-from tpcache.workers.unix_link import HELLO_S, UnixLinks
+from tpcache.transport.private_dir import PrivateDir, hub_dir
+from tpcache.transport.tcp_link import POLLIN, TcpLinks
+from tpcache.transport.unix_link import HELLO_S, UnixLinks
 
 # The protocol's names, for the hub's users and the ranks alike.
 __all__ = [

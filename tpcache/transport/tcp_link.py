@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import zmq
 
-from tpcache.workers.channel_loop import MAX_REPLY, Attach, ChannelError
-from tpcache.workers.netsec import (
+from tpcache.transport.channel_loop import MAX_REPLY, Attach, ChannelError
+from tpcache.transport.netsec import (
     allow_clients,
     limit_receive,
     make_server,

@@ -25,7 +25,7 @@ import time
 from collections import deque
 
 from tpcache.errors import TpcacheError
-from tpcache.workers.unix_writer import LinkWriter
+from tpcache.transport.unix_writer import LinkWriter
 
 _HEADER = 8  # a frame's length, little-endian
 _CHUNK = 1 << 18  # bytes read per recv

@@ -1,4 +1,6 @@
-"""One TP rank: its KV-pool shard, its cache mirror, its collectives.
+"""One TP rank: what it does per step (``protocol``), the model it hosts
+(``model_host``), its lead rank's duties, its spec and the host copies' agreement,
+calling ``lockstep``, ``group``, ``kv``, ``model`` and ``cache``.
 
-May import ``tpcache.cache``; never ``tpcache.coordinator``.
+Never imports ``tpcache.coordinator``.
 """

@@ -50,10 +50,10 @@ from typing import TYPE_CHECKING
 from tpcache.cache.errors import CacheError, HostTierError
 from tpcache.cache.host_config import HostCopy
 from tpcache.cache.keys import pages_to_slots
-from tpcache.workers.context import ForwardError
-from tpcache.workers.hostcopy import TO_DEVICE, TO_HOST, CopyEngine, CopyJob, host_pool
-from tpcache.workers.kvpool import KVPool, device_budget_bytes, slots_that_fit
-from tpcache.workers.ops import CopySync
+from tpcache.kv.host_copy import TO_DEVICE, TO_HOST, CopyEngine, CopyJob, host_pool
+from tpcache.kv.pool import KVPool, device_budget_bytes, slots_that_fit
+from tpcache.lockstep.ops import CopySync
+from tpcache.model.context import ForwardError
 from tpcache.workers.spec import WorkerSpec
 
 if TYPE_CHECKING:

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import contextlib
 
-from tpcache.workers.errors import LockstepError, WhereError
-from tpcache.workers.lockstep import Agreement
-from tpcache.workers.ops import (
+from tpcache.lockstep.errors import LockstepError, WhereError
+from tpcache.lockstep.ops import (
     CallReply,
     Command,
     RunCall,
@@ -26,6 +25,7 @@ from tpcache.workers.ops import (
     decode_reply,
     encode,
 )
+from tpcache.workers.protocol import Agreement
 
 
 class PeerCallError(WhereError):

@@ -15,9 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tpcache.workers.context import ForwardError, check_forward_batch, to_batch
-from tpcache.workers.kvpool import KVPool, PoolSpec
-from tpcache.workers.ops import (
+from tpcache.kv.pool import KVPool, PoolSpec
+from tpcache.lockstep.ops import (
     ForwardBatch,
     ForwardBatchResult,
     ForwardResult,
@@ -25,7 +24,9 @@ from tpcache.workers.ops import (
     decode_forward_batch,
     encode,
 )
-from tpcache.workers.runner import (
+from tpcache.model.batch import RunnerBatch
+from tpcache.model.context import ForwardError, check_forward_batch, to_batch
+from tpcache.model.runner import (
     KVLayout,
     KVShard,
     ModelRunner,
@@ -33,7 +34,6 @@ from tpcache.workers.runner import (
     RunnerConfigError,
     RunnerOutput,
 )
-from tpcache.workers.runner_batch import RunnerBatch
 
 if TYPE_CHECKING:
     from tpcache.workers.copysync import RankCopies

@@ -27,7 +27,7 @@ What is agreed by MIN, in this order, by every rank, always:
      ``RankFailure`` alone then, and enters every later step's agreements with the
      failure sentinel (``fail_step``), since its peers may go on.
 Both carry as few elements as they can: under gloo a collective's cost grows with them
-(``tpcache.workers.group``).
+(``tpcache.group.tp_group``).
 Which collectives run depends only on the batch, never on local state, so a rank that
 has gone wrong still enters exactly the same collectives as its peers and nobody hangs.
 
@@ -41,11 +41,10 @@ from collections.abc import Callable
 from typing import Protocol
 
 from tpcache.errors import TpcacheError
-from tpcache.workers.copysync import RankCopies, sync_copies
-from tpcache.workers.errors import DivergenceError, LockstepError, RankFailure
-from tpcache.workers.group_spec import i64_to_u64, u64_to_i64
-from tpcache.workers.oplog import admit_result, evict_result, extend_result, op_namespace
-from tpcache.workers.ops import (
+from tpcache.group.spec import i64_to_u64, u64_to_i64
+from tpcache.lockstep.errors import DivergenceError, LockstepError, RankFailure
+from tpcache.lockstep.oplog import admit_result, evict_result, extend_result, op_namespace
+from tpcache.lockstep.ops import (
     Abort,
     Admit,
     CacheUnfinished,
@@ -63,6 +62,7 @@ from tpcache.workers.ops import (
     encode,
     unpack_tokens,
 )
+from tpcache.workers.copysync import RankCopies, sync_copies
 
 RequestId = int | str
 

@@ -15,23 +15,23 @@ from typing import Any
 import torch
 
 from tpcache.cache.protocol import Cache
-from tpcache.workers.channel import Attach, RankLoop
-from tpcache.workers.channel import serve as serve_channel
-from tpcache.workers.copysync import RankCopies, agree_pools
-from tpcache.workers.errors import LockstepError
-from tpcache.workers.group import TPGroup
-from tpcache.workers.group_join import first_line
-from tpcache.workers.group_spec import GroupError, GroupSpec, StoreDir, free_port, node_ip
-from tpcache.workers.kvpool import (
+from tpcache.group.join import first_line
+from tpcache.group.spec import GroupError, GroupSpec, StoreDir, free_port, node_ip
+from tpcache.group.tp_group import TPGroup
+from tpcache.kv.pool import (
     KVPool,
     rank_device,
 )
-from tpcache.workers.lockstep import apply_step, fail_step
-from tpcache.workers.model import ModelConfigError, ModelSpec, ReferenceRunner
+from tpcache.lockstep.errors import LockstepError
+from tpcache.lockstep.ops import Step, StepResult, decode_step, encode
+from tpcache.model.reference import ModelConfigError, ModelSpec, ReferenceRunner
+from tpcache.model.runner import ModelRunner, RunnerConfigError
+from tpcache.model.runner_spec import RunnerSpec, build_runner
+from tpcache.transport.channel import Attach, RankLoop
+from tpcache.transport.channel import serve as serve_channel
+from tpcache.workers.copysync import RankCopies, agree_pools
 from tpcache.workers.model_host import ModelHost
-from tpcache.workers.ops import Step, StepResult, decode_step, encode
-from tpcache.workers.runner import ModelRunner, RunnerConfigError
-from tpcache.workers.runner_spec import RunnerSpec, build_runner
+from tpcache.workers.protocol import apply_step, fail_step
 from tpcache.workers.spec import CacheSpec, WorkerSpec
 
 
@@ -212,7 +212,7 @@ class RankWorker:
         # fault in one step without a copy of ``apply``'s order check.
         return apply_step(self._cache(), self._group(), self.rank, step, copies=self.copies)
 
-    # ---- the step channel (workers/channel.py) -----------------------------------------
+    # ---- the step channel (transport/channel.py) -----------------------------------------
     def serve_steps(self, attach: Attach) -> int:
         """Run this rank's side of the step channel until the hub says stop, its end is
         gone or ``stop_steps`` is called; returns the messages handled. A long call: under

@@ -13,9 +13,9 @@ from tpcache.cache.protocol import Cache
 from tpcache.cache.radix import CacheConfig, RadixCache
 from tpcache.cache.swa_cache import HybridCache
 from tpcache.cache.swa_config import HybridConfig
-from tpcache.workers.group_spec import check_seconds
-from tpcache.workers.kvpool import PoolSpec
-from tpcache.workers.runner_spec import RunnerSpec
+from tpcache.group.spec import check_seconds
+from tpcache.kv.pool import PoolSpec
+from tpcache.model.runner_spec import RunnerSpec
 
 
 @dataclass(frozen=True)
