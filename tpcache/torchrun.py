@@ -31,6 +31,7 @@ import torch
 from tpcache.cli.args import add_count_option, seconds_arg
 from tpcache.coordinator.core import Coordinator, CoordinatorConfig
 from tpcache.coordinator.step_types import RankCallError
+from tpcache.errors import TpcacheError
 from tpcache.harness.torchrun_check import RunConfig, run_checks
 from tpcache.kv.pool import PoolSpec
 from tpcache.lockstep.ops import RunCall, RunStep, Stop
@@ -38,6 +39,10 @@ from tpcache.model.reference import ModelSpec
 from tpcache.workers.lead import PeerCallError, follow, lead_command
 from tpcache.workers.rank import RankWorker
 from tpcache.workers.spec import CacheSpec, WorkerSpec
+
+
+class TorchrunError(TpcacheError, RuntimeError):
+    """What a torchrun group cannot do (replace a rank: the job must be restarted)."""
 
 
 class TorchrunRanks:
@@ -96,7 +101,7 @@ class TorchrunRanks:
             raise RankCallError(0, exc) from None
 
     def restart(self, probe_s: float = 2.0) -> int:
-        raise RuntimeError("a torchrun job cannot replace its ranks; restart the job")
+        raise TorchrunError("a torchrun job cannot replace its ranks; restart the job")
 
     def close(self) -> None:
         """Send ``Stop`` to the other ranks (once)."""

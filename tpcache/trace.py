@@ -216,7 +216,7 @@ def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]
     when the file cannot be read. Lines after the ``limit``-th request are not read.
     """
     if limit is not None and limit < 0:
-        raise ValueError(f"limit must be >= 0 or None, got {limit}")
+        raise TraceError(f"limit must be >= 0 or None, got {limit}")
     requests: list[TraceRequest] = []
     if limit == 0:
         return requests

@@ -70,3 +70,8 @@ class HostTierError(CacheError, ValueError):
 class InvalidNamespace(CacheError, ValueError):
     """A cache namespace (LoRA adapter id or name, tenant cache salt) of a wrong type or
     out of range, or one a cache kind cannot key (the host tier)."""
+
+
+class UnknownName(CacheError, ValueError):
+    """A name (an eviction policy, an event encoding) that is not one of the known ones;
+    the message lists them."""

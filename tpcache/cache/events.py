@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import msgspec
 
+from tpcache.cache.errors import UnknownName
+
 
 class BlockStored(msgspec.Struct, tag=True, tag_field="type", frozen=True):
     block_hashes: list[int]
@@ -93,7 +95,7 @@ def encode_batch(batch: KVEventBatch, encoding: str = "map") -> bytes:
     if encoding == "map":
         return _encoder.encode(batch)
     if encoding != "array":
-        raise ValueError(f"unknown event encoding {encoding!r}; one of {ENCODINGS}")
+        raise UnknownName(f"unknown event encoding {encoding!r}; one of {ENCODINGS}")
     events = [_TO_ARRAY[type(e)](*msgspec.structs.astuple(e)) for e in batch.events]
     return _encoder.encode(_BatchArray(batch.ts, events, batch.data_parallel_rank))
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from tpcache.cache.errors import CacheError
+from tpcache.cache.errors import CacheError, UnknownName
 from tpcache.cache.policy_resight import NAME as RESIGHT
 from tpcache.cache.policy_resight import InvalidPolicyParams, ResightParams, ResightPolicy
 
@@ -77,7 +77,7 @@ def policy_key(name: str) -> KeyFn:
     try:
         return POLICY_KEYS[name]
     except KeyError:
-        raise ValueError(
+        raise UnknownName(
             f"unknown eviction policy {name!r}; known: {', '.join(POLICIES)}"
         ) from None
 

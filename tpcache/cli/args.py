@@ -10,6 +10,8 @@ import platform
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from tpcache.errors import TpcacheError
+
 if TYPE_CHECKING:
     from tpcache.coordinator.build import GroupConfig
 
@@ -17,6 +19,10 @@ STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # = build.STRAT
 TRANSPORTS = ("channel", "ray")  # = build.TRANSPORTS
 
 _T = TypeVar("_T")
+
+
+class ArgumentValueError(TpcacheError, ValueError):
+    """A command-line value that does not parse; argparse reports it as an invalid value."""
 
 
 def _checked(
@@ -296,7 +302,7 @@ def group_config(args: argparse.Namespace, capacity: int | None) -> GroupConfig:
     from tpcache.workers.spec import CacheSpec
 
     if (err := host_args_error(args)) is not None:
-        raise ValueError(err)
+        raise ArgumentValueError(err)
     cache = CacheSpec(
         page_size=args.page_size,
         policy=args.policy,
@@ -310,7 +316,7 @@ def group_config(args: argparse.Namespace, capacity: int | None) -> GroupConfig:
     budget = (capacity or 1 << 20) * bytes_per_slot + (1 << 20)
     res = args.rank_resources
     if isinstance(res, list) and len(res) != args.tp:
-        raise ValueError(
+        raise ArgumentValueError(
             f"--rank-resources gives {len(res)} groups for --tp {args.tp}: give one group "
             f"for every rank, or one per rank"
         )

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tpcache.coordinator.core import Coordinator, CoordinatorConfig
+from tpcache.coordinator.errors import GroupConfigError
 from tpcache.coordinator.step_types import RankTransport, StepObserver
 from tpcache.events.event_config import EventConfig
 from tpcache.events.metrics import CoordinatorMetrics, EventsHook
@@ -71,16 +72,16 @@ class GroupConfig:
         check_seconds("timeout_s", self.timeout_s)
         check_seconds("join_timeout_s", self.join_timeout_s)
         if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
-            raise ValueError(f"tp must be an int >= 1, got {self.tp!r}")
+            raise GroupConfigError(f"tp must be an int >= 1, got {self.tp!r}")
         if self.use_gpus is not None and not isinstance(self.use_gpus, bool):
-            raise ValueError(f"use_gpus must be True, False or None, got {self.use_gpus!r}")
+            raise GroupConfigError(f"use_gpus must be True, False or None, got {self.use_gpus!r}")
         if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+            raise GroupConfigError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+            raise GroupConfigError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         g = self.gpus_per_rank
         if isinstance(g, bool) or not isinstance(g, int | float) or not 0 < g <= 64:
-            raise ValueError(f"gpus_per_rank must be a number in (0, 64], got {g!r}")
+            raise GroupConfigError(f"gpus_per_rank must be a number in (0, 64], got {g!r}")
         self.resources_of(0)  # checks rank_resources
         self.runner_spec()  # checks the runner's name and arguments (imports nothing)
 
@@ -92,7 +93,7 @@ class GroupConfig:
             return {}
         if isinstance(res, list):
             if len(res) != self.tp:
-                raise ValueError(f"rank_resources lists {len(res)} dicts for {self.tp} ranks")
+                raise GroupConfigError(f"rank_resources lists {len(res)} dicts for {self.tp} ranks")
             per = res
         else:
             per = [res] * self.tp
@@ -106,7 +107,7 @@ class GroupConfig:
                 and 0 < v < math.inf  # (a NaN fails both)
                 for k, v in d.items()
             ):
-                raise ValueError(
+                raise GroupConfigError(
                     "rank_resources must map custom resource names to finite amounts > 0,"
                     f" got {d!r}"
                 )

@@ -16,6 +16,12 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from tpcache.errors import TpcacheError
+
+
+class LockMisuse(TpcacheError, RuntimeError):
+    """The lock was released by a thread that does not hold it (a bug of the caller)."""
+
 
 class CallLock:
     """A reentrant lock that its holder can release for a while (``released``)."""
@@ -39,7 +45,7 @@ class CallLock:
 
     def release(self) -> None:
         if self._owner != threading.get_ident():
-            raise RuntimeError("CallLock released by a thread that does not hold it")
+            raise LockMisuse("CallLock released by a thread that does not hold it")
         self._depth -= 1
         if self._depth == 0:
             self._owner = None

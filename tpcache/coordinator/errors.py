@@ -16,6 +16,11 @@ class CoordinatorConfigError(TpcacheError, ValueError):
     message names it. Raised before anything starts."""
 
 
+class GroupConfigError(TpcacheError, ValueError):
+    """A field of ``GroupConfig`` (or a rank number given to a group) is invalid; the
+    message names it. Raised before anything starts."""
+
+
 class PlacementError(TpcacheError, RuntimeError):
     """Ray could not place the group's ranks (a strategy or resources the cluster cannot
     meet) within the start-up timeout."""

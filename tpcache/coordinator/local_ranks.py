@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from tpcache.coordinator.build import Endpoints, GroupConfig, build_coordinator
 from tpcache.coordinator.core import Coordinator
+from tpcache.coordinator.errors import GroupConfigError
 from tpcache.coordinator.step_types import RankCallError, first_cause
 from tpcache.group.tp_group import TPGroup
 from tpcache.workers.rank import RankWorker
@@ -118,7 +119,7 @@ class LocalRanks:
     def call_on(self, rank: int, method: str, *args: Any, timeout: float = 60.0) -> Any:
         """``RankWorker.<method>(*args)`` on ``rank`` alone, in order with the steps."""
         if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} is outside [0, {self.world_size})")
+            raise GroupConfigError(f"rank {rank} is outside [0, {self.world_size})")
         fut = self.ranks[rank].submit(lambda: getattr(self.ranks[rank].worker, method)(*args))
         return self._results([fut], timeout)[0]
 

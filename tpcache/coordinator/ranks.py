@@ -28,7 +28,7 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tpcache.coordinator.build import STRATEGIES, TRANSPORTS
-from tpcache.coordinator.errors import PlacementError
+from tpcache.coordinator.errors import GroupConfigError, PlacementError
 from tpcache.coordinator.step_path import RAY_CALLS, ChannelPath
 from tpcache.coordinator.step_types import RankCallError, first_cause
 from tpcache.group.spec import node_ip
@@ -59,9 +59,9 @@ class RayRanks:
         gpus_per_rank: float = 1.0,
     ) -> None:
         if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+            raise GroupConfigError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+            raise GroupConfigError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         tp = spec.pool.tp
         self.world_size = tp
         self.peer_check = transport != "channel"  # the channel fails a lagging rank
@@ -190,7 +190,7 @@ class RayRanks:
         """``RankWorker.<method>(*args)`` on ``rank`` alone (e.g. to plant a fault drill),
         in order with the steps; returns its value."""
         if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} is outside [0, {self.world_size})")
+            raise GroupConfigError(f"rank {rank} is outside [0, {self.world_size})")
         if self.path is not None and method not in RAY_CALLS:
             return self.path.call(method, args, timeout, only=rank)[rank]
         return self._get([getattr(self.actors[rank], method).remote(*args)], timeout)[0]

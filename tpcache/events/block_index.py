@@ -18,6 +18,10 @@ from tpcache.errors import TpcacheError
 BlockKey = tuple[str | None, int]
 
 
+class NotAnEvent(TpcacheError, TypeError):
+    """Something that is not a KV event was given to the block index."""
+
+
 class IndexIntegrityError(TpcacheError, AssertionError):
     """``BlockIndex.check_integrity()`` found a broken invariant; the message names it."""
 
@@ -104,7 +108,7 @@ class BlockIndex:
                 self.clear()
                 return []
             case _:
-                raise TypeError(f"not a KV event: {type(event).__name__}")
+                raise NotAnEvent(f"not a KV event: {type(event).__name__}")
 
     def apply_all(self, events: list[KVEvent]) -> list[IndexProblem]:
         problems: list[IndexProblem] = []

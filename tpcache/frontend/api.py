@@ -12,10 +12,9 @@ from typing import TypedDict
 import msgspec
 
 from tpcache.cache import errors as cache_errors
+from tpcache.cache.records import RequestId
 from tpcache.coordinator.errors import CoordinatorUnavailable, RequestLost
 from tpcache.errors import TpcacheError
-
-RequestId = int | str
 
 
 class _Call(msgspec.Struct, tag_field="call", frozen=True, forbid_unknown_fields=True):

@@ -27,6 +27,10 @@ class UnexpectedReply(TpcacheError, RuntimeError):
     version, or a bug): nothing of it is used."""
 
 
+class BatchNotSent(TpcacheError, RuntimeError):
+    """A batched call's result was asked for before its ``batch()`` block ended."""
+
+
 class RequestCalls(Generic[A, S, C, Z]):
     """The request calls over ``_send(call, reply_type)``; tokens may be any sequence or
     array of ints."""
@@ -73,7 +77,7 @@ class Pending:
         """What the same call outside a batch returns; raises its typed error if it
         failed, and ``RuntimeError`` while the batch has not been sent."""
         if self._reply is None:
-            raise RuntimeError("the batch has not been sent yet (its block has not ended)")
+            raise BatchNotSent("the batch has not been sent yet (its block has not ended)")
         return self._convert(self._reply)
 
 

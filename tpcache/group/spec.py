@@ -43,14 +43,14 @@ def check_seconds(name: str, value: Any) -> None:
 def u64_to_i64(value: int) -> int:
     """The int64 with the same 64 bits as unsigned ``value`` (raises ValueError if out of range)."""
     if not 0 <= value < 2**64:
-        raise ValueError(f"{value} is not an unsigned 64-bit value")
+        raise GroupInputError(f"{value} is not an unsigned 64-bit value")
     return value - 2**64 if value >= 2**63 else value
 
 
 def i64_to_u64(value: int) -> int:
     """The unsigned value with the same 64 bits as int64 ``value``."""
     if not _I64_MIN <= value <= _I64_MAX:
-        raise ValueError(f"{value} is not a signed 64-bit value")
+        raise GroupInputError(f"{value} is not a signed 64-bit value")
     return value + 2**64 if value < 0 else value
 
 

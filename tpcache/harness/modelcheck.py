@@ -19,6 +19,7 @@ from typing import Protocol
 
 import numpy as np
 
+from tpcache.errors import TpcacheError
 from tpcache.harness.engine import ModelEngine
 from tpcache.harness.engine_work import Chunk, Decode, Prefill, Work
 
@@ -33,6 +34,10 @@ class Reference(Protocol):
     def full_logits(self, tokens: list[int], dtype: str) -> np.ndarray:
         """Logits ``[len(tokens), vocab]`` of every position, no cache."""
         ...
+
+
+class WorkloadError(TpcacheError, ValueError):
+    """A model-check workload that cannot run; the message names the field."""
 
 
 @dataclass(frozen=True)
@@ -52,11 +57,11 @@ class Workload:
 
     def __post_init__(self) -> None:
         if self.requests < 1 or self.concurrency < 1 or self.decode_steps < 0:
-            raise ValueError(f"bad workload {self}")
+            raise WorkloadError(f"bad workload {self}")
         if self.prefix_len[1] + self.suffix_len[1] + self.decode_steps > self.max_len:
-            raise ValueError(f"max_len={self.max_len} is below the longest fresh request")
+            raise WorkloadError(f"max_len={self.max_len} is below the longest fresh request")
         if self.chunk is not None and self.chunk < 1:
-            raise ValueError(f"chunk must be >= 1, got {self.chunk}")
+            raise WorkloadError(f"chunk must be >= 1, got {self.chunk}")
 
 
 @dataclass

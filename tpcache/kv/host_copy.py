@@ -39,6 +39,14 @@ class CopyEngineClosed(TpcacheError, RuntimeError):
     """A job submitted to a closed engine (its pools belong to a cache that is gone)."""
 
 
+class CopyJobError(TpcacheError, ValueError):
+    """A copy job or pool the copy engine cannot take; the message says which."""
+
+
+class CopyFailed(TpcacheError, RuntimeError):
+    """A host copy failed (on CPU ranks only through a fault drill)."""
+
+
 @dataclass(frozen=True)
 class CopyJob:
     """Copy slots ``src`` of one pool to slots ``dst`` of the other, every layer."""
@@ -50,9 +58,9 @@ class CopyJob:
 
     def __post_init__(self) -> None:
         if self.kind not in (TO_HOST, TO_DEVICE):
-            raise ValueError(f"copy kind must be {TO_HOST!r} or {TO_DEVICE!r}, got {self.kind!r}")
+            raise CopyJobError(f"copy kind must be {TO_HOST!r} or {TO_DEVICE!r}, got {self.kind!r}")
         if self.src.shape != self.dst.shape or self.src.ndim != 1:
-            raise ValueError(
+            raise CopyJobError(
                 f"copy {self.id}: {self.src.size} source slots, {self.dst.size} targets"
             )
 
@@ -75,7 +83,7 @@ class CopyEngine:
         fail: frozenset[int] = frozenset(),
     ) -> None:
         if device.spec != host.spec:
-            raise ValueError("the host pool must have the device pool's spec")
+            raise CopyJobError("the host pool must have the device pool's spec")
         self.device, self.host = device, host
         self.delay_s = delay_s
         self.fail = set(fail)
@@ -103,7 +111,7 @@ class CopyEngine:
             if self._closed.is_set():
                 raise CopyEngineClosed(f"copy job {job.id} submitted to a closed engine")
             if job.id != self._next:
-                raise ValueError(f"copy job {job.id} submitted, expected {self._next}")
+                raise CopyJobError(f"copy job {job.id} submitted, expected {self._next}")
             self._next += 1
             ready = None
             if self._stream is not None:
@@ -209,7 +217,7 @@ class CopyEngine:
             if self.delay_s and self._closed.wait(self.delay_s):
                 return
             if jobs[0].id in self.fail:
-                raise RuntimeError(f"copy {jobs[0].id} failed (fault drill)")
+                raise CopyFailed(f"copy {jobs[0].id} failed (fault drill)")
             if ready is not None:
                 self._stream.wait_event(ready)  # type: ignore[union-attr]
             if len(jobs) == 1:

@@ -65,3 +65,8 @@ class RankFailure(LockstepError):
 
 
 __all__ = ["DivergenceError", "LockstepError", "RankFailure", "WhereError"]
+
+
+class UnknownOp(TpcacheError, TypeError):
+    """A step or command carries an op this rank does not know (a peer of another
+    version, or a bug)."""

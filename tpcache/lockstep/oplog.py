@@ -12,6 +12,7 @@ import numpy as np
 
 from tpcache.cache.keys import TokenLike, as_tokens, int_sum, key_bytes
 from tpcache.cache.namespace import CacheNamespace, as_namespace
+from tpcache.cache.records import RequestId
 from tpcache.cache.reqtable import check_request_id
 from tpcache.lockstep.ops import (
     OP_TOKENS,
@@ -22,8 +23,6 @@ from tpcache.lockstep.ops import (
     OpResult,
     pack_tokens,
 )
-
-RequestId = int | str
 
 
 def admit_result(got, evicted: tuple[int, ...] = (0,)) -> OpResult:

@@ -10,8 +10,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-RequestId = int | str
-
+from tpcache.cache.records import RequestId
 
 OP_TOKENS = np.dtype("<i4")  # an op's tokens: little-endian int32
 

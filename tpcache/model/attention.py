@@ -11,6 +11,13 @@ from __future__ import annotations
 
 import torch
 
+from tpcache.errors import TpcacheError
+
+
+class AttentionError(TpcacheError, ValueError):
+    """Shapes attention cannot take (heads that do not share KV heads evenly, a query
+    with no key in its context)."""
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / rms(x) * weight`` over the last dim, computed in float32, cast back."""
@@ -98,7 +105,7 @@ def _share_kv(
     if kv_heads == heads:
         return k, v
     if kv_heads < 1 or heads % kv_heads:
-        raise ValueError(f"{heads} query heads cannot share {kv_heads} KV heads evenly")
+        raise AttentionError(f"{heads} query heads cannot share {kv_heads} KV heads evenly")
     group = heads // kv_heads
     return k.repeat_interleave(group, dim=dim), v.repeat_interleave(group, dim=dim)
 
@@ -108,5 +115,5 @@ def _context(causal: torch.Tensor, rel: torch.Tensor, window: int | None) -> tor
     at most ``window`` back. Raises ValueError if some query sees none."""
     allowed = causal if window is None else causal & (rel <= window)
     if not bool(allowed.any(dim=1).all()):
-        raise ValueError("a query has no key in its context (its own K is missing)")
+        raise AttentionError("a query has no key in its context (its own K is missing)")
     return allowed

@@ -13,9 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tpcache.cache.records import RequestId
 from tpcache.model.attention import attend, attend_one_each
-
-RequestId = int | str
 
 
 @dataclass(frozen=True)

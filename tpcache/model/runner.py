@@ -215,10 +215,15 @@ def torch_dtype(name: str, error: type[RunnerConfigError] = RunnerConfigError) -
     return _DTYPES[name]
 
 
+class RunnerInputError(TpcacheError, ValueError):
+    """A batch the runner cannot take (a token id outside its vocabulary); the message
+    says which."""
+
+
 def check_vocab(tokens: torch.Tensor, vocab: int) -> None:
     """Raises ValueError unless every token id is in ``[0, vocab)``."""
     if tokens.numel() and not (int(tokens.min()) >= 0 and int(tokens.max()) < vocab):
-        raise ValueError(
+        raise RunnerInputError(
             f"token ids span [{int(tokens.min())}, {int(tokens.max())}], "
             f"outside the vocab [0, {vocab})"
         )

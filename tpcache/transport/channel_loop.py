@@ -19,7 +19,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from tpcache.errors import TpcacheError
 from tpcache.transport.netsec import make_client
-from tpcache.transport.unix_link import FrameReader, send_frame
+from tpcache.transport.unix_link import FrameReader, LinkConfigError, send_frame
 
 STEPS, CALL, STOP = b"S", b"C", b"X"
 HELLO, RESULTS, REPLY, ERROR = b"H", b"R", b"P", b"E"
@@ -55,6 +55,10 @@ def unpack(body: bytes) -> list[bytes]:
     """The frames of a body ``pack`` made (its kind is ``body[:1]``, its number
     ``body[1:9]``). Raises ``msgspec.DecodeError`` for a body it did not make."""
     return _decode_frames(memoryview(body)[9:])
+
+
+class BadChannelMessage(TpcacheError, ValueError):
+    """A channel message of a kind, or naming a method, that the rank does not serve."""
 
 
 class ChannelError(TpcacheError, RuntimeError):
@@ -139,7 +143,7 @@ def serve(
     connect fails, or is not made (TCP: not through the CURVE handshake) within
     ``connect_s`` seconds. Raises ``ValueError`` for a ``connect_s`` that is not > 0."""
     if not connect_s > 0 or connect_s == float("inf"):
-        raise ValueError(f"connect_s must be seconds > 0, got {connect_s!r}")
+        raise LinkConfigError(f"connect_s must be seconds > 0, got {connect_s!r}")
     if attach.endpoint.startswith(UNIX):
         return _serve_unix(worker, rank, attach, loop, poll_s, connect_s)
     return _serve_zmq(worker, rank, attach, loop, poll_s, connect_s)
@@ -334,11 +338,11 @@ def _run(worker: Any, kind: bytes, body: bytes) -> tuple[bytes, list[bytes]]:
         if kind == CALL:
             method, args, only = pickle.loads(unpack(body)[0])
             if method.startswith("_"):
-                raise ValueError(f"{method!r} is not a public RankWorker method")
+                raise BadChannelMessage(f"{method!r} is not a public RankWorker method")
             if only is not None and only != worker.rank:
                 return REPLY, [pickle.dumps(None)]
             return REPLY, [pickle.dumps(getattr(worker, method)(*args))]
-        raise ValueError(f"unknown message kind {kind!r}")
+        raise BadChannelMessage(f"unknown message kind {kind!r}")
     except Exception as exc:  # the hub re-raises it, typed
         return ERROR, [_pickled(exc)]
 

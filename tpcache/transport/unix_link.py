@@ -48,6 +48,10 @@ def frame(body: bytes) -> list[bytes]:
     return [head + body] if len(body) < _COPY_BELOW else [head, body]
 
 
+class LinkConfigError(TpcacheError, ValueError):
+    """A link's own setting (a wait in seconds) is invalid; the message names it."""
+
+
 class FrameTooLarge(TpcacheError, ValueError):
     """A frame's header declares more bytes than the reader takes; its body is not read."""
 
@@ -255,7 +259,7 @@ class UnixLinks:
         max_frame: int | None = None,
     ) -> None:
         if not 0 < hello_s < float("inf"):
-            raise ValueError(f"hello_s must be seconds > 0, got {hello_s!r}")
+            raise LinkConfigError(f"hello_s must be seconds > 0, got {hello_s!r}")
         self.path = path
         self.identities = identities
         self.hello = hello

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 
-from tpcache.lockstep.errors import LockstepError, WhereError
+from tpcache.lockstep.errors import LockstepError, UnknownOp, WhereError
 from tpcache.lockstep.ops import (
     CallReply,
     Command,
@@ -25,6 +25,7 @@ from tpcache.lockstep.ops import (
     decode_reply,
     encode,
 )
+from tpcache.transport.channel_loop import BadChannelMessage
 from tpcache.workers.protocol import Agreement
 
 
@@ -53,9 +54,9 @@ def run_command(worker, cmd: Command, rank: int):
             if only is not None and only != rank:
                 return None
             if method.startswith("_"):
-                raise ValueError(f"{method!r} is not a public RankWorker method")
+                raise BadChannelMessage(f"{method!r} is not a public RankWorker method")
             return getattr(worker, method)(*args)
-    raise TypeError(f"cannot run {cmd!r}")
+    raise UnknownOp(f"cannot run {cmd!r}")
 
 
 def gather_replies(group: Agreement, mine: CallReply, world_size: int) -> list[CallReply]:

@@ -42,7 +42,7 @@ from typing import Protocol
 
 from tpcache.errors import TpcacheError
 from tpcache.group.spec import i64_to_u64, u64_to_i64
-from tpcache.lockstep.errors import DivergenceError, LockstepError, RankFailure
+from tpcache.lockstep.errors import DivergenceError, LockstepError, RankFailure, UnknownOp
 from tpcache.lockstep.oplog import admit_result, evict_result, extend_result, op_namespace
 from tpcache.lockstep.ops import (
     Abort,
@@ -63,8 +63,6 @@ from tpcache.lockstep.ops import (
     unpack_tokens,
 )
 from tpcache.workers.copysync import RankCopies, sync_copies
-
-RequestId = int | str
 
 
 class Agreement(Protocol):
@@ -173,7 +171,7 @@ def apply_op(cache, op: Op, evict_fn: EvictFn) -> OpResult:
         case CopiesDone():
             cache.copies_done(op.n)
             return OpResult()
-    raise TypeError(f"unknown op {op!r}")
+    raise UnknownOp(f"unknown op {op!r}")
 
 
 class _AgreedEvict:

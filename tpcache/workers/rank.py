@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from tpcache.cache.protocol import Cache
+from tpcache.errors import TpcacheError
 from tpcache.group.join import first_line
 from tpcache.group.spec import GroupError, GroupSpec, StoreDir, free_port, node_ip
 from tpcache.group.tp_group import TPGroup
@@ -32,7 +33,11 @@ from tpcache.transport.channel import serve as serve_channel
 from tpcache.workers.copysync import RankCopies, agree_pools
 from tpcache.workers.model_host import ModelHost
 from tpcache.workers.protocol import apply_step, fail_step
-from tpcache.workers.spec import CacheSpec, WorkerSpec
+from tpcache.workers.spec import CacheSpec, WorkerSpec, WorkerSpecError
+
+
+class RankNotReady(TpcacheError, RuntimeError):
+    """A call that needs the rank set up (or in its group) came before it was."""
 
 
 class RankWorker:
@@ -48,7 +53,7 @@ class RankWorker:
 
     def __init__(self, rank: int, spec: WorkerSpec, local_rank: int = 0) -> None:
         if not 0 <= rank < spec.pool.tp:
-            raise ValueError(f"rank {rank} is outside [0, {spec.pool.tp})")
+            raise WorkerSpecError(f"rank {rank} is outside [0, {spec.pool.tp})")
         self.rank = rank
         self.spec = spec
         self.device = rank_device(local_rank)
@@ -145,7 +150,7 @@ class RankWorker:
         """Use ``group`` (``TPGroup.attach`` of a process group the caller owns) as this
         rank's TP group instead of joining one; leaves the current one first."""
         if group.world_size != self.spec.pool.tp or group.rank != self.rank:
-            raise ValueError(
+            raise WorkerSpecError(
                 f"rank {self.rank} of TP={self.spec.pool.tp} cannot use a group where it is "
                 f"rank {group.rank} of {group.world_size}"
             )
@@ -376,17 +381,17 @@ class RankWorker:
 
     def _cache(self) -> Cache:
         if self.cache is None:
-            raise RuntimeError(f"rank {self.rank} is not set up")
+            raise RankNotReady(f"rank {self.rank} is not set up")
         return self.cache
 
     def _pool(self) -> KVPool:
         if self.pool is None:
-            raise RuntimeError(f"rank {self.rank} is not set up")
+            raise RankNotReady(f"rank {self.rank} is not set up")
         return self.pool
 
     def _group(self) -> TPGroup:
         if self.group is None:
-            raise RuntimeError(f"rank {self.rank} has not joined its group")
+            raise RankNotReady(f"rank {self.rank} has not joined its group")
         return self.group
 
 

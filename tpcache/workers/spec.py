@@ -13,9 +13,14 @@ from tpcache.cache.protocol import Cache
 from tpcache.cache.radix import CacheConfig, RadixCache
 from tpcache.cache.swa_cache import HybridCache
 from tpcache.cache.swa_config import HybridConfig
+from tpcache.errors import TpcacheError
 from tpcache.group.spec import check_seconds
 from tpcache.kv.pool import PoolSpec
 from tpcache.model.runner_spec import RunnerSpec
+
+
+class WorkerSpecError(TpcacheError, ValueError):
+    """A rank's spec (or its rank number) is invalid; the message names the field."""
 
 
 @dataclass(frozen=True)
@@ -123,7 +128,7 @@ class WorkerSpec:
 
     def __post_init__(self) -> None:
         if self.capacity_tokens is not None and self.capacity_tokens < self.cache.page_size:
-            raise ValueError(
+            raise WorkerSpecError(
                 f"capacity_tokens={self.capacity_tokens} is below one page of {self.cache.page_size}"
             )
         # Checked here as well as in GroupSpec: a bad value fails before any rank starts.
