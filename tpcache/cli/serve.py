@@ -1,5 +1,5 @@
-"""``tpcache serve``, ``tpcache stop`` and ``tpcache keys``: a TP group's coordinator as
-a named Ray actor, stopping it, and the CURVE keys of its events sockets."""
+"""``tpcache serve`` and ``tpcache stop``: a TP group's coordinator as a named Ray actor,
+and stopping it. Their options and the config they make are in ``serve_options.py``."""
 
 from __future__ import annotations
 
@@ -9,52 +9,14 @@ import signal
 import sys
 import time
 
-from tpcache.cli.args import (
-    add_cache_options,
-    add_group_options,
-    add_host_options,
-    group_config,
-    name_arg,
-    picked,
-    port_arg,
-    positive_arg,
+from tpcache.cli.args import add_cache_options, add_group_options, add_host_options
+from tpcache.cli.serve_options import (
+    add_events_options,
+    add_name_options,
+    metrics_host,
+    serve_config,
+    unpaired,
 )
-
-_EVENTS_BUFFER = 10_000
-_METRICS_HOST = "127.0.0.1"
-# Options that do nothing without another: the one they need, them, and why they need it.
-_NEEDS = {
-    "--events-endpoint": (
-        (
-            "--events-replay-endpoint",
-            "--events-topic",
-            "--events-buffer",
-            "--events-encoding",
-            "--events-curve-secret-file",
-            "--events-curve-client-keys-file",
-            "--events-insecure",
-        ),
-        "no KV events are published without it",
-    ),
-    "--metrics-port": (("--metrics-host",), "no metrics are served without it"),
-}
-
-
-def _value(args: argparse.Namespace, flag: str) -> object:
-    return getattr(args, flag.removeprefix("--").replace("-", "_"))
-
-
-def _alone(args: argparse.Namespace) -> str | None:
-    """Which options were given without the option they need (they would do nothing), or
-    None. An option's default is None (False for a switch): any other value was given."""
-    for needed, (flags, why) in _NEEDS.items():
-        if _value(args, needed) not in (None, ""):  # ("" publishes nothing either)
-            continue
-        given = [flag for flag in flags if _value(args, flag) not in (None, False)]
-        if given:
-            verb = "needs" if len(given) == 1 else "need"
-            return f"{' and '.join(given)} {verb} {needed} ({why})"
-    return None
 
 
 def add_serve_parser(sub) -> None:
@@ -67,7 +29,7 @@ def add_serve_parser(sub) -> None:
         "KV slots per rank (default 1,048,576)",
         "eviction policy: lru (default), lfu, fifo, mru, filo, priority, resight",
     )
-    _add_name_options(p)
+    add_name_options(p)
     p.add_argument(
         "--detached",
         action="store_true",
@@ -80,76 +42,13 @@ def add_serve_parser(sub) -> None:
         help="stop a coordinator already served under this name first (its running "
         "requests are lost); without it, a taken name is an error",
     )
-    _add_events_options(p.add_argument_group("KV events and metrics (off by default)"))
+    add_events_options(p.add_argument_group("KV events and metrics (off by default)"))
     p.set_defaults(func=cmd_serve, parser=p)
-
-
-def _add_events_options(e: argparse._ArgumentGroup) -> None:
-    e.add_argument(
-        "--events-endpoint",
-        default=None,
-        help="publish KV events on this ZMQ endpoint (e.g. tcp://127.0.0.1:5557; a network "
-        "address needs --events-curve-secret-file or --events-insecure)",
-    )
-    e.add_argument(
-        "--events-replay-endpoint",
-        default=None,
-        help="ROUTER endpoint for replay and snapshots (e.g. tcp://127.0.0.1:5558)",
-    )
-    # The defaults of the options below are None, so that one given without the option
-    # it needs can be told apart (``_alone``); ``_serve_config`` puts these in its place.
-    e.add_argument(
-        "--events-topic", default=None, help="topic of every event message (default empty)"
-    )
-    e.add_argument(
-        "--events-buffer",
-        type=positive_arg,
-        default=None,
-        help=f"batches kept for replay (default {_EVENTS_BUFFER:,})",
-    )
-    e.add_argument(
-        "--events-encoding",
-        choices=("map", "array"),
-        default=None,
-        help="events as maps (default) or as arrays, the form vLLM's subscriber decodes",
-    )
-    e.add_argument(
-        "--events-curve-secret-file",
-        default=None,
-        metavar="PATH",
-        help="CURVE secret key of the events sockets (from `tpcache keys`); needed on a "
-        "network address, since events carry token ids",
-    )
-    e.add_argument(
-        "--events-curve-client-keys-file",
-        default=None,
-        metavar="PATH",
-        help="CURVE public keys (one a line) of the subscribers let in; default: any that "
-        "knows the server's public key",
-    )
-    e.add_argument(
-        "--events-insecure",
-        action="store_true",
-        help="allow events on a network address without CURVE (anyone who reaches the "
-        "port reads token ids)",
-    )
-    e.add_argument(
-        "--metrics-port",
-        type=port_arg,
-        default=None,
-        help="serve Prometheus metrics on this port (/metrics)",
-    )
-    e.add_argument(
-        "--metrics-host",
-        default=None,
-        help=f"address the metrics endpoint binds (default {_METRICS_HOST}, loopback; 0.0.0.0 "
-        "for all)",
-    )
 
 
 def add_stop_parser(sub) -> None:
     p = sub.add_parser("stop", help="stop a served coordinator (e.g. a detached one)")
-    _add_name_options(p)
+    add_name_options(p)
     p.add_argument(
         "--address",
         default=None,
@@ -158,29 +57,6 @@ def add_stop_parser(sub) -> None:
         "`ray start` made on this machine)",
     )
     p.set_defaults(func=cmd_stop, parser=p)
-
-
-def add_keys_parser(sub) -> None:
-    p = sub.add_parser(
-        "keys", help="make a CURVE key pair: the secret into a new file, the public on stdout"
-    )
-    p.add_argument("secret_file", help="file to create (mode 0600) for the secret key")
-    p.set_defaults(func=cmd_keys)
-
-
-def _add_name_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--name",
-        type=name_arg,
-        default="tpcache",
-        help="the coordinator's Ray actor name, which frontends connect to (default tpcache)",
-    )
-    p.add_argument(
-        "--namespace",
-        type=name_arg,
-        default="tpcache",
-        help="the Ray namespace of that name (default tpcache)",
-    )
 
 
 def _interrupt(signum, frame) -> None:
@@ -196,11 +72,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tpcache.events.publisher import EventPublisherError
     from tpcache.frontend.service import AlreadyServing, find_served, serve, stop_served
 
-    if (alone := _alone(args)) is not None:
+    if (alone := unpaired(args)) is not None:
         print(f"tpcache serve: {alone}", file=sys.stderr)
         return 2
     try:
-        config = _serve_config(args)
+        config = serve_config(args)
     except (ValueError, CacheError) as exc:  # EventConfigError is one; an unknown policy
         args.parser.error(str(exc))
     except OSError as exc:  # a key file
@@ -280,34 +156,7 @@ def _print_serving(args: argparse.Namespace, actor, address: str, started: bool)
         import ray
 
         port = ray.get(actor.stats.remote())["metrics_port"]
-        print(f"  Prometheus metrics on http://{_metrics_host(args)}:{port}/metrics")
-
-
-def _serve_config(args: argparse.Namespace):  # -> GroupConfig
-    import dataclasses
-
-    from tpcache.events.event_config import EventConfig
-
-    config = group_config(args, args.capacity)
-    if args.events_endpoint:
-        events = EventConfig(
-            **picked(args, "endpoint", "replay_endpoint", "insecure", prefix="events_"),
-            topic="" if args.events_topic is None else args.events_topic,
-            encoding=args.events_encoding or "map",
-            buffer_steps=args.events_buffer or _EVENTS_BUFFER,
-            curve_secret_key=_read_key(args.events_curve_secret_file),
-            curve_client_keys=_read_keys(args.events_curve_client_keys_file),
-        )
-        config = dataclasses.replace(config, events=events)
-    if args.metrics_port is not None:
-        config = dataclasses.replace(
-            config, metrics_port=args.metrics_port, metrics_host=_metrics_host(args)
-        )
-    return config
-
-
-def _metrics_host(args: argparse.Namespace) -> str:
-    return _METRICS_HOST if args.metrics_host is None else args.metrics_host
+        print(f"  Prometheus metrics on http://{metrics_host(args)}:{port}/metrics")
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
@@ -332,47 +181,3 @@ def cmd_stop(args: argparse.Namespace) -> int:
     stop_served(actor, args.name, args.namespace)
     print(f"stopped {args.name!r} in namespace {args.namespace!r} ({what})")
     return 0
-
-
-def _read_key(path: str | None) -> str | None:
-    """A CURVE key kept in a file (its first line)."""
-    if path is None:
-        return None
-    with open(path) as f:
-        return f.readline().strip()
-
-
-def _read_keys(path: str | None) -> tuple[str, ...]:
-    """CURVE public keys, one per line (blank lines and # comments skipped)."""
-    if path is None:
-        return ()
-    with open(path) as f:
-        lines = (line.split("#", 1)[0].strip() for line in f)
-        return tuple(line for line in lines if line)
-
-
-def cmd_keys(args: argparse.Namespace) -> int:
-    from tpcache.transport.netsec import new_keypair
-
-    public, secret = new_keypair()
-    path = args.secret_file
-    try:
-        # O_EXCL: a key already there may be in use; it is never written over.
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        what = "a directory" if os.path.isdir(path) else "a secret key is never written over"
-        return _keys_fail(f"{path} exists already ({what}): name a new file")
-    except OSError as exc:  # no such directory, not allowed there, a read-only disk, ...
-        where = os.path.dirname(path)
-        if isinstance(exc, FileNotFoundError) and where and not os.path.isdir(where):
-            return _keys_fail(f"no directory {where} to create {path} in")
-        return _keys_fail(f"cannot create {path!r}: {exc.strerror or exc}")
-    with os.fdopen(fd, "w") as f:
-        f.write(secret + "\n")
-    print(public)
-    return 0
-
-
-def _keys_fail(message: str) -> int:
-    print(f"tpcache keys: {message}", file=sys.stderr)
-    return 2
