@@ -228,7 +228,7 @@ def test_the_socket_is_private_and_a_stranger_is_not_a_rank() -> None:
     import socket
     import stat
 
-    from tpcache.transport.unix_link import send_frame
+    from tpcache.transport.frames import send_frame
 
     hub = StepHub(2, set(), "")
     path = hub.attach[0].endpoint.removeprefix("unix://")
@@ -321,13 +321,13 @@ def test_frames_split_anywhere_come_out_whole_and_in_order() -> None:
     import socket
     import threading
 
-    from tpcache.transport.unix_link import _CHUNK, FrameReader, frame
+    from tpcache.transport.frames import CHUNK, FrameReader, frame
 
     seed = random.randrange(1 << 30)
     print(f"seed {seed}")
     rng = random.Random(seed)
     bodies = [
-        rng.randbytes(rng.choice([0, 1, 7, 8, 9, 300, 70_000, 3 * _CHUNK + 5])) for _ in range(400)
+        rng.randbytes(rng.choice([0, 1, 7, 8, 9, 300, 70_000, 3 * CHUNK + 5])) for _ in range(400)
     ]
     wire = b"".join(b"".join(frame(b)) for b in bodies)
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -357,7 +357,7 @@ def test_frames_split_anywhere_come_out_whole_and_in_order() -> None:
     b.close()
     assert got == bodies
     assert reader.next() is None
-    assert biggest <= 2 * _CHUNK + max(map(len, bodies)) + 8
+    assert biggest <= 2 * CHUNK + max(map(len, bodies)) + 8
 
 
 def test_a_send_before_a_local_rank_connects_fails_at_once_naming_it() -> None:

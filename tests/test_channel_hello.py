@@ -16,7 +16,8 @@ from channel_helpers import expected, run_rank
 
 from tpcache.transport.channel import STEPS, StepHub
 from tpcache.transport.channel_loop import HELLO, RESULTS, pack
-from tpcache.transport.unix_link import HELLO_S, SPARE_HELLOS, FrameReader, send_frame
+from tpcache.transport.frames import FrameReader, send_frame
+from tpcache.transport.unix_accept import HELLO_S, SPARE_HELLOS
 
 
 def never_dead() -> None:

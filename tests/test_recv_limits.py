@@ -26,7 +26,7 @@ from tpcache.cache.events import AllBlocksCleared
 from tpcache.events.publisher import EventConfig, EventPublisher
 from tpcache.transport.channel import CALL, STEPS, ChannelError, RankErrors, StepHub
 from tpcache.transport.channel_loop import HELLO, MAX_REPLY, ReplyTooLarge
-from tpcache.transport.unix_link import send_frame
+from tpcache.transport.frames import send_frame
 
 LOOPBACK = "tcp://127.0.0.1:*"
 CLAIMED = 512 << 20  # what the message's header says: over every limit tested here

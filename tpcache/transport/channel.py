@@ -3,7 +3,7 @@ path (a Ray actor call costs ~30x a bare broadcast here).
 
 The coordinator holds the hub (``StepHub``); each rank runs a loop (``serve``),
 connected once per group and generation. Ranks on the coordinator's node connect to a
-Unix socket in a directory only its user can read (``unix_link.py``: a third of ZMQ
+Unix socket in a directory only its user can read (``unix_accept.py``: a third of ZMQ
 IPC's cost per message); ranks on other nodes reach a ZMQ ROUTER over TCP, where the hub
 is a CURVE server that lets in only the key pairs it made for those ranks (handed to
 them through the Ray setup call, which Ray's token protects). Ray keeps placement, start,
@@ -67,7 +67,7 @@ from tpcache.transport.channel_loop import (
 )
 from tpcache.transport.private_dir import PrivateDir, hub_dir
 from tpcache.transport.tcp_link import POLLIN, TcpLinks
-from tpcache.transport.unix_link import HELLO_S, UnixLinks
+from tpcache.transport.unix_accept import HELLO_S, UnixLinks
 
 # The protocol's names, for the hub's users and the ranks alike.
 __all__ = [

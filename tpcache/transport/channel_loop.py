@@ -18,8 +18,8 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from tpcache.errors import TpcacheError
+from tpcache.transport.frames import FrameReader, LinkConfigError, send_frame
 from tpcache.transport.netsec import make_client
-from tpcache.transport.unix_link import FrameReader, LinkConfigError, send_frame
 
 STEPS, CALL, STOP = b"S", b"C", b"X"
 HELLO, RESULTS, REPLY, ERROR = b"H", b"R", b"P", b"E"
