@@ -18,14 +18,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from tpcache.cache.errors import HostTierError
-from tpcache.cache.host_cache import HostCache, HostConfig
+from tpcache.cache.factory import CacheSpec, build
 from tpcache.cache.keys import frozen_tokens
 from tpcache.cache.namespace import CacheNamespace, make_namespace
 from tpcache.cache.protocol import Cache
-from tpcache.cache.radix import CacheConfig, RadixCache
-from tpcache.cache.swa_cache import HybridCache
-from tpcache.cache.swa_config import HybridConfig
+from tpcache.cache.swa_config import HybridConfig, HybridSizes
 from tpcache.trace import (
     TraceRequest,
     check_scale,
@@ -183,34 +180,42 @@ def _run(
 
 
 def make_cache(opts: ReplayOptions, capacity: int) -> tuple[Cache, Callable[[int], dict[str, Any]]]:
-    """The base cache, the hybrid one when ``opts.swa_window`` is set, the one with a host
-    tier when ``opts.host_capacity`` is (raises ``CacheError`` for a configuration it
-    cannot build, ``HostTierError`` for both); and the figures its kind adds to the
-    summary, given the matched tokens."""
-    if opts.host_capacity is not None:
-        if opts.swa_window:
-            raise HostTierError("the hybrid (SWA) cache has no host tier")
-        host = HostCache(
-            HostConfig(
-                capacity,
-                opts.page_size,
-                opts.policy,
-                host_capacity_tokens=opts.host_capacity,
-                write_policy=opts.write_policy,
-                write_through_hits=opts.write_through_hits,
-            )
-        )
-        return host, lambda matched: host_summary(host, matched)
-    if not opts.swa_window:
-        return RadixCache(CacheConfig(capacity, opts.page_size, opts.policy)), lambda _: {}
-    swa = opts.swa_capacity if opts.swa_capacity is not None else capacity
-    hybrid = HybridCache(HybridConfig(capacity, swa, opts.swa_window, opts.page_size, opts.policy))
-    return hybrid, lambda _: hybrid_summary(hybrid)
+    """The cache of ``replay_spec(opts)`` (``cache.factory.build``) of ``capacity`` tokens;
+    and the figures its parts add to the summary, given the matched tokens. Raises
+    ``CacheError`` for a configuration it cannot build (``SwaHostTierError``, a
+    ``HostTierError``, for a window and a host tier both)."""
+    spec = replay_spec(opts)
+    if spec.sliding_window is not None and opts.swa_capacity is not None:
+        # A replay's SWA pool is the size it was given: a lockstep's is cut to the full
+        # pool (its capacity is agreed later), a replay's is refused if larger.
+        HybridConfig(capacity, opts.swa_capacity, spec.sliding_window, opts.page_size, opts.policy)
+    cache = build(spec, capacity)
+    if cache.window is not None:
+        return cache, lambda _: hybrid_summary(cache)
+    if spec.host_capacity_tokens is not None:
+        return cache, lambda matched: host_summary(cache, matched)
+    return cache, lambda _: {}
 
 
-def hybrid_summary(cache: HybridCache) -> dict[str, Any]:
+def replay_spec(opts: ReplayOptions) -> CacheSpec:
+    """The cache ``opts`` replay through (an ``swa_window`` of 0 is none, as it always
+    was; ``swa_capacity`` counts only with a window)."""
+    window = opts.swa_window or None
+    return CacheSpec(
+        page_size=opts.page_size,
+        policy=opts.policy,
+        sliding_window=window,
+        swa_capacity_tokens=opts.swa_capacity if window else None,
+        host_capacity_tokens=opts.host_capacity,
+        write_policy=opts.write_policy,
+        write_through_hits=opts.write_through_hits,
+    )
+
+
+def hybrid_summary(cache: Cache) -> dict[str, Any]:
     """The hybrid cache's extra figures: SWA pool use and tombstones at the end."""
     s = cache.sizes()
+    assert isinstance(s, HybridSizes), "a cache with a window sizes its SWA pool too"
     stats = cache.stats()
     ps = cache.page_size
     return {
@@ -226,10 +231,11 @@ def hybrid_summary(cache: HybridCache) -> dict[str, Any]:
     }
 
 
-def host_summary(cache: HostCache, matched: int) -> dict[str, Any]:
+def host_summary(cache: Cache, matched: int) -> dict[str, Any]:
     """The host tier's figures: hits split by tier (a host hit is loaded back: its tokens
     are the loaded ones), tokens loaded and written back."""
     tier = cache.host_tier()
+    assert tier is not None, "a cache built with a host tier reports it"
     return {
         "host_capacity_tokens": tier.sizes.capacity,
         "write_policy": cache.config.write_policy,

@@ -67,6 +67,11 @@ class HostTierError(CacheError, ValueError):
     policy it does not know, or a cache kind or eviction policy that has no host tier."""
 
 
+class SwaHostTierError(HostTierError):
+    """A cache asked for both a sliding window (an SWA pool) and a host tier: no cache
+    kind has both (``factory.py`` says why)."""
+
+
 class InvalidNamespace(CacheError, ValueError):
     """A cache namespace (LoRA adapter id or name, tenant cache salt) of a wrong type or
     out of range, or one a cache kind cannot key (the host tier)."""
