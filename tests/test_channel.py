@@ -15,7 +15,7 @@ import pytest
 from channel_helpers import EchoWorker, expected, rank_process, run_rank
 
 from tpcache.transport.channel import CALL, STEPS, ChannelError, RankErrors, StepHub
-from tpcache.transport.channel_loop import pack, unpack
+from tpcache.transport.channel_msgs import pack, unpack
 from tpcache.transport.netsec import new_keypair
 
 

@@ -16,7 +16,7 @@ from channel_helpers import EchoWorker, run_rank
 
 from tpcache.transport import private_dir as pd
 from tpcache.transport.channel import STEPS, ChannelError, StepHub
-from tpcache.transport.channel_loop import ERROR, HELLO, RESULTS, pack
+from tpcache.transport.channel_msgs import ERROR, HELLO, RESULTS, pack
 from tpcache.transport.frames import FrameReader, send_frame
 from tpcache.transport.private_dir import PrivateDir, socket_base, sweep
 

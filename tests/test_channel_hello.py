@@ -15,7 +15,7 @@ import pytest
 from channel_helpers import expected, run_rank
 
 from tpcache.transport.channel import STEPS, StepHub
-from tpcache.transport.channel_loop import HELLO, RESULTS, pack
+from tpcache.transport.channel_msgs import HELLO, RESULTS, pack
 from tpcache.transport.frames import FrameReader, send_frame
 from tpcache.transport.unix_accept import HELLO_S, SPARE_HELLOS
 

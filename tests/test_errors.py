@@ -83,7 +83,7 @@ def test_errors_with_their_own_constructors_pickle_whole() -> None:
     from tpcache.events.event_config import EventConfigError
     from tpcache.frontend.service import AlreadyServing
     from tpcache.transport.channel import RankErrors
-    from tpcache.transport.channel_loop import ChannelConnectError, ChannelError
+    from tpcache.transport.channel_msgs import ChannelConnectError, ChannelError
 
     cause = ValueError("bad op")
     errors: list[BaseException] = [

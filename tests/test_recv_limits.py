@@ -25,7 +25,7 @@ from channel_helpers import EchoWorker, expected, run_rank
 from tpcache.cache.events import AllBlocksCleared
 from tpcache.events.publisher import EventConfig, EventPublisher
 from tpcache.transport.channel import CALL, STEPS, ChannelError, RankErrors, StepHub
-from tpcache.transport.channel_loop import HELLO, MAX_REPLY, ReplyTooLarge
+from tpcache.transport.channel_msgs import HELLO, MAX_REPLY, ReplyTooLarge
 from tpcache.transport.frames import send_frame
 
 LOOPBACK = "tcp://127.0.0.1:*"

@@ -10,7 +10,7 @@ them through the Ray setup call, which Ray's token protects). Ray keeps placemen
 restart, naming and the setup calls.
 
 Messages (one frame each: a kind byte, the message's number, its parts as one msgpack
-array: ``channel_loop.pack``), each numbered by the hub (its ticket, 8 bytes) and
+array: ``channel_msgs.pack``), each numbered by the hub (its ticket, 8 bytes) and
 answered under the same number:
 - hub -> rank ``STEPS [step, ...]``: encoded ``Step``s, applied in order, each with its
   own collectives (``RankWorker.apply``); ``CALL [pickle((method, args, only))]``: a
@@ -22,7 +22,7 @@ Pickle is used only between the hub and ranks it authenticated (IPC by file mode
 CURVE keys).
 
 What a rank may make the hub hold: an answer of at most ``max_reply`` bytes
-(``channel_loop.MAX_REPLY``; the rank sends a ``ReplyTooLarge`` error in place of a larger
+(``channel_msgs.MAX_REPLY``; the rank sends a ``ReplyTooLarge`` error in place of a larger
 one); a longer frame ends its connection as its header arrives, on either path.
 
 The hub never blocks forever: a send to a rank with ``hwm`` messages unanswered (it
@@ -48,7 +48,8 @@ import msgspec
 import zmq
 
 from tpcache.errors import TpcacheError
-from tpcache.transport.channel_loop import (
+from tpcache.transport.channel_loop import RankLoop, serve
+from tpcache.transport.channel_msgs import (
     CALL,
     ERROR,
     HELLO,
@@ -59,10 +60,8 @@ from tpcache.transport.channel_loop import (
     Attach,
     ChannelConnectError,
     ChannelError,
-    RankLoop,
     ReplyTooLarge,
     pack,
-    serve,
     unpack,
 )
 from tpcache.transport.private_dir import PrivateDir, hub_dir

@@ -1,112 +1,37 @@
 """A rank's side of the step channel (``channel.py`` has the protocol and the hub): the
-DEALER loop that applies the hub's messages in order and answers each under its ticket.
+loop that applies the hub's messages in order and answers each under its ticket, over
+the rank's Unix socket here, or over TCP (``rank_tcp.py``) from another node. The
+messages and errors it shares with the hub are ``channel_msgs.py``'s.
 """
 
 from __future__ import annotations
 
-import os
 import pickle
 import select
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-import zmq
-from zmq.utils.monitor import recv_monitor_message
-
-from tpcache.errors import TpcacheError
+from tpcache.transport.channel_msgs import (
+    CALL,
+    CONNECT_S,
+    ERROR,
+    HELLO,
+    REPLY,
+    RESULTS,
+    STEPS,
+    STOP,
+    UNIX,
+    Attach,
+    BadChannelMessage,
+    ChannelConnectError,
+    ReplyTooLarge,
+    pack,
+    unpack,
+)
 from tpcache.transport.frames import FrameReader, LinkConfigError, send_frame
-from tpcache.transport.netsec import make_client
-
-STEPS, CALL, STOP = b"S", b"C", b"X"
-HELLO, RESULTS, REPLY, ERROR = b"H", b"R", b"P", b"E"
-UNIX = "unix://"  # the endpoint of a rank on the hub's node: its socket's path follows
-_HEARTBEAT_MS = 1000  # a TCP rank's ZMTP ping interval; 5 missed: its hub is gone
-# How long a rank may take to reach its hub. The hub listens before any rank is told
-# where, so a connect on a working node or network takes a round trip and a CURVE
-# handshake (milliseconds); 10 s is that many times over on a loaded host, with ZMQ's
-# reconnects (every 0.1 s) retried ~100 times, and well under the coordinator's wait for
-# its ranks (120 s by default), so the rank's reason arrives there before that times out.
-CONNECT_S = 10.0
-# The largest reply a rank sends its hub, and so the most one connection can make the hub
-# hold at a time (its TCP socket's MAXMSGSIZE, its Unix reader's frame limit). A reply is
-# a step's results (a few dozen bytes an op), a call's return value or an error; the only
-# large ones are a forward's logits, float32 rows x vocabulary: 256 MiB holds one row for
-# each of 512 requests over a 131,072-token vocabulary (a decode batch of a Llama 3
-# model), or every row of a 2,048-token prefill over a 32,000-token one. A rank refuses
-# to send more (``ReplyTooLarge``, raised to the caller) rather than be cut off.
-MAX_REPLY = 256 << 20
-
-_encode_frames = msgspec.msgpack.Encoder().encode
-_decode_frames = msgspec.msgpack.Decoder(list[bytes]).decode
-
-
-def pack(kind: bytes, number: bytes, frames: list[bytes]) -> bytes:
-    """One message's body: its kind (1 byte), its number (8), its frames (one msgpack
-    array of bin). One ZMQ frame instead of one per part: pyzmq's multipart calls cost
-    more than a small step's cache work, on both sides."""
-    return kind + number + _encode_frames(frames)
-
-
-def unpack(body: bytes) -> list[bytes]:
-    """The frames of a body ``pack`` made (its kind is ``body[:1]``, its number
-    ``body[1:9]``). Raises ``msgspec.DecodeError`` for a body it did not make."""
-    return _decode_frames(memoryview(body)[9:])
-
-
-class BadChannelMessage(TpcacheError, ValueError):
-    """A channel message of a kind, or naming a method, that the rank does not serve."""
-
-
-class ChannelError(TpcacheError, RuntimeError):
-    """A rank did not answer, stopped reading, or is gone; ``rank`` names it."""
-
-    def __init__(self, rank: int, message: str, dead: bool = False) -> None:
-        super().__init__(f"rank {rank}: {message}")
-        self.rank = rank
-        self.dead = dead
-
-
-class ChannelConnectError(ChannelError):
-    """A rank could not reach its hub: ``endpoint`` is where it tried, ``reason`` what
-    the OS (or ZMQ) said. Its loop ends with this error, which the coordinator reports
-    as the rank's reason; a rank whose hub goes after a good connect leaves quietly.
-    Not ``dead``: its process lives. It crosses Ray as the loop's error (pickled whole,
-    as every ``TpcacheError`` is)."""
-
-    def __init__(self, rank: int, endpoint: str, reason: str) -> None:
-        super().__init__(rank, f"could not connect to the step channel at {endpoint}: {reason}")
-        self.endpoint = endpoint
-        self.reason = reason
-
-
-class ReplyTooLarge(TpcacheError, ValueError):
-    """A rank's answer to a message is larger than the step channel carries
-    (``Attach.max_reply``); the rank sent this error instead, and goes on."""
-
-    def __init__(self, what: str, size: int, limit: int) -> None:
-        super().__init__(
-            f"the answer to {what} is {size:,} bytes, over the step channel's limit of "
-            f"{limit:,}: for a forward, ask for fewer logit rows (the last of each request, "
-            f"not every one) or a shorter chunk"
-        )
-        self.size = size
-        self.limit = limit
-
-
-@dataclass(frozen=True)
-class Attach:
-    """What one rank needs to join the channel (sent through the Ray setup call)."""
-
-    endpoint: str
-    identity: bytes
-    server_key: str | None = None  # the hub's CURVE public key (TCP only)
-    keypair: tuple[str, str] | None = None  # this rank's CURVE (public, secret)
-    hwm: int = 1000  # messages queued at the rank before the hub's sends wait
-    max_reply: int = MAX_REPLY  # bytes of one answer, the most the hub reads (MAX_REPLY)
+from tpcache.transport.rank_tcp import serve_tcp
 
 
 class RankLoop:
@@ -146,7 +71,17 @@ def serve(
         raise LinkConfigError(f"connect_s must be seconds > 0, got {connect_s!r}")
     if attach.endpoint.startswith(UNIX):
         return _serve_unix(worker, rank, attach, loop, poll_s, connect_s)
-    return _serve_zmq(worker, rank, attach, loop, poll_s, connect_s)
+    try:
+        return serve_tcp(
+            rank,
+            attach,
+            lambda body: _answer(worker, body, loop, attach.max_reply),
+            loop.stop,
+            poll_s,
+            connect_s,
+        )
+    finally:
+        loop.done.set()
 
 
 def _answer(worker: Any, body: bytes, loop: RankLoop, max_reply: int) -> bytes:
@@ -220,112 +155,6 @@ def _serve_unix(
         pass
     finally:
         sock.close()
-        loop.done.set()
-    return handled
-
-
-# What a TCP rank's monitor reports: the handshake done (connected), the connection gone,
-# and why a connect has not been made yet (for the error, if it never is).
-_MONITOR = int(
-    zmq.EVENT_HANDSHAKE_SUCCEEDED
-    | zmq.EVENT_DISCONNECTED
-    | zmq.EVENT_CONNECT_RETRIED
-    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-)
-
-
-class _Connect:
-    """A TCP rank's connect, as its monitor tells it: ``up`` once the handshake is done,
-    ``gone`` once the connection it made is lost; ``why`` says what went wrong so far."""
-
-    def __init__(self) -> None:
-        self.up = False
-        self.gone = False
-        self.retries = 0
-        self.why = "no answer (the connect was neither made nor refused)"
-
-    def take(self, monitor: zmq.Socket) -> None:
-        """Read the events that have arrived."""
-        while monitor.poll(0):
-            event = recv_monitor_message(monitor)
-            kind, value = int(event["event"]), int(event["value"])
-            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.up = True
-            elif kind == zmq.EVENT_DISCONNECTED:
-                # Before the handshake, ZMQ retries (a failed handshake said why already).
-                self.gone = self.up
-                if self.why.startswith("no answer"):
-                    self.why = "the connection closed before the handshake"
-            elif kind == zmq.EVENT_CONNECT_RETRIED:
-                self.retries += 1
-                self.why = f"{self.retries} connect attempt(s) failed (refused or unreachable)"
-            elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                self.why = f"the hub refused this rank's key (CURVE handshake, status {value})"
-            elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-                self.why = f"the handshake failed (ZMTP protocol error {value:#x})"
-            elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-                self.why = f"the handshake failed ({os.strerror(value)})"
-
-
-def _serve_zmq(
-    worker: Any, rank: int, attach: Attach, loop: RankLoop, poll_s: float, connect_s: float
-) -> int:
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    monitor: zmq.Socket | None = None
-    handled = 0
-    try:
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IDENTITY, attach.identity)
-        sock.setsockopt(zmq.RCVHWM, attach.hwm)
-        if attach.server_key is not None:
-            make_client(sock, attach.server_key, attach.keypair)
-        # ZMTP heartbeats (answered by ZMQ's I/O thread, also while a step runs): a hub
-        # whose node went silent ends the connection as a closed one would.
-        sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5 * _HEARTBEAT_MS)
-        # A DEALER reconnects on its own and tells no one its peer left, nor that it
-        # never reached it: the monitor does, so the loop leaves when the hub's end is
-        # gone, as the Unix loop does (its hub may have closed without a STOP reaching
-        # this rank), and fails when the hub is not reached in time.
-        monitor = sock.get_monitor_socket(_MONITOR)
-        try:
-            sock.connect(attach.endpoint)
-        except zmq.ZMQError as exc:  # an endpoint ZMQ cannot use
-            raise ChannelConnectError(rank, attach.endpoint, f"ZMQError: {exc}") from None
-        sock.send(HELLO + str(rank).encode())
-        poller = zmq.Poller()  # made once: a socket's poll() builds one per call
-        poller.register(sock, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
-        wait_ms = int(poll_s * 1000)
-        link = _Connect()
-        deadline = time.monotonic() + connect_s
-        while not loop.stop.is_set():
-            ready = dict(poller.poll(wait_ms))
-            if monitor in ready:
-                link.take(monitor)
-                if link.gone:
-                    break  # disconnected after a good connect: the hub's end is gone
-            if sock not in ready:
-                if not link.up and time.monotonic() > deadline:
-                    raise ChannelConnectError(
-                        rank, attach.endpoint, f"not connected within {connect_s:g}s: {link.why}"
-                    )
-                continue
-            link.up = True  # a message came: the handshake is done, seen or not
-            body = sock.recv()
-            if body[:1] == STOP:
-                break
-            sock.send(_answer(worker, body, loop, attach.max_reply))
-            handled += 1
-    finally:
-        if monitor is not None:
-            sock.disable_monitor()
-            monitor.close(linger=0)
-        sock.close(linger=0)
-        ctx.term()
         loop.done.set()
     return handled
 

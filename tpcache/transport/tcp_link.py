@@ -3,7 +3,7 @@ CURVE server, letting in only the key pairs it made for those ranks (handed to t
 through the Ray setup call, which Ray's token protects). Each rank runs a DEALER.
 
 What a peer can make the hub hold: a frame over ``max_reply`` bytes (the largest answer a
-rank sends: ``channel_loop.MAX_REPLY``) ends its connection as its header arrives, before
+rank sends: ``channel_msgs.MAX_REPLY``) ends its connection as its header arrives, before
 it is buffered, whoever sent it: a peer without a rank's key pair never gets further than
 one frame of the handshake, and a rank has at most ``hwm`` answers owed (``StepHub``)."""
 
@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import zmq
 
-from tpcache.transport.channel_loop import MAX_REPLY, Attach, ChannelError
+from tpcache.transport.channel_msgs import MAX_REPLY, Attach, ChannelError
 from tpcache.transport.netsec import (
     allow_clients,
     limit_receive,
