@@ -18,8 +18,8 @@ from tpcache.errors import TpcacheError
 from tpcache.transport.private_dir import RDV_PREFIX, PrivateDir
 
 _BACKENDS = ("gloo", "nccl", "auto")
-_I64_MIN = -(2**63)
-_I64_MAX = 2**63 - 1
+I64_MIN = -(2**63)
+I64_MAX = 2**63 - 1
 
 
 class GroupError(TpcacheError, RuntimeError):
@@ -49,7 +49,7 @@ def u64_to_i64(value: int) -> int:
 
 def i64_to_u64(value: int) -> int:
     """The unsigned value with the same 64 bits as int64 ``value``."""
-    if not _I64_MIN <= value <= _I64_MAX:
+    if not I64_MIN <= value <= I64_MAX:
         raise GroupInputError(f"{value} is not a signed 64-bit value")
     return value + 2**64 if value < 0 else value
 

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from tpcache.group.join import attached_backend, join_default_group
 from tpcache.group.spec import (
-    _I64_MIN,
+    I64_MIN,
     GroupError,
     GroupInputError,
     GroupSpec,
@@ -198,14 +198,14 @@ class TPGroup:
         Collective.
         """
         if digest is None:
-            pair = [_I64_MIN, _I64_MIN]
+            pair = [I64_MIN, I64_MIN]
         else:
             (d,) = self._wire.ints("digest_range", [digest])
             pair = [d, ~d]
         t = self._wire.tensor(pair)
         self._wire.all_reduce("digest_range", t, dist.ReduceOp.MIN)
         lo, low_not = t.tolist()
-        if lo == _I64_MIN and low_not == _I64_MIN:
+        if lo == I64_MIN and low_not == I64_MIN:
             return None
         return lo, ~low_not
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tpcache.group.join import first_line
-from tpcache.group.spec import _I64_MAX, _I64_MIN, GroupError, GroupInputError
+from tpcache.group.spec import I64_MAX, I64_MIN, GroupError, GroupInputError
 
 _T = TypeVar("_T")
 
@@ -75,7 +75,7 @@ class Wire:
             if isinstance(v, bool) or not hasattr(v, "__index__"):
                 raise GroupInputError(f"{op}: {v!r} is not an int ({self.where})")
             x = v.__index__()
-            if not _I64_MIN <= x <= _I64_MAX:
+            if not I64_MIN <= x <= I64_MAX:
                 raise GroupInputError(
                     f"{op}: {x} does not fit in int64; carry u64 with u64_to_i64 ({self.where})"
                 )

@@ -12,8 +12,8 @@ if TYPE_CHECKING:
     from tpcache.coordinator.build import GroupConfig
     from tpcache.coordinator.core import Coordinator
     from tpcache.harness.gen_loop import LoopCounters
+    from tpcache.harness.gen_options import GenerateOptions, GenRequest
     from tpcache.harness.gen_wire import ClientResult
-    from tpcache.harness.generate import GenerateOptions, GenRequest
 
 REFERENCE = "tpcache.model.reference:ReferenceRunner"
 

@@ -16,7 +16,7 @@ import torch
 
 from tpcache.errors import TpcacheError
 
-_DTYPES: dict[str, torch.dtype] = {
+TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
@@ -57,8 +57,8 @@ class PoolSpec:
             _check_positive_int(name, getattr(self, name))
         if self.kv_heads % self.tp != 0:
             raise PoolConfigError(f"kv_heads={self.kv_heads} is not divisible by tp={self.tp}")
-        if self.dtype not in _DTYPES:
-            raise PoolConfigError(f"dtype={self.dtype!r} is not one of {sorted(_DTYPES)}")
+        if self.dtype not in TORCH_DTYPES:
+            raise PoolConfigError(f"dtype={self.dtype!r} is not one of {sorted(TORCH_DTYPES)}")
 
     @property
     def heads_per_rank(self) -> int:
@@ -66,7 +66,7 @@ class PoolSpec:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return TORCH_DTYPES[self.dtype]
 
     @property
     def bytes_per_slot(self) -> int:

@@ -32,7 +32,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from tpcache.errors import TpcacheError
-from tpcache.kv.pool import _DTYPES, KVPool, PoolSpec
+from tpcache.kv.pool import TORCH_DTYPES, KVPool, PoolSpec
 from tpcache.model.batch import RunnerBatch
 
 
@@ -72,8 +72,8 @@ class KVLayout:
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_heads", "head_dim"):
             _positive(name, getattr(self, name))
-        if self.dtype not in _DTYPES:
-            raise RunnerConfigError(f"dtype={self.dtype!r} is not one of {sorted(_DTYPES)}")
+        if self.dtype not in TORCH_DTYPES:
+            raise RunnerConfigError(f"dtype={self.dtype!r} is not one of {sorted(TORCH_DTYPES)}")
         swa = self.swa_layers
         if list(swa) != sorted(set(swa)) or any(
             isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_layers
@@ -210,9 +210,9 @@ class ModelRunner(Protocol):
 
 def torch_dtype(name: str, error: type[RunnerConfigError] = RunnerConfigError) -> torch.dtype:
     """The torch dtype a runner computes in, by its name; raises ``error`` for another."""
-    if name not in _DTYPES:
-        raise error(f"dtype={name!r} is not one of {sorted(_DTYPES)}")
-    return _DTYPES[name]
+    if name not in TORCH_DTYPES:
+        raise error(f"dtype={name!r} is not one of {sorted(TORCH_DTYPES)}")
+    return TORCH_DTYPES[name]
 
 
 class RunnerInputError(TpcacheError, ValueError):
