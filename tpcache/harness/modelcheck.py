@@ -219,11 +219,8 @@ def run_requests(
             rep.prefix_lens.append(r.prefix)
     c1 = _snapshot(engine)
     marks1 = engine.coord.mirror.eviction_marks()
-    rep.hit_tokens = c1["hit_tokens"] - c0["hit_tokens"]
-    rep.computed_tokens = c1["computed_tokens"] - c0["computed_tokens"]
-    rep.forwards = c1["forwards"] - c0["forwards"]
-    rep.items = c1["items"] - c0["items"]
-    rep.tombstoned_hit_pages = c1["tombstoned_hit_pages"] - c0["tombstoned_hit_pages"]
+    for name in _COUNTED:
+        setattr(rep, name, c1[name] - c0[name])
     rep.max_swa_read_over_new = engine.counters.max_swa_read_over_new
     rep.max_batch = engine.counters.max_batch
     rep.evicted_pages = marks1[0] - marks0[0]
@@ -272,15 +269,12 @@ def _round(engine: ModelEngine, reqs: list[_Req], rnd: int, step: int, decode_st
     return True
 
 
+# The engine's counters a run reports as its own growth (``Report`` fields of these names).
+_COUNTED = ("hit_tokens", "computed_tokens", "forwards", "items", "tombstoned_hit_pages")
+
+
 def _snapshot(engine: ModelEngine) -> dict[str, int]:
-    c = engine.counters
-    return {
-        "hit_tokens": c.hit_tokens,
-        "computed_tokens": c.computed_tokens,
-        "forwards": c.forwards,
-        "items": c.items,
-        "tombstoned_hit_pages": c.tombstoned_hit_pages,
-    }
+    return {name: getattr(engine.counters, name) for name in _COUNTED}
 
 
 def _compare(

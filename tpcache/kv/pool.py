@@ -33,10 +33,14 @@ class PoolError(TpcacheError, ValueError):
     """A bad write or read (layer, slot ids, shape, dtype, device); nothing was changed."""
 
 
-def _check_positive_int(name: str, value: object) -> None:
+def check_positive_int(
+    name: str, value: object, error: type[TpcacheError] = PoolConfigError
+) -> None:
+    """Raises ``error`` naming ``name`` unless ``value`` is an int >= 1 (the pool's and the
+    models' shapes share this check and its message)."""
     # bool is an int subclass; True as a head count is a bug, not 1.
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise PoolConfigError(f"{name} must be a positive int, got {value!r}")
+        raise error(f"{name} must be a positive int, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,7 @@ class PoolSpec:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_heads", "head_dim", "tp"):
-            _check_positive_int(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
         if self.kv_heads % self.tp != 0:
             raise PoolConfigError(f"kv_heads={self.kv_heads} is not divisible by tp={self.tp}")
         if self.dtype not in TORCH_DTYPES:
@@ -127,7 +131,7 @@ class KVPool:
         self, spec: PoolSpec, num_slots: int, device: torch.device, *, pin: bool = False
     ) -> None:
         """``pin``: page-locked host memory (a host pool that CUDA copies overlap with)."""
-        _check_positive_int("num_slots", num_slots)
+        check_positive_int("num_slots", num_slots)
         if device.type == "cuda" and device.index is None:
             # Pin the index so equality checks against tensors' devices are exact.
             device = torch.device("cuda", torch.cuda.current_device())

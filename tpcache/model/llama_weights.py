@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from tpcache.kv.pool import check_positive_int
 from tpcache.model.runner import KVLayout, RunnerConfigError
 from tpcache.model.safetensors_io import SafeFile, iter_tensors, safetensors_files
 
@@ -50,9 +51,7 @@ class LlamaSpec:
 
     def __post_init__(self) -> None:
         for name in ("vocab", "hidden", "heads", "ffn"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise RunnerConfigError(f"{name} must be a positive int, got {value!r}")
+            check_positive_int(name, getattr(self, name), RunnerConfigError)
         self.layout("float32")  # layers, KV heads, head_dim, window
         if self.head_dim % 2:
             raise RunnerConfigError(f"head_dim={self.head_dim} must be even for RoPE")

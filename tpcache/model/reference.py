@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tpcache.kv.pool import check_positive_int
 from tpcache.model.attention import attend, rms_norm, rotary
 from tpcache.model.batch import RunnerBatch, paged_attention
 from tpcache.model.runner import (
@@ -70,9 +71,7 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         for name in ("vocab", "hidden", "heads", "head_dim", "ffn", "num_layers"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ModelConfigError(f"{name} must be a positive int, got {value!r}")
+            check_positive_int(name, getattr(self, name), ModelConfigError)
         if self.head_dim % 2:
             raise ModelConfigError(f"head_dim={self.head_dim} must be even for rotary positions")
         swa = self.swa_layers

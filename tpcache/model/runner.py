@@ -32,19 +32,13 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from tpcache.errors import TpcacheError
-from tpcache.kv.pool import TORCH_DTYPES, KVPool, PoolSpec
+from tpcache.kv.pool import TORCH_DTYPES, KVPool, PoolSpec, check_positive_int
 from tpcache.model.batch import RunnerBatch
 
 
 class RunnerConfigError(TpcacheError, ValueError):
     """A runner or layout that cannot work here: a bad shape, heads that do not divide by
     tp, a layout that does not fit the pool or the cache. Raised before anything starts."""
-
-
-def _positive(name: str, value: object) -> None:
-    # bool is an int subclass; True as a head count is a bug, not 1.
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise RunnerConfigError(f"{name} must be a positive int, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -71,7 +65,7 @@ class KVLayout:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_heads", "head_dim"):
-            _positive(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name), RunnerConfigError)
         if self.dtype not in TORCH_DTYPES:
             raise RunnerConfigError(f"dtype={self.dtype!r} is not one of {sorted(TORCH_DTYPES)}")
         swa = self.swa_layers
@@ -83,7 +77,7 @@ class KVLayout:
                 f"swa_layers={swa} must be distinct sorted layer indices in [0, {self.num_layers})"
             )
         if swa:
-            _positive("window", self.window)
+            check_positive_int("window", self.window, RunnerConfigError)
         elif self.window is not None:
             raise RunnerConfigError("a window without swa_layers means nothing; drop it")
 
@@ -113,7 +107,7 @@ class KVLayout:
         ``window`` (None: no SWA pool). Raises RunnerConfigError unless ``kv_heads``
         divides by ``tp``, the cache's window is the model's, and the full pool keeps
         at least one layer."""
-        _positive("tp", tp)
+        check_positive_int("tp", tp, RunnerConfigError)
         if self.kv_heads % tp:
             raise RunnerConfigError(
                 f"kv_heads={self.kv_heads} does not divide by tp={tp}: each rank keeps whole heads"
