@@ -28,8 +28,17 @@ REPO = Path(__file__).resolve().parent.parent
 # Modules the step path runs per step outside the cache (no Ray actor class among them:
 # Ray pickles an actor's class, which a compiled module's functions complicate).
 STEP_PATH = [
-    "tpcache/workers/" + m + ".py"
-    for m in ("lockstep", "oplog", "ops", "channel_loop", "unix_link", "copysync", "channel")
+    "tpcache/" + m + ".py"
+    for m in (
+        "workers/protocol",
+        "workers/copysync",
+        "lockstep/oplog",
+        "lockstep/ops",
+        "transport/channel_loop",
+        "transport/unix_link",
+        "transport/frames",
+        "transport/channel",
+    )
 ] + [
     "tpcache/coordinator/" + m + ".py"
     for m in ("steps", "core", "step_path", "step_check", "step_types", "lost")
