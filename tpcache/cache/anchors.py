@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from tpcache.cache.allocator import LENT
 from tpcache.cache.errors import AllocatorError, IntegrityError, InvalidSlots
 from tpcache.cache.namespace import CacheNamespace, as_namespace, is_anchor
-from tpcache.cache.node import EMPTY_PAGES, EMPTY_STATES, Match
+from tpcache.cache.node import Match
 
 if TYPE_CHECKING:
     import numpy as np
@@ -35,14 +35,7 @@ def anchor_of(tree: TreeShape, space: CacheNamespace, create: bool = False) -> N
     key = space.key
     node = tree.root.children.get(key)
     if node is None and create:
-        node_id = tree.new_node_id()
-        node = tree.node_type(node_id, tree.root, key, EMPTY_PAGES, EMPTY_STATES, tree.tick)
-        node.lock = BASE_LOCK
-        if tree.window is not None:  # a SwaNode: no tokens, never in the SWA order
-            node.ntok = 0  # type: ignore[attr-defined]
-            node.swa_lock = BASE_LOCK  # type: ignore[attr-defined]
-        tree.root.children[key] = node
-        tree.nodes[node_id] = node
+        node = tree.new_anchor(key)
         tree.spaces[key] = (space, space.seed)
     return node
 

@@ -71,15 +71,12 @@ from tpcache.cache.keys import (
     join_pages,
     slots_to_pages,
 )
-from tpcache.cache.node import descend, pages_of
+from tpcache.cache.node import Match, pages_of
 from tpcache.cache.policies import policy_key
 from tpcache.cache.protocol import Evictor
 from tpcache.cache.radix import OnePoolCache
 from tpcache.cache.records import CacheSizes, HostTierStats, RequestId
-from tpcache.cache.reqtable import (
-    Asked,
-    as_priority,
-)
+from tpcache.cache.reqtable import Beyond, Locked, Taken, as_priority
 from tpcache.cache.tree_check import check_cache
 
 __all__ = ["HostCache", "HostConfig"]
@@ -130,50 +127,41 @@ class HostCache(OnePoolCache):
         wait = tree.copies.pending_on(res.pages, True)
         return HostMatchResult(res.prefix_len, res.pages, res.handle, self.page_size, host, wait)
 
-    def _admit(self, a: Asked, evict: bool | Evictor, namespace: Any) -> HostAdmitResult:
-        rid, key, prio, total = a
-        room = self._room
-        ps = self.page_size
-        tree = self.tree
-        n = (key.size - 1) // ps * ps
-        if namespace is None:  # (``match_in``'s first case, inline: most admits)
-            space, found = None, descend(tree.root, ps, key, n, 0)
-        else:
-            space, found = match_in(tree, key, n, namespace)
+    # ---- the admit's steps: the host part of a match is loaded with the request's pages --
+    def _cut(self, found: Match) -> tuple[Match, Beyond]:
         path, pos, partial, common = found
-        check_sign(key, pos + common)
         if (path and not path[-1].dev) or (partial is not None and not partial.dev):
-            path, pos, partial, common, hosts, hpart, hcommon = tree.tier_cut(
-                path, pos, partial, common
-            )
-        else:  # all on the device (``tier_cut``'s last case, inline: most admits)
-            hosts, hpart, hcommon = [], None, 0
-        need = -(-total // ps) - (pos + common) // ps  # the host part's pages included
-        if need > self.alloc.num_free:
-            room.check(need, path, partial, common, evict)
-        path, pos = tree.split_match(path, pos, partial, common)
+            cut = self.tree.tier_cut(path, pos, partial, common)
+            return Match(*cut[:4]), (cut.hosts, cut.host_partial, cut.host_common)
+        return found, ([], None, 0)  # all on the device (``tier_cut``'s last case): most admits
+
+    def _take_row(self, locked: Locked, need: int, evict: bool | Evictor, beyond: Beyond) -> Taken:
+        path, pos, node, _ = locked
+        tree = self.tree
+        hosts, hpart, hcommon = beyond
         if hpart is not None:
             hosts.append(tree.split(hpart, hcommon))
-        node = path[-1] if path else tree.root
-        tree.lock(node)
         for h in hosts:  # no host eviction may take what this admit loads
             h.pinned = True  # type: ignore[attr-defined]
         try:
-            pages = room.take(need, evict)
+            pages = self._room.take(need, evict)
         except OutOfCapacity:
             tree.unlock(node)
             self._unpin(hosts)
             raise
-        loaded = load(tree, hosts, pages) * ps if hosts else 0
+        loaded = load(tree, hosts, pages) * self.page_size if hosts else 0
         if hosts:  # the request's lock moves to the end of what was loaded
             node = self._extend_lock(hosts, node)
             path = path + hosts
-        row = join_pages([*map(pages_of, path), pages[loaded // ps :]])
-        tree.touch(path, queue=False)
-        self.reqs.add(rid, key, row, total, (pos + loaded) // ps, node, prio, 0, space)
-        c = tree.copies  # (a new request waits for nothing unless copies are pending)
-        wait = self._waits.record(rid, row) if c.started != c.completed else 0
-        return HostAdmitResult(pos + loaded, row, total, ps, loaded, wait)
+        row = join_pages([*map(pages_of, path), pages[loaded // self.page_size :]])
+        tree.touch(path, queue=False)  # after the load: a write-through touch starts copies
+        return Taken(row, node, pos + loaded, loaded)
+
+    def _admit_result(self, rid: RequestId, taken: Taken, total: int) -> HostAdmitResult:
+        c = self.tree.copies  # (a new request waits for nothing unless copies are pending)
+        wait = self._waits.record(rid, taken.row) if c.started != c.completed else 0
+        ps = self.page_size
+        return HostAdmitResult(taken.pos, taken.row, total, ps, taken.loaded, wait)
 
     def _extend_lock(self, hosts: list[Any], locked: Any) -> Any:
         """``lock(hosts[-1])`` then ``unlock(locked)``, the node the admit locked, without
@@ -280,6 +268,9 @@ class HostCache(OnePoolCache):
         reads. Raises ``UnknownRequest``. Pure."""
         self.reqs.get(rid)
         return self._waits.waits.get(rid, 0)
+
+    def request_ready(self, rid: RequestId) -> bool:
+        return self.ready_after(rid) <= self.copies_completed()
 
     # ---- the host pool ----------------------------------------------------------------------
     def host_sizes(self) -> CacheSizes:

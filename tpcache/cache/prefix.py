@@ -2,11 +2,12 @@
 
 It joins a page allocator, the radix tree and the request-to-slot table, and runs the
 tree-level calls (match, insert, lock, evict) and the request lifecycle (admit, extend,
-cache_unfinished, finish, abort) over them. A cache kind adds data and a few hooks, not a
+cache_unfinished, finish, abort) over them. A cache kind is it with its parts, not a
 second copy: its pools (``pool_names``; per-pool figures come back as tuples in that
-order), its tree (``RadixTree``; ``SwaTree`` adds the window), and what its handles and
-results carry. ``RadixCache`` (one pool) and ``HybridCache`` (full + SWA) are the two
-kinds; both implement ``protocol.Cache``. The same op sequence gives the same tree, slot
+order), its tree (``RadixTree``; ``SwaTree`` adds the window), what its handles and
+results carry, and its host tier or none (``HostCache``'s steps of an admit and a
+lifecycle; ``device_only.DeviceOnly``). ``RadixCache`` (one pool), ``HybridCache`` (full
++ SWA) and ``HostCache`` (one pool and a host tier) implement ``protocol.Cache``. The same op sequence gives the same tree, slot
 ids and digest in every process. Every public method validates its input before it
 changes anything and raises a ``CacheError`` subclass otherwise.
 """
@@ -19,7 +20,7 @@ import numpy as np
 
 from tpcache.cache.allocator import HELD, LENT
 from tpcache.cache.anchors import insert_start, lent_insert_start, match_in
-from tpcache.cache.errors import CacheError, NoSwaPool, OutOfCapacity
+from tpcache.cache.errors import NoSwaPool, OutOfCapacity
 from tpcache.cache.events import AllBlocksCleared, KVEvent
 from tpcache.cache.handles import HandleLocks
 from tpcache.cache.insert import insert_key
@@ -32,12 +33,15 @@ from tpcache.cache.keys import (
     pages_to_slots,
     slots_to_pages,
 )
-from tpcache.cache.node import pages_of
+from tpcache.cache.node import Match, pages_of
 from tpcache.cache.protocol import Evictor
 from tpcache.cache.records import AdmitResult, CacheSizes, EvictResult, MatchResult, RequestId
 from tpcache.cache.reqtable import (
     Asked,
+    Beyond,
+    Locked,
     ReqTable,
+    Taken,
     admitted_length,
     as_priority,
     check_count,
@@ -51,7 +55,7 @@ from tpcache.cache.tallies import cache_digest, pool_sizes
 from tpcache.cache.tree_check import check_cache
 
 if TYPE_CHECKING:
-    from tpcache.cache.records import CacheStats, Handle, HostTierStats, RequestRow
+    from tpcache.cache.records import CacheStats, Handle, RequestRow
 
 
 class PrefixCache:
@@ -169,34 +173,43 @@ class PrefixCache:
         return self._admit(asked, evict, namespace)
 
     def _admit(self, a: Asked, evict: bool | Evictor, namespace: Any) -> AdmitResult:
-        """``admit`` of inputs checked before anything changed (the host tier has its own)."""
+        """``admit`` of inputs checked before anything changed: match, make room, lock,
+        take the pages (``_take_row``: the host tier loads what it matched there)."""
         rid, key, prio, total = a
-        room = self._room
         ps = self.page_size
         tree = self.tree
-        space, (path, pos, partial, common) = match_in(
-            tree, key, (key.size - 1) // ps * ps, namespace
-        )
-        check_sign(key, pos + common)
-        need = -(-total // ps) - (pos + common) // ps
+        space, found = match_in(tree, key, (key.size - 1) // ps * ps, namespace)
+        check_sign(key, found.end)
+        (path, pos, partial, common), beyond = self._cut(found)
+        need = -(-total // ps) - (pos + common) // ps  # what lies beyond included
         if need > self.alloc.num_free:
-            room.check(need, path, partial, common, evict)
-        if partial is not None:  # the match ends inside it: split off its upper part
-            path.append(tree.split(partial, common))
-            pos += common
+            self._room.check(need, path, partial, common, evict)
+        path, pos = tree.split_match(path, pos, partial, common)
         node = path[-1] if path else tree.root
         top = None if tree.window is None else tree.boundary(node)  # where SWA locks stop
         tree.lock(node, top)
+        taken = self._take_row(Locked(path, pos, node, top), need, evict, beyond)
+        mark = 0 if top is None else tree.mark_of(top)
+        self.reqs.add(rid, key, taken.row, total, taken.pos // ps, taken.node, prio, mark, space)
+        return self._admit_result(rid, taken, total)
+
+    # ---- the admit's steps a tier adds to (the host tier: ``host_cache.py``) --------------
+    def _cut(self, found: Match) -> tuple[Match, Beyond]:
+        """The match an admit locks, and what it matched beyond (none here)."""
+        return found, ([], None, 0)
+
+    def _take_row(self, locked: Locked, need: int, evict: bool | Evictor, beyond: Beyond) -> Taken:
+        """Take the ``need`` pages an admit ``locked`` its match for; on ``OutOfCapacity``
+        unlock and raise."""
+        path, pos, node, top = locked
+        tree = self.tree
         tree.touch(path, queue=False)
         try:
-            pages = room.take(need, evict)
+            pages = self._room.take(need, evict)
         except OutOfCapacity:
             tree.unlock(node, top)
             raise
-        row = join_pages([*map(pages_of, path), pages])
-        mark = 0 if top is None else tree.mark_of(top)
-        self.reqs.add(rid, key, row, total, pos // ps, node, prio, mark, space)
-        return self._admit_result(pos, row, total)
+        return Taken(join_pages([*map(pages_of, path), pages]), node, pos, 0)
 
     def extend(self, rid: RequestId, n: int, *, evict: bool | Evictor = True) -> np.ndarray:
         req = self.reqs.get(rid)
@@ -276,30 +289,6 @@ class PrefixCache:
         tree = self.tree
         tree.unlock(req.node, tree.find_top(req.node, req.mark) if req.mark else None)
         self.reqs.remove(req.rid)
-
-    def host_tier(self) -> HostTierStats | None:
-        return None  # (``HostCache`` has one)
-
-    # No copy log here (a host tier has one): nothing pending, every forward may run.
-    def copies_pending(self) -> int:
-        return 0
-
-    def copies_completed(self) -> int:
-        return 0
-
-    def copies_done(self, n: int) -> None:
-        if n != 0:
-            raise CacheError(f"this cache starts no copies: {n!r} cannot be done")
-
-    def ready_after(self, rid: RequestId) -> int:
-        self.reqs.get(rid)
-        return 0
-
-    def request_ready(self, rid: RequestId) -> bool:
-        return self.ready_after(rid) <= self.copies_completed()
-
-    def take_copies(self) -> list[Any]:
-        return []
 
     # ---- whole-cache ------------------------------------------------------------------------
     def reset(self) -> None:

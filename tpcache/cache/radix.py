@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from tpcache.cache.allocator import PageAllocator
+from tpcache.cache.device_only import DeviceOnly
 from tpcache.cache.errors import NoSwaPool
 from tpcache.cache.keys import TokenLike, as_slots, join_pages
 from tpcache.cache.node import pages_of
@@ -30,6 +31,7 @@ from tpcache.cache.records import (
     MatchResult,
     RequestId,
 )
+from tpcache.cache.reqtable import Taken
 from tpcache.cache.shapes import Freed
 from tpcache.cache.tree import RadixTree
 
@@ -59,8 +61,8 @@ class OnePoolCache(PrefixCache):
         handle = self.handles.make(path[-1] if path else self.tree.root)
         return MatchResult(n, pages, handle, self.page_size)
 
-    def _admit_result(self, pos: int, row: np.ndarray, total: int) -> AdmitResult:
-        return AdmitResult(pos, row, total, self.page_size)
+    def _admit_result(self, rid: RequestId, taken: Taken, total: int) -> AdmitResult:
+        return AdmitResult(taken.pos, taken.row, total, self.page_size)
 
     def _evict_result(self, out: Freed) -> EvictResult:
         return EvictResult(out.full * self.page_size, len(out.dead))
@@ -81,7 +83,7 @@ class OnePoolCache(PrefixCache):
         return self.pool_sizes()[0]
 
 
-class RadixCache(OnePoolCache):
+class RadixCache(DeviceOnly, OnePoolCache):
     """A paged radix prefix cache over one pool, with its allocator and request table."""
 
     def __init__(self, config: CacheConfig) -> None:

@@ -23,11 +23,11 @@ from tpcache.cache.errors import (
 )
 from tpcache.cache.keys import joined_key, pages_to_slots, read_only
 from tpcache.cache.namespace import is_anchor
+from tpcache.cache.node import Node
 from tpcache.cache.records import RequestId, RequestRow
 
 if TYPE_CHECKING:
     from tpcache.cache.namespace import CacheNamespace
-    from tpcache.cache.node import Node
     from tpcache.cache.shapes import TreeShape
 
 MAX_ID_LEN = 256
@@ -42,6 +42,31 @@ class Asked(NamedTuple):
     key: np.ndarray
     prio: int
     total: int
+
+
+# What an admit matched beyond its device prefix, to load (a host tier's): the nodes
+# matched whole, the node where the match stops part-way, and its common tokens.
+Beyond = tuple[list[Node], Node | None, int]
+
+
+class Locked(NamedTuple):
+    """What an admit locked: its matched ``path`` (``pos`` tokens), the lock's end
+    ``node`` and, with a window, its SWA lock's ``top``."""
+
+    path: list[Node]
+    pos: int
+    node: Node
+    top: Node | None
+
+
+class Taken(NamedTuple):
+    """An admit's row (matched pages, then its own), where its lock ends and the tokens
+    it got from the cache: ``pos`` in all, ``loaded`` of them from the host tier."""
+
+    row: np.ndarray
+    node: Node
+    pos: int
+    loaded: int
 
 
 @dataclass(slots=True)

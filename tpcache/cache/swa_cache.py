@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from tpcache.cache.device_only import DeviceOnly
 from tpcache.cache.errors import AllocatorError, InvalidSlots, StaleBoundary
 from tpcache.cache.keys import TokenLike, as_slots, join_pages, pages_to_slots
 from tpcache.cache.node import pages_of
@@ -36,6 +37,7 @@ from tpcache.cache.policies import policy_key
 from tpcache.cache.prefix import PrefixCache
 from tpcache.cache.protocol import Evictor
 from tpcache.cache.records import RequestId
+from tpcache.cache.reqtable import Taken
 from tpcache.cache.shapes import Freed
 from tpcache.cache.swa_allocator import PairedAllocator
 from tpcache.cache.swa_config import (
@@ -53,7 +55,7 @@ __all__ = ["HybridCache", "HybridEvictor", "StaleBoundary"]
 HybridEvictor = Evictor  # called with the local shortfalls (full, SWA) in pages
 
 
-class HybridCache(PrefixCache):
+class HybridCache(DeviceOnly, PrefixCache):
     """A paged radix prefix cache over a full and an SWA pool, with its request table.
 
     Owned as in ``PrefixCache``: ``alloc`` is the paired allocator, ``tree`` the
@@ -91,7 +93,7 @@ class HybridCache(PrefixCache):
             raise InvalidSlots(
                 f"start {start!r} is outside request {req.rid!r}'s 0..{req.num_tokens}"
             )
-        swa_start = max(0, start - self.tree.window)  # type: ignore[operator]
+        swa_start = max(0, start - self.tree.window)
         slots = pages_to_slots(req.pages, self.page_size, req.num_tokens)
         return swa_start, self.swa_slots(slots[swa_start:])
 
@@ -107,8 +109,9 @@ class HybridCache(PrefixCache):
         swa = self.alloc.swa_of(pages[max(0, n - self.tree.window) // ps :])
         return SwaMatchResult(n, pages, handle, ps, swa)
 
-    def _admit_result(self, pos: int, row: np.ndarray, total: int) -> SwaAdmitResult:
+    def _admit_result(self, rid: RequestId, taken: Taken, total: int) -> SwaAdmitResult:
         ps = self.page_size
+        pos, row = taken.pos, taken.row
         # The matched window has SWA KV (the match is window-valid), and so has every
         # page of the request's own: no check.
         swa = self.alloc.swa_of(row[max(0, pos - self.tree.window) // ps :], checked=False)

@@ -22,12 +22,11 @@ Internal: ``HybridCache`` is the public face and hands out handles, never nodes.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from tpcache.cache.allocator import CACHED
-from tpcache.cache.errors import InvalidSlots, LockError, StaleBoundary
+from tpcache.cache.anchors import BASE_LOCK
+from tpcache.cache.errors import LockError, StaleBoundary
 from tpcache.cache.node import SwaNode, window_cut
 from tpcache.cache.order import EvictionOrder
 from tpcache.cache.policies import KeyFn
@@ -35,10 +34,10 @@ from tpcache.cache.shapes import Freed
 from tpcache.cache.swa_allocator import PairedAllocator
 from tpcache.cache.swa_check import WindowCheck
 from tpcache.cache.swa_evict import evict_window, live_tombstone_pages
+from tpcache.cache.swa_inserts import check_new_leaf, revivable, revive_tombstones
 from tpcache.cache.tree import Match, RadixTree
 
 ROOT_MARK = 1  # the root's boundary mark: an SWA lock that runs up the whole path
-Revive = tuple[list[tuple[SwaNode, int]], bool]  # (tombstones, page offset), partial's too
 
 
 class SwaTree(RadixTree):
@@ -120,7 +119,7 @@ class SwaTree(RadixTree):
             self.tombstones += 1
         upper.mark, child.mark = child.mark, 0
         child.ntok -= at
-        self._queue_swa(upper)
+        self.queue_swa(upper)
         return upper
 
     def touch(self, path: list[SwaNode], queue: bool = True) -> None:  # type: ignore[override]
@@ -143,72 +142,14 @@ class SwaTree(RadixTree):
             node = node.parent  # type: ignore[assignment]
 
     # ---- inserts: revival and the new leaf's window --------------------------------------
-    def revivable(self, path: list[SwaNode], partial: Any, differ: np.ndarray) -> Revive:  # type: ignore[override]
-        """Tombstones on the insert path whose every page the newcomer gives anew, with
-        their page offsets after the start; and whether the partial node's matched part
-        (its upper half once split) is one."""
-        out: list[tuple[SwaNode, int]] = []
-        if not self.tombstones:
-            return out, False
-        off = 0
-        for node in path:
-            size = node.pages.size
-            if node.tombstone and differ[off : off + size].all():
-                out.append((node, off))
-            off += size
-        in_partial = partial is not None and partial.tombstone and bool(differ[off:].all())
-        return out, in_partial
-
-    def check_new_leaf(  # type: ignore[override]
-        self,
-        top: SwaNode,
-        path: list[SwaNode],
-        partial: SwaNode | None,
-        common: int,
-        revive: Revive | None,
-        tail: int,
-    ) -> None:
-        """Refuse a new leaf that would follow a tombstone the given pages do not revive
-        by less than a window: it could never be matched."""
-        if not self.tombstones:
-            return
-        nodes, revive_partial = revive or ([], False)
-        revived = {node.id for node, _ in nodes}
-        # (tokens, a tombstone that stays) of what lies above the new leaf, nearest first.
-        above = [(n.ntok, n.tombstone and n.id not in revived) for n in reversed(path)]
-        if partial is not None:
-            above.insert(0, (common, partial.tombstone and not revive_partial))
-        acc = tail
-        for ntok, dead in above:
-            if acc >= self.window:
-                return
-            if dead:
-                break
-            acc += ntok
-        else:
-            if self.valid_end(top, acc):
-                return
-        raise InvalidSlots(
-            "cannot insert: the new leaf would follow a tombstone by less than the"
-            f" window ({self.window} tokens) and the given pages cannot revive it"
-        )
-
-    def revive(self, revive: Revive, path: list[SwaNode], given: np.ndarray) -> None:  # type: ignore[override]
-        nodes, revive_partial = revive
-        if revive_partial:  # path[-1] is the partial node's upper half now
-            nodes = [*nodes, (path[-1], given.size - path[-1].pages.size)]
-        for node, off in nodes:
-            self.alloc.move_swa(given[off : off + node.pages.size], node.pages)
-            node.tombstone = False
-            size = node.pages.size
-            self.tombstones -= 1
-            self.tombstone_pages -= size
-            self.swa_pages += size
-            self._queue_swa(node)
+    # An insert over tombstones (``swa_inserts.py``): the functions take the tree first.
+    revivable = revivable  # type: ignore[assignment]
+    check_new_leaf = check_new_leaf  # type: ignore[assignment]
+    revive = revive_tombstones  # type: ignore[assignment]
 
     def reprioritised(self, node: SwaNode) -> None:  # type: ignore[override]
         if not node.swa_lock and not node.tombstone:
-            self._queue_swa(node)
+            self.queue_swa(node)
 
     def inserted(self, end: SwaNode, tick: int, new_pages: int) -> None:  # type: ignore[override]
         if new_pages:  # a new leaf, with the SWA pages of its own
@@ -249,6 +190,39 @@ class SwaTree(RadixTree):
             cur = cur.parent  # type: ignore[assignment]
         raise StaleBoundary(f"boundary mark {mark} is not on the path of node {node.id}")
 
+    def lock(self, node: SwaNode, top: SwaNode | None = None) -> None:  # type: ignore[override]
+        """``RadixTree.lock``, and with ``top`` (a ``boundary``) the SWA lock of the lock's
+        last window: ``node`` up to ``top``, inclusive (two-level locks)."""
+        super().lock(node)
+        if top is not None:
+            self._lock_window(node, top, 1)
+
+    def unlock(self, node: SwaNode, top: SwaNode | None = None) -> None:  # type: ignore[override]
+        """Undo one ``lock(node, top)``; raises as ``RadixTree.unlock``, changing nothing."""
+        super().unlock(node)
+        if top is not None:
+            self._lock_window(node, top, -1)
+
+    def _lock_window(self, node: SwaNode, top: SwaNode, step: int) -> None:
+        """Add ``step`` to the SWA lock of ``node`` up to ``top`` (never the root); a node
+        whose SWA lock leaves or comes back to 0 changes its SWA order and counters."""
+        root, locking = self.root, step > 0
+        while node is not root:
+            node.swa_lock += step
+            if node.swa_lock == locking:  # 1 after a lock, 0 after an unlock
+                self._swa_locked(node, locking)
+            if node is top:
+                return
+            node = node.parent  # type: ignore[assignment]
+
+    def new_anchor(self, key: bytes) -> SwaNode:
+        """``RadixTree.new_anchor``; an anchor has no tokens and its base SWA lock, so it is
+        never in the SWA order."""
+        anchor: SwaNode = super().new_anchor(key)  # type: ignore[assignment]
+        anchor.ntok = 0
+        anchor.swa_lock = BASE_LOCK
+        return anchor
+
     def check_lockable(self, node: SwaNode, top: SwaNode) -> None:  # type: ignore[override]
         """Raise ``LockError`` if the SWA part ``node..top`` has a tombstone."""
         cur = node
@@ -261,7 +235,7 @@ class SwaTree(RadixTree):
                 return
             cur = cur.parent  # type: ignore[assignment]
 
-    def _swa_locked(self, node: SwaNode, locked: bool) -> None:  # type: ignore[override]
+    def _swa_locked(self, node: SwaNode, locked: bool) -> None:
         """The SWA lock count of ``node`` left 0 (``locked``) or came back to 0."""
         if locked:
             self.swa_protected += node.pages.size
@@ -271,7 +245,7 @@ class SwaTree(RadixTree):
             self.swa_order.push(node)  # alive (locked until now), so no tombstone
 
     # ---- eviction (the SWA order: ``swa_evict.py``) ---------------------------------------
-    def _queue_swa(self, node: SwaNode) -> None:
+    def queue_swa(self, node: SwaNode) -> None:
         if not (node.swa_lock or node.tombstone) and node.alive:  # free SWA KV
             self.swa_order.push(node)
 

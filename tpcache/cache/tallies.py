@@ -27,6 +27,11 @@ class CacheShape(Protocol):
     @property
     def num_pools(self) -> int: ...
     def pool_sizes(self) -> tuple[CacheSizes, ...]: ...
+
+
+class HostTierPart(Protocol):
+    """A cache as ``host_figures`` reads it: its host tier, if it was built with one."""
+
     def host_tier(self) -> HostTierStats | None: ...
 
 
@@ -55,7 +60,7 @@ def cache_digest(cache: CacheShape) -> int:
     )
 
 
-def host_figures(cache: CacheShape) -> dict[str, int]:
+def host_figures(cache: HostTierPart) -> dict[str, int]:
     """A host tier's pool and moves in tokens (``Cache.host_tier``; none without one), as
     a coordinator's ``stats()`` reports them: since the cache was made, a reset included.
     ``host_hit_tokens`` (loaded back) are part of the prefix hits."""

@@ -11,7 +11,8 @@ by the policy key): evicting k nodes costs O(k log n).
 
 This is the one tree. The sliding window (``swa_tree.SwaTree``) extends it through the
 hooks marked below (a lock's window, match ends, revival, a second eviction order); here
-they do nothing, as for a cache without SWA KV. The node and the lookup walk are in
+they do nothing, as for a cache without SWA KV; the window's locks and anchors are
+``SwaTree``'s overrides. The node and the lookup walk are in
 ``node.py``, the full walk of ``check_integrity`` in ``tree_check.py``. This module is
 internal: the caches are the public face and hand out opaque handles, never nodes.
 """
@@ -22,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from tpcache.cache.anchors import BASE_LOCK
 from tpcache.cache.errors import LockError
 from tpcache.cache.events import KVEvent
 from tpcache.cache.evict import evict
@@ -171,19 +173,13 @@ class RadixTree:
 
     # ---- locks --------------------------------------------------------------------------
     def lock(self, node: Node, top: Node | None = None) -> None:
-        """Protect ``node`` and its ancestors from eviction (counts nest); with a window
-        (``top``, its ``boundary``), their SWA KV up to ``top`` too."""
+        """Protect ``node`` and its ancestors from eviction (counts nest). ``top`` (a
+        ``boundary``) is the window's: ``SwaTree`` locks its SWA KV too; none here."""
         root = self.root
-        window = top is not None
         while node is not root:
             if node.lock == 0:
                 self.protected_pages += node.pages.size
             node.lock += 1
-            if window:  # two-level locks: the SWA lock of the lock's last window
-                node.swa_lock += 1  # type: ignore[attr-defined]
-                if node.swa_lock == 1:  # type: ignore[attr-defined]
-                    self._swa_locked(node, True)
-                window = node is not top
             node = node.parent  # type: ignore[assignment]
 
     def unlock(self, node: Node, top: Node | None = None) -> None:
@@ -194,19 +190,24 @@ class RadixTree:
         if node.lock <= 0:
             raise LockError(f"node {node.id} is not locked")
         root = self.root
-        window = top is not None
         while node is not root:
             node.lock -= 1
             if node.lock == 0:
                 self.protected_pages -= node.pages.size
                 if not node.children:
                     self.leaves.push(node)  # now an unlocked leaf (alive: it was locked)
-            if window:
-                node.swa_lock -= 1  # type: ignore[attr-defined]
-                if node.swa_lock == 0:  # type: ignore[attr-defined]
-                    self._swa_locked(node, False)
-                window = node is not top
             node = node.parent  # type: ignore[assignment]
+
+    def new_anchor(self, key: bytes) -> Node:
+        """A namespace's anchor under the root, registered (``anchors.anchor_of``): no
+        pages, only its base lock."""
+        node = self.node_type(
+            self.new_node_id(), self.root, key, EMPTY_PAGES, EMPTY_STATES, self.tick
+        )
+        node.lock = BASE_LOCK
+        self.root.children[key] = node
+        self.nodes[node.id] = node
+        return node
 
     # ---- hooks of the sliding window (SwaTree); without one they do nothing, and the hot
     # paths (locks, inserts, evictions) skip them unless ``window`` (or a ``top``) is set.
@@ -224,9 +225,6 @@ class RadixTree:
 
     def check_lockable(self, node: Node, top: Node | None) -> None:
         """Raise ``LockError`` if ``lock(node, top)`` would lock KV that is gone."""
-
-    def _swa_locked(self, node: Node, locked: bool) -> None:
-        """``node``'s SWA KV became locked (or free again)."""
 
     def valid_end(self, node: Node) -> bool:
         """May a match end at ``node``'s end?"""
