@@ -84,11 +84,13 @@ def apply_call(target, call: tuple):
             got = target.admit(rid, rest[0], reserve=rest[1])
             return ("admit", got.prefix_len, got.slots.tolist())
         if kind == "extend":
-            return ("extend", target.extend(rid, rest[0]).tolist())
+            more = target.extend(rid, rest[0])  # a cache's slots, a coordinator's record
+            return ("extend", getattr(more, "slots", more).tolist())
         if kind == "finish":
             return ("finish", target.finish(rid, rest[0]))
         if kind == "cache_unfinished":
-            return ("cu", target.cache_unfinished(rid, rest[0]))
+            got = target.cache_unfinished(rid, rest[0])
+            return ("cu", getattr(got, "cached_len", got))
         target.abort(rid)
         return ("abort",)
     except errors.CacheError as exc:

@@ -69,9 +69,9 @@ def test_a_runner_gets_the_slots_the_cache_assigned_in_step_order_on_every_rank(
         assert [o.token for o in outs] == [11, 26] and [o.logits.shape for o in outs] == [
             (0, 0)
         ] * 2
-        new_a = coord.extend("a", 1).tolist()
+        new_a = coord.extend("a", 1).slots.tolist()
         coord.cache_unfinished("b", b[:6])
-        new_b = coord.extend("b", 4).tolist()
+        new_b = coord.extend("b", 4).slots.tolist()
         exp = [expect(eng, "a", [7], new_a), expect(eng, "b", b[6:], new_b)]
         eng.step([Compute("a", [7]), Compute("b", b[6:])])
         want.append((last_step(eng), exp))
@@ -79,7 +79,7 @@ def test_a_runner_gets_the_slots_the_cache_assigned_in_step_order_on_every_rank(
         c = [*a, 7, 3, 3]
         got_c = coord.admit("c", c)
         assert got_c.prefix_len == 8 and got_c.slots[:8].tolist() == got_a.slots[:8].tolist()
-        new_b = coord.extend("b", 1).tolist()
+        new_b = coord.extend("b", 1).slots.tolist()
         exp = [expect(eng, "c", c[8:], got_c.slots[8:].tolist()), expect(eng, "b", [9], new_b)]
         eng.step([Compute("c", c[8:]), Compute("b", [9])])
         want.append((last_step(eng), exp))

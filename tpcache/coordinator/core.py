@@ -2,30 +2,30 @@
 
 Every call is applied first to the coordinator's own mirror of the cache (no tensors).
 The mirror validates it (a rejected call raises a typed error and enters no log) and
-gives the answer at once; the call's ops join the pending step, which the pipeline sends
-to every rank and checks against the mirror.
+gives the answer at once, as a record (``records``) that carries all a frontend replies
+with; the call's ops join the pending step, which the pipeline sends to every rank and
+checks against the mirror.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
+import operator
 from collections.abc import Callable
-from typing import Any
-
-import numpy as np
+from typing import Any, Generic, TypeVar, overload
 
 from tpcache.cache.errors import CacheError
 from tpcache.cache.keys import TokenLike, as_tokens
 from tpcache.cache.namespace import CacheNamespace
 from tpcache.cache.protocol import Cache
-from tpcache.cache.radix import AdmitResult
 from tpcache.cache.reqtable import check_count, check_request_id
-from tpcache.cache.tallies import host_figures
 from tpcache.coordinator.call_lock import CallLock
-from tpcache.coordinator.copy_agree import wait_ready
+from tpcache.coordinator.copy_agree import CopiesNotDone, wait_ready
+from tpcache.coordinator.records import Admission, Cached, Extension, admission, cached, extension
+from tpcache.coordinator.recovery import Recovery
+from tpcache.coordinator.stats import LastFigures, group_figures
 from tpcache.coordinator.step_types import (
     CoordinatorConfig,
+    Counters,
     RankCallError,
     RankTransport,
     StepObserver,
@@ -41,20 +41,49 @@ from tpcache.lockstep.ops import (
     Reset,
     pack_tokens,
 )
+from tpcache.workers.protocol import LockstepError
 
-# Defined in step_types.py; importable from here too, where the coordinator's users find them.
+# Defined in records.py and step_types.py; importable from here too, where the
+# coordinator's users find them.
 __all__ = [
     "Admission",
+    "Cached",
     "Coordinator",
     "CoordinatorConfig",
+    "Extension",
     "RankCallError",
     "RankTransport",
     "StepObserver",
 ]
 
-# An admitted request, as the frontend sees it: the cache's own result record (prefix
-# length, the prompt's pages shown read-only, ``slots`` expanded when asked for).
-Admission = AdmitResult
+T = TypeVar("T")
+
+
+class Held(Generic[T]):
+    """An attribute of the coordinator that its step pipeline holds (``path`` from it,
+    e.g. ``"lost.restart_note"``): one owner, read through here; written through here
+    too where ``settable``, else writing raises ``AttributeError`` as a read-only
+    property does."""
+
+    def __init__(self, path: str, settable: bool = False) -> None:
+        owner, _, self.name = ("steps." + path).rpartition(".")
+        self._get = operator.attrgetter("steps." + path)  # read on every call: one C call
+        self._owner = operator.attrgetter(owner)
+        self.settable = settable
+
+    @overload
+    def __get__(self, coord: None, cls: type | None = None) -> Held[T]: ...
+
+    @overload
+    def __get__(self, coord: object, cls: type | None = None) -> T: ...
+
+    def __get__(self, coord: object, cls: type | None = None) -> T | Held[T]:
+        return self if coord is None else self._get(coord)
+
+    def __set__(self, coord: object, value: T) -> None:
+        if not self.settable:
+            raise AttributeError(f"the coordinator's {self.name} cannot be set")
+        setattr(self._owner(coord), self.name, value)
 
 
 class Coordinator:
@@ -84,55 +113,19 @@ class Coordinator:
         self.publisher = publisher
         self.event_stats = event_stats
         self.metrics_port = metrics_port
-        self._last_stats: dict[str, Any] | None = None  # under lock: the latest stats()
-        self._last_stats_at = 0.0
+        self._figures = LastFigures()
 
-    # ---- the pipeline's state, as the coordinator's users read it --------------------------
-    @property
-    def lock(self) -> CallLock:
-        """The lock every call holds; hold it to keep several calls together."""
-        return self.steps.lock
-
-    @property
-    def ranks(self) -> RankTransport:
-        return self.steps.ranks
-
-    @property
-    def mirror(self) -> Cache:
-        """The coordinator's mirror of the cache (recovery may replace it)."""
-        return self.steps.mirror
-
-    @property
-    def config(self) -> CoordinatorConfig:
-        return self.steps.config
-
-    @config.setter
-    def config(self, value: CoordinatorConfig) -> None:
-        self.steps.config = value
-
-    @property
-    def counters(self):
-        return self.steps.counters
-
-    @property
-    def observers(self) -> list[StepObserver]:
-        return self.steps.observers
-
-    @property
-    def broken(self):
-        return self.steps.broken
-
-    @property
-    def recovery(self):
-        return self.steps.recovery
-
-    @property
-    def restart_note(self) -> str | None:
-        return self.steps.lost.restart_note
-
-    @restart_note.setter
-    def restart_note(self, value: str | None) -> None:
-        self.steps.lost.restart_note = value
+    # The pipeline's state, as the coordinator's users read it (one owner: the pipeline).
+    lock = Held[CallLock]("lock")  # every call holds it; hold it to keep calls together
+    ranks = Held[RankTransport]("ranks")
+    mirror = Held[Cache]("mirror")  # the coordinator's mirror (recovery may replace it)
+    config = Held[CoordinatorConfig]("config", settable=True)
+    counters = Held[Counters]("counters")
+    observers = Held[list[StepObserver]]("observers")
+    broken = Held[LockstepError | None]("recovery.broken")
+    recovery = Held[Recovery]("recovery.state")
+    recovering = Held[bool]("recovery.recovering")  # the ranks are being rebuilt now
+    restart_note = Held[str | None]("lost.restart_note", settable=True)
 
     def batch(self):
         """Group every call made inside the block into one step."""
@@ -146,7 +139,7 @@ class Coordinator:
         self.steps.sync()
 
     def recover(self) -> None:
-        self.steps.recover()
+        self.steps.recovery.recover()
 
     def wait_ready(self, request_ids: list[Any], timeout: float = 60.0) -> None:
         """Return once every one of the running ``request_ids`` may run its forward: with
@@ -159,11 +152,26 @@ class Coordinator:
         with self.lock:
             wait_ready(self.steps, [check_request_id(r) for r in request_ids], timeout)
 
+    def ready_or_abort(self, request_id: Any) -> None:
+        """Return once running ``request_id``'s forward may run (see ``wait_ready``; at once
+        without a host tier or a load it waits for), waiting at most ``step_timeout_s``.
+        If its loads are not agreed done by then (a rank's copies are stuck), abort it (as
+        ``abort``) and raise ``CopiesNotDone``; else raises as ``wait_ready``."""
+        with self.lock:
+            rid = check_request_id(request_id)
+            if self.mirror.request_ready(rid):
+                return
+            try:
+                wait_ready(self.steps, [rid], self.config.step_timeout_s)
+            except CopiesNotDone as exc:
+                self.abort(rid)
+                raise CopiesNotDone(f"request {request_id!r} aborted: {exc}") from None
+
     def stop_recovery(self) -> None:
-        self.steps.stop_recovery()
+        self.steps.recovery.stop()
 
     def check_health(self) -> bool:
-        return self.steps.check_health()
+        return self.steps.recovery.check_health()
 
     # ---- the frontend API ------------------------------------------------------------------
     def admit(
@@ -175,8 +183,9 @@ class Coordinator:
         namespace: CacheNamespace | None = None,
     ) -> Admission:
         """Admit a request; returns its cached prefix length and the slots of its prompt
-        and of ``reserve`` more tokens (see ``RadixCache.admit``), matched and later
-        cached in ``namespace`` (a LoRA adapter, a tenant's salt; ``None``: the default).
+        and of ``reserve`` more tokens (see ``RadixCache.admit``), and a hybrid cache's
+        SWA slots from the prefix's end, matched and later cached in ``namespace`` (a
+        LoRA adapter, a tenant's salt; ``None``: the default).
 
         Raises (before anything is logged) the cache's typed errors: DuplicateRequest,
         InvalidTokens, OutOfCapacity, InvalidNamespace, CacheError for a bad id, priority
@@ -192,30 +201,36 @@ class Coordinator:
             c.queries += 1
             c.query_tokens += len(op.tokens) // 4  # int32 tokens
             c.hit_tokens += got.prefix_len
-            return got  # the mirror's own record for this call (its pages read-only)
+            return admission(self.mirror, rid, got)
 
         return self.steps.run(run)
 
-    def extend(self, request_id: Any, n: int) -> np.ndarray:
-        """``n`` more slots for a running request (decode, or the next prefill chunk)."""
+    def extend(self, request_id: Any, n: int) -> Extension:
+        """``n`` more slots for a running request (decode, or the next prefill chunk), and
+        a hybrid cache's SWA slots from the first of them. Raises as the cache's
+        ``extend`` (nothing changed), or ``RequestLost``."""
 
-        def run() -> np.ndarray:
+        def run() -> Extension:
             rid = self._running_id(request_id)
             slots, op, expected = logged_extend(self.mirror, rid, n)
             self.steps.emit(op, expected)
-            return slots
+            return extension(self.mirror, rid, slots)
 
         return self.steps.run(run)
 
-    def cache_unfinished(self, request_id: Any, tokens: TokenLike) -> int:
-        """Cache a running request's whole pages so far (chunked prefill); cached length."""
+    def cache_unfinished(self, request_id: Any, tokens: TokenLike) -> Cached:
+        """Cache a running request's whole pages so far (chunked prefill). Returns the
+        cached length and, when pages the tree already held replaced the request's own,
+        its row now and the slots freed. Raises as the cache's ``cache_unfinished``
+        (nothing changed), or ``RequestLost``."""
 
-        def run() -> int:
+        def run() -> Cached:
             rid = self._running_id(request_id)
             key = as_tokens(tokens)
+            before = self.mirror.request_row(rid).pages.copy()
             n = self.mirror.cache_unfinished(rid, key)
             self.steps.emit(CacheUnfinished(rid, pack_tokens(key)), OpResult(prefix_len=n))
-            return n
+            return cached(self.mirror, rid, n, before)
 
         return self.steps.run(run)
 
@@ -284,66 +299,17 @@ class Coordinator:
         """The group's figures (a new dict; changes no cache state). Taken under ``lock``;
         if another call holds it longer than ``wait_s`` (a step waiting for a slow rank),
         the figures of the last ``stats()`` are returned, ``stats_age_s`` saying how old."""
-        if not self.lock.acquire(timeout=wait_s):
-            if self._last_stats is not None:
-                age = time.monotonic() - self._last_stats_at
-                return {**self._last_stats, "stats_age_s": age}
-            self.lock.acquire()
-        try:
-            self._last_stats = self._stats()
-            self._last_stats_at = time.monotonic()
-            return dict(self._last_stats)
-        finally:
-            self.lock.release()
+        return self._figures.take(
+            self.lock,
+            wait_s,
+            lambda: group_figures(self.steps, self.event_stats, self.metrics_port),
+        )
 
-    def _stats(self) -> dict[str, Any]:
-        c = self.counters
-        s = self.mirror.sizes()
-        lat = list(c.latencies_s)
-        return {
-            "tp": self.ranks.world_size,
-            "steps_sent": self.steps.steps_sent,
-            "steps_done": c.steps_done,
-            "messages_sent": c.messages,
-            "inflight": self.steps.steps_inflight,
-            "waiting": self.steps.steps_waiting,
-            "ops": c.ops,
-            "queries": c.queries,
-            "query_tokens": c.query_tokens,
-            "hit_tokens": c.hit_tokens,
-            "hit_rate": c.hit_tokens / c.query_tokens if c.query_tokens else 0.0,
-            "capacity": s.capacity,
-            "free": s.free,
-            "evictable": s.evictable,
-            "protected": s.protected,
-            "held": s.held,
-            "running": len(self.mirror.running_ids()),
-            "evicted_tokens": self.mirror.stats().evicted_pages[0] * self.mirror.page_size,
-            "divergences": c.divergences,
-            "rank_failures": c.rank_failures,
-            "recoveries": c.recoveries,
-            "last_recovery_s": c.last_recovery_s,
-            "replaced_ranks": getattr(self.ranks, "replaced", 0),
-            "rank_paths": self.ranks.paths(),
-            "step_latency_ms_median": statistics.median(lat) * 1e3 if lat else 0.0,
-            "digest": self.mirror.digest(),
-            "broken": str(self.broken) if self.broken else None,
-            # Retried recovery: failed attempts since start, whether attempts go on, the
-            # last failure, and seconds to the next attempt (0 when healthy).
-            "recovery_failures": self.recovery.failures,
-            "recovering": self.steps.recovering
-            or (self.broken is not None and self.config.auto_recover and not self.recovery.stopped),
-            "last_recovery_error": self.recovery.last_error,
-            "next_recovery_in_s": max(0.0, self.recovery.next_at - time.monotonic())
-            if self.broken is not None
-            else 0.0,
-            "events_published": self.event_stats()[0] if self.event_stats else 0,
-            "events_dropped": self.event_stats()[1] if self.event_stats else 0,
-            "metrics_port": self.metrics_port,
-            # A host tier's pool and moves, from the mirror (as evicted_tokens is).
-            **host_figures(self.mirror),
-            "stats_age_s": 0.0,
-        }
+    def request_limit(self) -> int:
+        """The most tokens one request may hold (a recovery to another capacity may
+        change it). Changes nothing."""
+        with self.lock:
+            return self.mirror.config.request_limit
 
     def close(self) -> None:
         """Stop the ranks, the event publisher and the metrics endpoint. Idempotent. Waits

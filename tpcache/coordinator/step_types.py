@@ -172,24 +172,6 @@ class InFlight:
 
 
 @dataclass
-class Recovery:
-    """The state of retried recovery. Owned by the coordinator (``StepPipeline``)."""
-
-    failures: int = 0  # failed attempts since start
-    consecutive: int = 0  # failed attempts since the last success
-    next_at: float = 0.0  # time.monotonic() of the next automatic attempt
-    last_error: str | None = None
-    stopped: bool = False  # the operator stopped automatic attempts
-
-    def backoff(self, config: CoordinatorConfig) -> float:
-        """Seconds until the next attempt after ``consecutive`` failures."""
-        return min(
-            config.recovery_backoff_max_s,
-            config.recovery_backoff_s * 2.0 ** max(0, self.consecutive - 1),
-        )
-
-
-@dataclass
 class Counters:
     """Owned by the coordinator; read by ``stats()`` and the metrics exporter."""
 

@@ -1,5 +1,5 @@
-"""The step pipeline under the coordinator: the pending step, the steps in flight, the
-check of every rank's result against the mirror, and failing and recovering the group.
+"""The step pipeline under the coordinator: the pending step, the steps in flight, and the
+check of every rank's result against the mirror.
 
 A call's ops join the pending step; the step is closed when the call returns (or when a
 ``batch()`` block ends, or the step is full) and sent to every rank. Up to
@@ -15,15 +15,15 @@ transport round trip per step, which on CPU ranks costs more than a small step's
 work. A step that waits is sent by the next call, ``flush()`` or ``sync()``; anything
 that reaches the ranks directly (a model forward) flushes first.
 
-A failed or diverged step stops the group: the running requests are lost (later calls
-for them raise ``RequestLost``, ``lost.py``) and, if configured, the group is rebuilt at once.
+A failed or diverged step stops the group (``recovery.py``): the running requests are lost
+(later calls for them raise ``RequestLost``, ``lost.py``) and, if configured, the group is
+rebuilt at once.
 ``core.Coordinator`` puts the frontend API on top.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -33,8 +33,8 @@ from typing import NoReturn, TypeVar
 from tpcache.cache.protocol import Cache
 from tpcache.coordinator.call_lock import CallLock
 from tpcache.coordinator.copy_agree import CopyCompletion
-from tpcache.coordinator.errors import CoordinatorUnavailable
 from tpcache.coordinator.lost import LostRequests
+from tpcache.coordinator.recovery import GroupRecovery
 from tpcache.coordinator.step_check import odd_by_digest, odd_ranks
 from tpcache.coordinator.step_types import (
     Closed,
@@ -43,20 +43,20 @@ from tpcache.coordinator.step_types import (
     InFlight,
     RankCallError,
     RankTransport,
-    Recovery,
     StepObserver,
 )
 from tpcache.lockstep.ops import Op, OpResult, Step, encode
-from tpcache.workers.protocol import DivergenceError, LockstepError, RankFailure
+from tpcache.workers.protocol import DivergenceError, RankFailure
 
 _T = TypeVar("_T")
 
 
 class StepPipeline:
     """The step machinery a ``Coordinator`` holds: the pending step, the steps in flight,
-    checking every rank's result against the mirror, and failing and recovering the group.
+    and checking every rank's result against the mirror; ``recovery`` fails and recovers
+    the group.
 
-    It owns the mirror (recovery may replace it), the pending ops and the broken flag; the
+    It owns the mirror (recovery may replace it) and the pending ops; the
     coordinator's API applies each call to ``mirror`` inside ``run`` and logs its ops
     with ``emit``. Every entry point holds ``lock`` (any thread may call); a recovery
     lets go of it while the ranks are rebuilt, so other callers get
@@ -85,14 +85,20 @@ class StepPipeline:
         self._waiting: list[Closed] = []  # closed steps not yet sent (see coalescing)
         self._next_step = 0
         self._batch_depth = 0
-        self.broken: LockstepError | None = None
-        self.recovery = Recovery()
         self.lost = LostRequests()  # owned here: what a failure or a recovery lost
         self.copies = CopyCompletion()  # the host tier's agreed copy completion
         self.lock = CallLock()
-        # The thread rebuilding the ranks, while one does (set and cleared under ``lock``).
-        self._recovering: threading.Thread | None = None
         self.closed = False  # set by the coordinator's close(): a rebuild then stops
+        self.recovery = GroupRecovery(self)  # whether the group is broken; bringing it back
+
+    @property
+    def next_step(self) -> int:
+        return self._next_step
+
+    @property
+    def idle(self) -> bool:
+        """No step pending, waiting or in flight."""
+        return not (self._inflight or self._waiting or self._pending)
 
     @property
     def steps_sent(self) -> int:
@@ -115,14 +121,14 @@ class StepPipeline:
                 yield
             finally:
                 self._batch_depth -= 1
-                if self._batch_depth == 0 and self.broken is None:
+                if self._batch_depth == 0 and self.recovery.broken is None:
                     self._send()
 
     def flush(self) -> None:
         """Send every closed or pending step now (waiting only for a free in-flight slot),
         so that a call that reaches the ranks next comes after them."""
         with self.lock:
-            self._check_usable()
+            self.recovery.check_usable()
             self._send()
             if self._waiting:
                 self._post()
@@ -139,7 +145,7 @@ class StepPipeline:
         """Run a call (``fn`` applies it to the mirror and emits its ops); its step is
         closed unless a ``batch()`` is open."""
         with self.lock:
-            self._check_usable()
+            self.recovery.check_usable()
             self._pending += self.copies.completion(self.mirror)
             result = fn()
             if self._batch_depth == 0 or len(self._pending) >= self.config.max_batch_ops:
@@ -165,7 +171,7 @@ class StepPipeline:
             data = encode(Step(step, ops, peer_check=self.ranks.peer_check))
         except Exception as exc:  # every input is validated first: this is a bug
             # The mirror took ops the ranks can never get: start over, as for a failure.
-            self._break(RankFailure(step, f"step could not be encoded: {exc}"))
+            self.recovery.fail(RankFailure(step, f"step could not be encoded: {exc}"))
         self._next_step += 1
         events = self.mirror.take_events()
         for obs in self.observers:
@@ -218,7 +224,7 @@ class StepPipeline:
             c.rank_ops_s.append(ops_s)
             if odd:
                 c.divergences += 1
-                self._break(
+                self.recovery.fail(
                     DivergenceError(
                         s.step,
                         f"rank(s) {odd} differ from the coordinator's mirror after step {s.step}",
@@ -234,116 +240,29 @@ class StepPipeline:
         if isinstance(cause, DivergenceError):
             self.counters.divergences += 1
             odd = odd_by_digest(self.ranks, at.digest)
-            self._break(DivergenceError(at.step, f"{cause.detail}; odd rank(s): {list(odd)}", odd))
+            self.recovery.fail(
+                DivergenceError(at.step, f"{cause.detail}; odd rank(s): {list(odd)}", odd)
+            )
         self.counters.rank_failures += 1
         if isinstance(cause, RankFailure):
-            self._break(RankFailure(at.step, cause.detail))
+            self.recovery.fail(RankFailure(at.step, cause.detail))
         kind = "died" if exc.dead else "failed"
-        self._break(
+        self.recovery.fail(
             RankFailure(at.step, f"rank {exc.rank} {kind}: {type(cause).__name__}: {cause}")
         )
 
-    def _break(self, err: LockstepError) -> NoReturn:
-        """Stop: every running request is lost (with ``err`` as the cause), then recover
-        if configured, and raise ``err`` (retryable) to the caller that hit it. With
-        ``recover_in_background`` the recovery runs on a thread of its own and ``err`` is
-        raised at once."""
-        self.broken = err
-        self.lost.lose(self.mirror.running_ids(), str(err))
+    def drop(self, why: str, replace: bool = True) -> None:
+        """Every running request is lost (``why``: the cause its later calls name; with
+        ``replace``, over an earlier one's) and every step not yet checked is dropped."""
+        self.lost.lose(self.mirror.running_ids(), why, replace=replace)
         self._inflight.clear()
         self._waiting = []
         self._pending = []
-        if self.config.auto_recover:
-            if self.config.recover_in_background:
-                self._recover_in_background()
-            elif not self._attempt_recovery():
-                r = self.recovery
-                err.detail += (
-                    f"; recovery failed ({r.last_error}); retrying in {r.backoff(self.config):g}s"
-                )
-                err.args = (f"step {err.step}: {err.detail}",)
-        raise err
 
-    def _attempt_recovery(self) -> bool:
-        """One recovery attempt (``lock`` held); on failure the next is due after the
-        back-off."""
-        r = self.recovery
-        try:
-            self._rebuild()
-        except Exception as exc:  # a rank that died or hung while the group re-formed
-            r.failures += 1
-            r.consecutive += 1
-            r.last_error = f"{type(exc).__name__}: {exc}"
-            r.next_at = time.monotonic() + r.backoff(self.config)
-            return False
-        return True
-
-    def _recover_in_background(self) -> None:
-        """Start one recovery attempt on a thread of its own (``lock`` held), unless one
-        runs already."""
-        if self._recovering is not None:
-            return
-
-        def attempt() -> None:
-            with self.lock:
-                try:
-                    self._attempt_recovery()
-                finally:  # whatever happened, the next attempt may start
-                    self._recovering = None
-
-        self._recovering = threading.Thread(target=attempt, name="tpcache-recovery", daemon=True)
-        self._recovering.start()
-
-    @property
-    def recovering(self) -> bool:
-        """Whether the ranks are being rebuilt now (calls are refused meanwhile)."""
-        return self._recovering is not None
-
-    def stop_recovery(self) -> None:
-        """Stop automatic recovery attempts (a broken group stays down until ``recover()``
-        is called by hand; an attempt already running finishes). Changes no cache state."""
-        with self.lock:
-            self.recovery.stopped = True
-
-    def recover(self) -> None:
-        """Replace dead or hung ranks, rebuild the process group, and start every rank and
-        the mirror from an empty cache (announced once as ``AllBlocksCleared``).
-
-        Requests that were running are lost: later calls for them raise ``RequestLost``.
-        Raises what the ranks' restart raised (the group stays broken, and an automatic
-        attempt follows after the back-off unless stopped), or ``CoordinatorUnavailable``
-        if a recovery runs already. Called by hand it also restarts automatic attempts
-        that ``stop_recovery`` stopped.
-        """
-        with self.lock:
-            if self._recovering is not None:
-                raise CoordinatorUnavailable("the TP group is being recovered already")
-            self._rebuild()
-
-    def _rebuild(self) -> None:
-        """``recover``'s work, with ``lock`` held. The lock is let go while the ranks
-        restart (seconds: new processes, the group's join), so other callers are refused
-        at once (``_check_usable``) instead of waiting; nothing else touches the mirror
-        or the ranks meanwhile."""
-        started = time.monotonic()
-        self.recovery.stopped = False
-        why = "the coordinator recovered its TP group"
-        self.lost.lose(self.mirror.running_ids(), why, replace=False)
-        self._inflight.clear()
-        self._waiting = []
-        self._pending = []
-        self._recovering = threading.current_thread()
-        try:
-            with self.lock.released():
-                capacity = self.ranks.restart(self.config.probe_s)
-        except Exception:
-            if not self.closed:
-                raise
-        finally:
-            self._recovering = None
-        if self.closed:  # closed while the ranks restarted: stop what the restart started
-            self.ranks.close()
-            raise CoordinatorUnavailable("the coordinator was closed during a recovery")
+    def start_over(self, capacity: int) -> None:
+        """Start the mirror from an empty cache of ``capacity`` tokens (told to the
+        observers as step -1's events), steps numbered from 0, a fresh copy log: what
+        the ranks restarted with."""
         old = self.mirror
         # A host tier's copy log starts over on the ranks' new caches: so must the mirror's.
         fresh_log = old.copies_completed() == 0 and not old.copies_pending()
@@ -359,54 +278,3 @@ class StepPipeline:
             obs.step_sent(-1, events)
         self._next_step = 0
         self.copies.restart()
-        self.broken = None
-        self.recovery.consecutive = 0
-        self.recovery.last_error = None
-        self.counters.recoveries += 1
-        self.counters.last_recovery_s = time.monotonic() - started
-
-    def check_health(self) -> bool:
-        """Ping every rank (bounded by ``probe_s``); on a dead or hung rank, fail and
-        recover as a failed step would. Returns True if all were healthy."""
-        with self.lock:
-            self._check_usable()
-            if self._inflight or self._waiting or self._pending:
-                self.sync()  # a failure shows up here, and recovers
-                return True
-            try:
-                self.ranks.call("ping", timeout=self.config.probe_s)
-            except RankCallError as exc:
-                self.counters.rank_failures += 1
-                kind = "died" if exc.dead else "did not answer a health check"
-                self._break(RankFailure(self._next_step, f"rank {exc.rank} {kind}: {exc.cause}"))
-            return True
-
-    def _check_usable(self) -> None:
-        """Raise ``CoordinatorUnavailable`` (retryable) while the ranks are being rebuilt
-        or the group is broken. Where an automatic recovery attempt is due, make it first
-        (or, with ``recover_in_background``, start it): so a served coordinator (its
-        health check) or any caller that retries brings a broken group back."""
-        if self._recovering is not None:
-            what = f"stopped at {self.broken}" if self.broken is not None else "is restarting"
-            raise CoordinatorUnavailable(
-                f"the TP group {what}; it is being recovered now, retry shortly"
-            )
-        if self.broken is None:
-            return
-        r = self.recovery
-        auto = self.config.auto_recover and not r.stopped
-        if auto and time.monotonic() >= r.next_at:
-            if self.config.recover_in_background:
-                self._recover_in_background()
-                raise CoordinatorUnavailable(
-                    f"the TP group stopped at {self.broken}; it is being recovered now, "
-                    "retry shortly"
-                )
-            if self._attempt_recovery():
-                return
-        if not auto:
-            why = "it must be recovered by hand (recover())"
-        else:
-            wait = max(0.0, r.next_at - time.monotonic())
-            why = f"recovery attempt {r.consecutive} failed ({r.last_error}); next in {wait:.1f}s"
-        raise CoordinatorUnavailable(f"the TP group stopped at {self.broken}; {why}")

@@ -11,13 +11,12 @@ import dataclasses
 import threading
 
 import msgspec
-import numpy as np
 
 from tpcache.cache.errors import CacheError
-from tpcache.cache.keys import pages_to_slots
 from tpcache.cache.namespace import make_namespace
 from tpcache.coordinator.copy_agree import CopiesNotDone
 from tpcache.coordinator.core import Coordinator
+from tpcache.coordinator.records import Cached, SwaWindow
 from tpcache.frontend.api import (
     AbortCall,
     AdmitCall,
@@ -55,22 +54,6 @@ from tpcache.workers.protocol import LockstepError
 REJECTED = (CacheError, CoordinatorUnavailable, RequestLost, LockstepError, CopiesNotDone)
 
 
-def _wait_ready(coord: Coordinator, rid) -> None:
-    """A frontend's engine runs its forward as soon as it has the slots, so with a host
-    tier an admit or extend whose prefix is being loaded replies only once that load is
-    done on every rank (a write-back still reading pages it got needs no wait here: each
-    rank's forward waits for its own copies). If it is not within the step timeout (a
-    rank's copies are stuck), the request is aborted and the reply is ``CopiesNotDone``.
-    A request with no pending load replies at once."""
-    if coord.mirror.request_ready(rid):
-        return
-    try:
-        coord.wait_ready([rid], coord.config.step_timeout_s)
-    except CopiesNotDone as exc:
-        coord.abort(rid)
-        raise CopiesNotDone(f"request {rid!r} aborted: {exc}") from None
-
-
 def dispatch(
     coord: Coordinator,
     call: Call,
@@ -92,17 +75,16 @@ def dispatch(
                 got = coord.admit(scoped, tokens, priority, reserve, space)
                 if owner is not None and figures is not None:
                     figures.admitted(owner, len(tokens), got.prefix_len)
-                _wait_ready(coord, scoped)
-                return AdmitReply(
-                    got.prefix_len, got.slots.tolist(), *_swa(coord, scoped, got.prefix_len)
-                )
+                # The engine runs its forward as soon as it has the slots: with a host
+                # tier, a prefix being loaded must be there first.
+                coord.ready_or_abort(scoped)
+                return AdmitReply(got.prefix_len, got.slots.tolist(), *_swa(got.swa))
             case ExtendCall(_, n):
-                slots = coord.extend(scoped, n)
-                _wait_ready(coord, scoped)
-                start = coord.mirror.request_row(scoped).num_tokens - slots.size
-                return SlotsReply(slots.tolist(), *_swa(coord, scoped, start))
+                more = coord.extend(scoped, n)
+                coord.ready_or_abort(scoped)
+                return SlotsReply(more.slots.tolist(), *_swa(more.swa))
             case CacheUnfinishedCall(_, tokens):
-                return _cache_unfinished(coord, scoped, tokens)
+                return _cached_reply(coord.cache_unfinished(scoped, tokens))
             case FinishCall(_, output):
                 return CachedReply(coord.finish(scoped, output))
             case AbortCall(_):
@@ -123,35 +105,18 @@ def dispatch(
     return err
 
 
-def _swa(coord: Coordinator, rid, start: int) -> tuple[int, list[int]]:
-    """The SWA slots from the window before token ``start`` (the first new one) to the end
-    of the request's row; ``(0, [])`` with the full-attention cache."""
-    got = coord.mirror.request_swa_slots(rid, start)
-    if got is None:
-        return 0, []
-    return got[0], got[1].tolist()
+def _swa(window: SwaWindow | None) -> tuple[int, list[int]]:
+    """A reply's ``swa_start`` and ``swa_slots``: ``(0, [])`` with the full-attention cache."""
+    return (0, []) if window is None else (window.start, window.slots.tolist())
 
 
-def _cache_unfinished(coord: Coordinator, rid, tokens) -> CachedReply:
-    """``cache_unfinished``, and, when it rewrote the request's row (pages the tree already
-    held replace the request's own), the row's slots now and the slots freed."""
-    mirror = coord.mirror
-    try:
-        old = mirror.request_row(rid).pages.copy()
-    except CacheError:
-        old = None  # the call below raises the right error (unknown, lost, bad id)
-    n = coord.cache_unfinished(rid, tokens)
-    row = mirror.request_row(rid)
-    if old is None or np.array_equal(old, row.pages):
-        return CachedReply(n)
-    ps = mirror.page_size
-    freed = old[old != row.pages]
-    return CachedReply(
-        n,
-        pages_to_slots(row.pages, ps, row.num_tokens).tolist(),
-        pages_to_slots(np.sort(freed), ps).tolist(),
-        *_swa(coord, rid, row.num_tokens),
-    )
+def _cached_reply(got: Cached) -> CachedReply:
+    """``cache_unfinished``'s reply: with a rewritten row, the row's slots now, the slots
+    freed and the last window's SWA slots."""
+    w = got.rewrite
+    if w is None:
+        return CachedReply(got.cached_len)
+    return CachedReply(got.cached_len, w.slots.tolist(), w.freed.tolist(), *_swa(w.swa))
 
 
 def apply_requests(
@@ -175,7 +140,7 @@ def apply_requests(
 
 def call_limit(coord: Coordinator) -> int:
     """The largest encoded call ``coord`` can take (``api.max_call_bytes``)."""
-    return max_call_bytes(coord.mirror.config.request_limit)
+    return max_call_bytes(coord.request_limit())
 
 
 def handle(coord: Coordinator, data: object, owner: Owner | None = None) -> bytes:

@@ -176,7 +176,7 @@ class CoordinatorService:
 
     def rank_pids(self) -> list[int]:
         with self.coord.lock:
-            if self.coord.steps.recovering:  # the ranks are being replaced
+            if self.coord.recovering:  # the ranks are being replaced
                 raise CoordinatorUnavailable("the TP group is being recovered; retry shortly")
             return list(self.coord.ranks.call("pid"))
 
