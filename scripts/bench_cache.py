@@ -89,7 +89,7 @@ def _time_integrity_checks() -> list[float]:
     spent = [0.0]
     for module, name in (
         ("tpcache.cache.radix", "RadixCache"),
-        ("tpcache.cache.swa_cache", "HybridCache"),
+        ("tpcache.cache.swa.cache", "HybridCache"),
     ):
         try:
             cls = getattr(importlib.import_module(module), name)

@@ -20,8 +20,8 @@ import time
 
 from tpcache.cache.keys import frozen_tokens
 from tpcache.cache.radix import CacheConfig, RadixCache
-from tpcache.cache.swa_cache import HybridCache
-from tpcache.cache.swa_config import HybridConfig
+from tpcache.cache.swa.cache import HybridCache
+from tpcache.cache.swa.config import HybridConfig
 from tpcache.trace import DEFAULT_TRACE, load_trace, output_tokens, prompt_tokens
 
 

@@ -35,7 +35,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 
 from belady import parse_capacities  # noqa: E402
 
-from tpcache.cache.policies import CACHE_POLICIES  # noqa: E402
+from tpcache.cache.policy.policies import CACHE_POLICIES  # noqa: E402
 from tpcache.replay import ReplayOptions, replay  # noqa: E402
 from tpcache.trace import DEFAULT_TRACE as TRACE  # noqa: E402
 from tpcache.trace import load_trace  # noqa: E402

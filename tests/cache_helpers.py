@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from tpcache.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from tpcache.cache.hashing import block_hashes
 from tpcache.cache.radix import RadixCache
+from tpcache.cache.tree.hashing import block_hashes
 
 BlockIndex = dict[int, tuple[int | None, tuple[int, ...]]]  # hash -> (parent hash, page tokens)
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tpcache.cache.swa_cache import HybridCache
-from tpcache.cache.swa_config import HybridConfig
+from tpcache.cache.swa.cache import HybridCache
+from tpcache.cache.swa.config import HybridConfig
 
 NodeView = tuple[list[int], list[int], list[int] | None, int, int]
 

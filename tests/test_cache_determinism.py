@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tpcache.cache.errors import CacheError
-from tpcache.cache.policies import CACHE_POLICIES
+from tpcache.cache.policy.policies import CACHE_POLICIES
 from tpcache.cache.radix import CacheConfig, RadixCache
 
 Op = tuple

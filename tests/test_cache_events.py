@@ -11,7 +11,6 @@ import pytest
 from cache_helpers import fold_events, tree_block_index
 from vllm_wire import VLLM_WIRE, VCleared, VRemoved, VStored
 
-from tpcache.cache import hashing
 from tpcache.cache.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -20,8 +19,9 @@ from tpcache.cache.events import (
     decode_batch,
     encode_batch,
 )
-from tpcache.cache.hashing import ROOT_STATE, PageHasher, block_hashes
 from tpcache.cache.radix import CacheConfig, RadixCache
+from tpcache.cache.tree import hashing
+from tpcache.cache.tree.hashing import ROOT_STATE, PageHasher, block_hashes
 
 
 def _cache(capacity: int = 256, page_size: int = 4, **kw: object) -> RadixCache:
@@ -72,7 +72,7 @@ def test_the_same_page_under_another_prefix_has_another_hash() -> None:
 def test_hashes_are_the_same_in_a_fresh_process_with_another_hash_seed() -> None:
     code = (
         "import numpy as np\n"
-        "from tpcache.cache.hashing import ROOT_STATE, PageHasher, block_hashes\n"
+        "from tpcache.cache.tree.hashing import ROOT_STATE, PageHasher, block_hashes\n"
         "for ps in (1, 3, 4, 16):\n"
         "    t = np.arange(5, 5 + 4 * ps, dtype=np.int32)\n"
         "    print(block_hashes(PageHasher(ps).chain(t, ROOT_STATE)).tolist())\n"

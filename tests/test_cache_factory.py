@@ -7,10 +7,10 @@ import pytest
 
 from tpcache.cache.errors import HostTierError, SwaHostTierError
 from tpcache.cache.factory import CacheSpec, build
-from tpcache.cache.host_cache import HostCache
+from tpcache.cache.host.cache import HostCache
 from tpcache.cache.radix import RadixCache
-from tpcache.cache.swa_cache import HybridCache
-from tpcache.cache.swa_config import InvalidConfig
+from tpcache.cache.swa.cache import HybridCache
+from tpcache.cache.swa.config import InvalidConfig
 from tpcache.replay import ReplayOptions, make_cache
 from tpcache.workers.spec import CacheSpec as WorkerCacheSpec
 

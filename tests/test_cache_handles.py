@@ -23,11 +23,11 @@ import pytest
 from ns_helpers import ns_view, run_in
 
 from tpcache.cache.errors import LockError, UnknownHandle
-from tpcache.cache.host_cache import HostCache, HostConfig
+from tpcache.cache.host.cache import HostCache, HostConfig
 from tpcache.cache.namespace import CacheNamespace, is_anchor
 from tpcache.cache.radix import CacheConfig, RadixCache
-from tpcache.cache.swa_cache import HybridCache
-from tpcache.cache.swa_config import HybridConfig
+from tpcache.cache.swa.cache import HybridCache
+from tpcache.cache.swa.config import HybridConfig
 
 PS = 4
 WINDOW = 8

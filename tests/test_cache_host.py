@@ -16,7 +16,7 @@ from tpcache.cache.errors import (
     UnknownRequest,
 )
 from tpcache.cache.events import BlockRemoved, BlockStored
-from tpcache.cache.host_cache import HostCache, HostConfig
+from tpcache.cache.host.cache import HostCache, HostConfig
 from tpcache.cache.records import CacheSizes
 from tpcache.replay import ReplayOptions, make_cache
 

@@ -13,7 +13,7 @@ from ns_helpers import ns_view
 
 from tpcache.cache.errors import InvalidNamespace, InvalidSlots
 from tpcache.cache.events import BlockRemoved, BlockStored
-from tpcache.cache.host_cache import HostCache, HostConfig
+from tpcache.cache.host.cache import HostCache, HostConfig
 from tpcache.cache.namespace import CacheNamespace, is_anchor
 
 A = CacheNamespace(salt="tenant-a")

@@ -11,9 +11,9 @@ import pytest
 from test_cache_determinism import apply, random_ops
 
 from tpcache.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from tpcache.cache.hashing import block_hashes
-from tpcache.cache.host_cache import HostCache, HostConfig
-from tpcache.cache.host_config import WRITE_POLICIES
+from tpcache.cache.host.cache import HostCache, HostConfig
+from tpcache.cache.host.config import WRITE_POLICIES
+from tpcache.cache.tree.hashing import block_hashes
 
 
 def make(ps: int, policy: str, write: str, defer: bool = False) -> HostCache:

@@ -9,8 +9,8 @@ import pytest
 
 from tpcache.cache.allocator import FREE, HELD
 from tpcache.cache.errors import IntegrityError
-from tpcache.cache.node import page_terms
 from tpcache.cache.radix import CacheConfig, RadixCache
+from tpcache.cache.tree.node import page_terms
 
 
 def _busy(page_size: int = 1) -> RadixCache:

@@ -8,9 +8,9 @@ import random
 import numpy as np
 
 from tpcache.cache.blocks import cached_blocks
-from tpcache.cache.hashing import PageHasher, fold_fields
-from tpcache.cache.node import _BATCH_PAGES
 from tpcache.cache.radix import CacheConfig, RadixCache
+from tpcache.cache.tree.hashing import PageHasher, fold_fields
+from tpcache.cache.tree.node import _BATCH_PAGES
 
 
 def drive(cache: RadixCache, rng: random.Random, n: int) -> None:
@@ -47,8 +47,8 @@ def test_no_digest_keeps_no_dead_nodes():
 
 
 def test_hybrid_lazy_and_eager_hashing_agree():
-    from tpcache.cache.swa_cache import HybridCache
-    from tpcache.cache.swa_config import HybridConfig
+    from tpcache.cache.swa.cache import HybridCache
+    from tpcache.cache.swa.config import HybridConfig
 
     seed = 99
     print(f"seed={seed}")

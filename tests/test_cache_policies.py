@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tpcache.cache.policies import POLICIES
+from tpcache.cache.policy.policies import POLICIES
 from tpcache.cache.radix import CacheConfig, RadixCache
 
 EXPECTED = {

@@ -26,7 +26,7 @@ from tpcache.cache.errors import (
     UnknownHandle,
     UnknownRequest,
 )
-from tpcache.cache.policies import CACHE_POLICIES
+from tpcache.cache.policy.policies import CACHE_POLICIES
 from tpcache.cache.radix import CacheConfig, RadixCache
 
 CAPACITY_PAGES = 10

@@ -12,8 +12,8 @@ from cache_helpers import snapshot, tree_nodes
 from tpcache.cache.errors import CacheError, InvalidTokens, OutOfCapacity
 from tpcache.cache.keys import as_tokens, frozen_tokens, is_frozen
 from tpcache.cache.radix import CacheConfig, RadixCache
-from tpcache.cache.swa_cache import HybridCache
-from tpcache.cache.swa_config import HybridConfig
+from tpcache.cache.swa.cache import HybridCache
+from tpcache.cache.swa.config import HybridConfig
 
 KINDS = ("base", "hybrid")
 

@@ -11,7 +11,7 @@ from cache_helpers import snapshot, tree_nodes
 
 from tpcache.cache.allocator import LENT
 from tpcache.cache.errors import LockError, UnknownHandle
-from tpcache.cache.order import EvictionOrder
+from tpcache.cache.policy.order import EvictionOrder
 from tpcache.cache.radix import CacheConfig, CacheSizes, EvictResult, RadixCache
 
 

@@ -14,7 +14,7 @@ from group_helpers import group_config
 from model_helpers import ThreadGroup, ThreadMember
 
 from tpcache.cache.errors import CacheError, HostTierError
-from tpcache.cache.host_config import HostCopy
+from tpcache.cache.host.config import HostCopy
 from tpcache.coordinator.copy_agree import CopyCompletion
 from tpcache.coordinator.step_check import odd_ranks
 from tpcache.coordinator.step_types import Closed
@@ -169,7 +169,7 @@ def test_a_failing_copy_is_never_counted_done_while_it_finishes() -> None:
     import numpy as np
     import torch
 
-    from tpcache.cache.host_config import HostCopy
+    from tpcache.cache.host.config import HostCopy
     from tpcache.kv.pool import KVPool, PoolSpec
     from tpcache.workers.copysync import RankCopies
 

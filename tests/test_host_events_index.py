@@ -11,7 +11,7 @@ import pytest
 
 from tpcache.cache.errors import HostTierError
 from tpcache.cache.events import BlockRemoved, BlockStored
-from tpcache.cache.host_cache import HostCache, HostConfig
+from tpcache.cache.host.cache import HostCache, HostConfig
 from tpcache.events.block_index import BlockIndex, ProblemKind
 
 

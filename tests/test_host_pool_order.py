@@ -10,9 +10,9 @@ import pytest
 
 from tpcache.cache.allocator import CACHED, FREE, PageAllocator
 from tpcache.cache.errors import AllocatorError, IntegrityError
-from tpcache.cache.host_order import RunOrder
-from tpcache.cache.host_pool import HostPool
-from tpcache.cache.order import EvictionOrder
+from tpcache.cache.host.order import RunOrder
+from tpcache.cache.host.pool import HostPool
+from tpcache.cache.policy.order import EvictionOrder
 
 
 def _fifo(a: PageAllocator) -> list[int]:

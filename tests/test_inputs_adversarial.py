@@ -20,8 +20,8 @@ from tpcache.cache.errors import (
     UnknownRequest,
 )
 from tpcache.cache.radix import CacheConfig, Handle, RadixCache
-from tpcache.cache.swa_cache import HybridCache
-from tpcache.cache.swa_config import HybridConfig, SwaHandle
+from tpcache.cache.swa.cache import HybridCache
+from tpcache.cache.swa.config import HybridConfig, SwaHandle
 from tpcache.coordinator.build import GroupConfig
 from tpcache.coordinator.local_ranks import start_local_group
 from tpcache.lockstep.ops import decode_step, unpack_tokens
@@ -317,7 +317,7 @@ def test_a_pool_too_large_for_memory_is_an_allocator_error() -> None:
     import sys
 
     from tpcache.cache.errors import AllocatorError
-    from tpcache.cache.host_cache import HostCache, HostConfig
+    from tpcache.cache.host.cache import HostCache, HostConfig
 
     huge = 10**14
     with pytest.raises(AllocatorError, match="does not fit in this machine's memory"):

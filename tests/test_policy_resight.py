@@ -21,10 +21,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tpcache.cache.errors import CacheError, IntegrityError
-from tpcache.cache.ghost import GhostTable
-from tpcache.cache.lifetimes import LifetimeModel
-from tpcache.cache.policies import CACHE_POLICIES, InvalidPolicyParams
-from tpcache.cache.policy_resight import ResightParams, ResightPolicy
+from tpcache.cache.policy.ghost import GhostTable
+from tpcache.cache.policy.lifetimes import LifetimeModel
+from tpcache.cache.policy.policies import CACHE_POLICIES, InvalidPolicyParams
+from tpcache.cache.policy.resight import ResightParams, ResightPolicy
 from tpcache.cache.radix import CacheConfig, RadixCache
 
 PS = 4

@@ -9,8 +9,8 @@ from swa_helpers import hybrid, pools, run, snapshot, view
 
 from tpcache.cache.errors import LockError, OutOfCapacity, StaleBoundary
 from tpcache.cache.events import BlockRemoved, BlockStored
-from tpcache.cache.hashing import block_hashes
-from tpcache.cache.swa_config import SwaEvictResult
+from tpcache.cache.swa.config import SwaEvictResult
+from tpcache.cache.tree.hashing import block_hashes
 
 R = lambda a, b: list(range(a, b + 1))  # noqa: E731  (inclusive token ranges read best here)
 

@@ -20,9 +20,9 @@ from tpcache.cache.errors import (
 )
 from tpcache.cache.events import AllBlocksCleared
 from tpcache.cache.radix import Handle
-from tpcache.cache.swa_allocator import PairedAllocator
-from tpcache.cache.swa_cache import HybridCache
-from tpcache.cache.swa_config import HybridConfig, InvalidConfig, SwaHandle
+from tpcache.cache.swa.allocator import PairedAllocator
+from tpcache.cache.swa.cache import HybridCache
+from tpcache.cache.swa.config import HybridConfig, InvalidConfig, SwaHandle
 
 R = lambda a, b: list(range(a, b + 1))  # noqa: E731
 

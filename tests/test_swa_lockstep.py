@@ -19,9 +19,9 @@ import pytest
 
 from tpcache.cache.allocator import LENT
 from tpcache.cache.errors import InvalidTokens, OutOfCapacity
-from tpcache.cache.swa_allocator import SwaPool
-from tpcache.cache.swa_cache import HybridCache
-from tpcache.cache.swa_config import HybridConfig
+from tpcache.cache.swa.allocator import SwaPool
+from tpcache.cache.swa.cache import HybridCache
+from tpcache.cache.swa.config import HybridConfig
 from tpcache.coordinator.build import GroupConfig
 from tpcache.coordinator.local_ranks import start_local_group
 from tpcache.harness.soak import run_soak

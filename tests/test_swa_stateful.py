@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from tpcache.cache.errors import CacheError, LockError, OutOfCapacity, UnknownHandle
-from tpcache.cache.swa_cache import HybridCache
-from tpcache.cache.swa_config import HybridConfig, SwaHandle
+from tpcache.cache.swa.cache import HybridCache
+from tpcache.cache.swa.config import HybridConfig, SwaHandle
 from tpcache.lockstep.oplog import evict_result, logged_admit, logged_extend
 from tpcache.lockstep.ops import Abort, CacheUnfinished, Evict, Finish, OpResult, pack_tokens
 from tpcache.workers.protocol import apply_op, local_evict

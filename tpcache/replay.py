@@ -22,7 +22,7 @@ from tpcache.cache.factory import CacheSpec, build
 from tpcache.cache.keys import frozen_tokens
 from tpcache.cache.namespace import CacheNamespace, make_namespace
 from tpcache.cache.protocol import Cache
-from tpcache.cache.swa_config import HybridConfig, HybridSizes
+from tpcache.cache.swa.config import HybridConfig, HybridSizes
 from tpcache.trace import (
     TraceRequest,
     check_scale,

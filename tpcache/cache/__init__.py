@@ -10,7 +10,7 @@ and ``swa_config.py``.
 from tpcache.cache.errors import CacheError
 from tpcache.cache.protocol import Cache
 from tpcache.cache.radix import CacheConfig, RadixCache
-from tpcache.cache.swa_cache import HybridCache
-from tpcache.cache.swa_config import HybridConfig
+from tpcache.cache.swa.cache import HybridCache
+from tpcache.cache.swa.config import HybridConfig
 
 __all__ = ["Cache", "CacheConfig", "CacheError", "HybridCache", "HybridConfig", "RadixCache"]

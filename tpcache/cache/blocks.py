@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from tpcache.cache.hashing import block_hashes
 from tpcache.cache.namespace import is_anchor
-from tpcache.cache.node import hash_pending
+from tpcache.cache.tree.hashing import block_hashes
+from tpcache.cache.tree.node import hash_pending
 
 
 def cached_blocks(cache) -> dict[int, tuple[int | None, tuple[int, ...]]]:

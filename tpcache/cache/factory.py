@@ -15,11 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tpcache.cache.errors import CacheError, HostTierError, SwaHostTierError
-from tpcache.cache.host_cache import HostCache, HostConfig
+from tpcache.cache.host.cache import HostCache, HostConfig
 from tpcache.cache.protocol import Cache
 from tpcache.cache.radix import CacheConfig, RadixCache
-from tpcache.cache.swa_cache import HybridCache
-from tpcache.cache.swa_config import HybridConfig
+from tpcache.cache.swa.cache import HybridCache
+from tpcache.cache.swa.config import HybridConfig
 
 __all__ = ["CacheSpec", "SwaHostTierError", "build"]
 

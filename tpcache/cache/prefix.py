@@ -19,11 +19,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tpcache.cache.allocator import HELD, LENT
-from tpcache.cache.anchors import insert_start, lent_insert_start, match_in
 from tpcache.cache.errors import NoSwaPool, OutOfCapacity
 from tpcache.cache.events import AllBlocksCleared, KVEvent
-from tpcache.cache.handles import HandleLocks
-from tpcache.cache.insert import insert_key
 from tpcache.cache.keys import (
     TokenLike,
     as_slots,
@@ -33,7 +30,6 @@ from tpcache.cache.keys import (
     pages_to_slots,
     slots_to_pages,
 )
-from tpcache.cache.node import Match, pages_of
 from tpcache.cache.protocol import Evictor
 from tpcache.cache.records import AdmitResult, CacheSizes, EvictResult, MatchResult, RequestId
 from tpcache.cache.reqtable import (
@@ -52,7 +48,11 @@ from tpcache.cache.reqtable import (
 )
 from tpcache.cache.room import Room
 from tpcache.cache.tallies import cache_digest, pool_sizes
-from tpcache.cache.tree_check import check_cache
+from tpcache.cache.tree.anchors import insert_start, lent_insert_start, match_in
+from tpcache.cache.tree.check import check_cache
+from tpcache.cache.tree.handles import HandleLocks
+from tpcache.cache.tree.insert import insert_key
+from tpcache.cache.tree.node import Match, pages_of
 
 if TYPE_CHECKING:
     from tpcache.cache.records import CacheStats, Handle, RequestRow

@@ -18,8 +18,7 @@ from tpcache.cache.allocator import PageAllocator
 from tpcache.cache.device_only import DeviceOnly
 from tpcache.cache.errors import NoSwaPool
 from tpcache.cache.keys import TokenLike, as_slots, join_pages
-from tpcache.cache.node import pages_of
-from tpcache.cache.policies import make_policy
+from tpcache.cache.policy.policies import make_policy
 from tpcache.cache.prefix import PrefixCache
 from tpcache.cache.protocol import Evictor
 from tpcache.cache.records import (
@@ -32,8 +31,9 @@ from tpcache.cache.records import (
     RequestId,
 )
 from tpcache.cache.reqtable import Taken
-from tpcache.cache.shapes import Freed
-from tpcache.cache.tree import RadixTree
+from tpcache.cache.tree.node import pages_of
+from tpcache.cache.tree.shapes import Freed
+from tpcache.cache.tree.tree import RadixTree
 
 __all__ = [
     "AdmitResult",

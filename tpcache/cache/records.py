@@ -12,7 +12,7 @@ import numpy as np
 
 from tpcache.cache.errors import CacheError
 from tpcache.cache.keys import pages_to_slots, read_only
-from tpcache.cache.policies import CACHE_POLICIES, check_policy_params
+from tpcache.cache.policy.policies import CACHE_POLICIES, check_policy_params
 
 # A running request's id, as every cache call takes it (checked: ``reqtable.check_request_id``).
 RequestId = int | str

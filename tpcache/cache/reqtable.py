@@ -23,12 +23,12 @@ from tpcache.cache.errors import (
 )
 from tpcache.cache.keys import joined_key, pages_to_slots, read_only
 from tpcache.cache.namespace import is_anchor
-from tpcache.cache.node import Node
 from tpcache.cache.records import RequestId, RequestRow
+from tpcache.cache.tree.node import Node
 
 if TYPE_CHECKING:
     from tpcache.cache.namespace import CacheNamespace
-    from tpcache.cache.shapes import TreeShape
+    from tpcache.cache.tree.shapes import TreeShape
 
 MAX_ID_LEN = 256
 _I64 = 1 << 63

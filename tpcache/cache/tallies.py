@@ -6,11 +6,11 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from tpcache.cache.allocator import HELD, LENT
-from tpcache.cache.handles import HandleLocks
-from tpcache.cache.hashing import fmix64_int, fold_fields
 from tpcache.cache.records import CacheSizes, HostTierStats
 from tpcache.cache.reqtable import ReqTable
-from tpcache.cache.shapes import TreeShape
+from tpcache.cache.tree.handles import HandleLocks
+from tpcache.cache.tree.hashing import fmix64_int, fold_fields
+from tpcache.cache.tree.shapes import TreeShape
 
 
 class CacheShape(Protocol):

@@ -79,7 +79,7 @@ class DemoProgress:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from tpcache.cache.policies import POLICIES
+    from tpcache.cache.policy.policies import POLICIES
     from tpcache.coordinator.cluster import ClusterJoinError, join
     from tpcache.errors import TpcacheError
     from tpcache.frontend.service import start_group

@@ -64,7 +64,7 @@ def add_generate_parser(sub) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from tpcache.cache.policies import CACHE_POLICIES
+    from tpcache.cache.policy.policies import CACHE_POLICIES
     from tpcache.harness.gen_wire import GenerateError
     from tpcache.harness.generate import GenerateOptions, ModelSize, run_generate
     from tpcache.trace import DEFAULT_TRACE, TraceError, load_trace

@@ -75,7 +75,7 @@ _AS_GIVEN = (
 
 def cmd_replay(args: argparse.Namespace) -> int:
     from tpcache.cache.errors import CacheError
-    from tpcache.cache.policies import CACHE_POLICIES
+    from tpcache.cache.policy.policies import CACHE_POLICIES
     from tpcache.replay import Progress, ReplayOptions, replay
     from tpcache.trace import DEFAULT_TRACE, TraceError, load_trace
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tpcache.cache.host_config import HostAdmitResult
+from tpcache.cache.host.config import HostAdmitResult
 from tpcache.cache.keys import pages_to_slots
 from tpcache.cache.protocol import Cache
 from tpcache.cache.records import AdmitResult, RequestId

@@ -48,7 +48,7 @@ import socket
 from typing import TYPE_CHECKING
 
 from tpcache.cache.errors import CacheError, HostTierError
-from tpcache.cache.host_config import HostCopy
+from tpcache.cache.host.config import HostCopy
 from tpcache.cache.keys import pages_to_slots
 from tpcache.kv.host_copy import TO_DEVICE, TO_HOST, CopyEngine, CopyJob, host_pool
 from tpcache.kv.pool import KVPool, device_budget_bytes, slots_that_fit
