@@ -1,12 +1,24 @@
-"""Shared fixtures. One Ray cluster per test session (starting one costs seconds)."""
+"""Shared fixtures. One Ray cluster per test session (starting one costs seconds).
+
+The tests mirror the package (tests/cache/, tests/coordinator/, ...); their shared
+helpers (a test rank worker, small group configs, wire decoders) are in tests/support/,
+put on the path here, and in PYTHONPATH for what the tests start (Ray workers, torchrun,
+subprocesses), which import the test worker by name.
+"""
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
+
+SUPPORT = str(Path(__file__).resolve().parent / "support")
+sys.path.insert(0, SUPPORT)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [SUPPORT, os.environ.get("PYTHONPATH")]))
 
 
 @pytest.fixture(scope="session")

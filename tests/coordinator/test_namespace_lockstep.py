@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from drill_worker import DrillWorker
 from group_helpers import group_config
+from net_helpers import group, settled
 from test_lockstep_ray import apply_call
-from test_netfront import group, settled
 
 from tpcache.cache import errors
 from tpcache.cache.namespace import CacheNamespace

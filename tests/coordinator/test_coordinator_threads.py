@@ -208,7 +208,7 @@ def test_a_served_group_with_scrapers_soaks_clean() -> None:
     import os
     import subprocess
 
-    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "soak_scrapers.py")
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "soak_scrapers.py")
     out = subprocess.run(
         [sys.executable, script, "--seconds", "60"], capture_output=True, text=True, timeout=600
     )

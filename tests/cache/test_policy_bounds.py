@@ -12,7 +12,7 @@ import pytest
 
 from tpcache.trace import DEFAULT_TRACE, TraceRequest, load_trace
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 from page_replay import build_replay, next_uses  # noqa: E402
 from pagesim import simulate  # noqa: E402

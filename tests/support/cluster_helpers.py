@@ -1,5 +1,5 @@
 """Ray nodes started by ``ray start`` and tpcache commands run as a user's would, for the
-tests against real clusters (tests/test_cli_cluster.py, tests/test_cli_cluster_noauth.py).
+tests against real clusters (tests/cli/test_cli_cluster.py, tests/cli/test_cli_cluster_noauth.py).
 
 Every node is one ``--block`` process group under a HOME and a temp dir of its own (its
 ``~/.ray``), so the user's ``~/.ray`` is never read or written; ``end`` ends them by

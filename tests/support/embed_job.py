@@ -1,6 +1,6 @@
 """A torchrun job that owns ``torch.distributed`` and embeds tpcache's rank side in it.
 
-    torchrun --standalone --nproc_per_node=2 tests/embed_job.py [seed]
+    torchrun --standalone --nproc_per_node=2 tests/support/embed_job.py [seed]
 
 The job initialises its own world first (as an engine does), runs a collective of its
 own, makes a TP group with ``dist.new_group`` and hands it to tpcache

@@ -35,7 +35,7 @@ from cluster_helpers import (
 
 GROUP = "--tp 2 --capacity 4096 --page-size 4"
 
-# A frontend joining by the printed address (tests/test_cli_client.py has every call).
+# A frontend joining by the printed address (tests/cli/test_cli_client.py has every call).
 FRONTEND = r"""
 import json, sys
 import tpcache
@@ -116,7 +116,7 @@ def nodes():
 
 def test_the_readme_multinode_steps_are_the_ones_tested_here() -> None:
     """TwoNodes runs these, on one machine (a port, temp dir, resources of its own)."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     block = readme.split("### Across nodes:", 1)[1].split("```sh", 1)[1].split("```", 1)[0]
     assert [ln for ln in block.splitlines() if ln and not ln.startswith("#")] == [
         ".venv/bin/ray get-auth-token --generate",

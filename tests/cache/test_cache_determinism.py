@@ -207,7 +207,13 @@ def test_the_same_ops_give_the_same_digests_in_a_fresh_process() -> None:
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     proc = subprocess.run(
-        [sys.executable, "-c", code, str(Path(__file__).parent), str(seed)],
+        [
+            sys.executable,
+            "-c",
+            code,
+            str(Path(__file__).parent),
+            str(seed),
+        ],
         capture_output=True,
         text=True,
         check=True,

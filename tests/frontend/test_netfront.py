@@ -15,32 +15,14 @@ import time
 import msgspec
 import pytest
 import zmq
-from drill_worker import DrillWorker
+from net_helpers import group, settled
 
 from tpcache.cache.errors import UnknownRequest
 from tpcache.client import Client
-from tpcache.coordinator.build import GroupConfig
-from tpcache.coordinator.local_ranks import start_local_group
 from tpcache.frontend import api
 from tpcache.frontend.frontend import serve_network
 from tpcache.frontend.netfront import FrontendConfig, FrontendConfigError, owner_of
 from tpcache.frontend.owners import scoped_id
-from tpcache.workers.spec import CacheSpec
-
-
-def group(capacity: int = 4096, window: int | None = None):
-    cfg = GroupConfig(
-        tp=2,
-        capacity_tokens=capacity,
-        cache=CacheSpec(page_size=4, max_request_tokens=1024, sliding_window=window),
-        num_layers=1,
-        kv_heads=2,
-        head_dim=4,
-        dtype="float32",
-        cpu_budget_bytes=1 << 22,
-        timeout_s=20.0,
-    )
-    return start_local_group(cfg, worker_cls=DrillWorker)  # request_slots: a test's view
 
 
 @pytest.fixture()
@@ -51,13 +33,6 @@ def served():
     yield coord, front, lock
     front.close()
     coord.close()
-
-
-def settled(coord, lock) -> tuple[int, list[int]]:
-    with lock:
-        coord.sync()
-        coord.mirror.check_integrity()
-        return coord.mirror.digest(), coord.ranks.call("digest")
 
 
 def test_calls_replies_and_typed_errors(served) -> None:

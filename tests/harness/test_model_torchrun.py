@@ -20,7 +20,7 @@ import torch
 
 from tpcache.torchrun import parse
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1] / "support"  # the test worker
 TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which(
     "torchrun"
 )

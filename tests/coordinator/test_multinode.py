@@ -17,7 +17,7 @@ from pathlib import Path
 
 
 def test_two_nodes_one_rank_each() -> None:
-    driver = Path(__file__).with_name("multinode_driver.py")
+    driver = Path(__file__).resolve().parents[1] / "support" / "multinode_driver.py"
     run = subprocess.run([sys.executable, str(driver)], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])

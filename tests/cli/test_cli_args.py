@@ -19,7 +19,7 @@ from tpcache.cli import build_parser
 from tpcache.cli.args import STRATEGIES, TRANSPORTS, group_config
 from tpcache.cli.demo import DemoProgress
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TPCACHE = [sys.executable, "-m", "tpcache"]
 
 

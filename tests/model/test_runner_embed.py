@@ -1,5 +1,5 @@
 """tpcache embedded in a torchrun job that initialised ``torch.distributed`` itself: the
-rank side runs on the TP group the job hands it (``tests/embed_job.py``, 2 processes)."""
+rank side runs on the TP group the job hands it (``tests/support/embed_job.py``, 2 processes)."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ from pathlib import Path
 TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which(
     "torchrun"
 )
-JOB = Path(__file__).with_name("embed_job.py")
+JOB = Path(__file__).resolve().parents[1] / "support" / "embed_job.py"
 
 
 def test_tpcache_runs_on_the_tp_group_of_a_job_that_owns_torch_distributed():
     seed = 8400
     print(f"seed={seed}")
     assert TORCHRUN, "torchrun is not installed next to this Python"
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",

@@ -2,7 +2,7 @@
 pinned by custom resources, the coordinator on the head: run by ``test_multinode.py`` in
 a process of its own (a process can join one Ray cluster only). Prints one JSON line.
 
-    python tests/multinode_driver.py
+    python tests/support/multinode_driver.py
 """
 
 from __future__ import annotations

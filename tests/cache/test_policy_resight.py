@@ -1,8 +1,8 @@
 """The ``resight`` policy: its ghost, its lifetime model, exact eviction orders, a stateful
 test, determinism, bad parameters, and its hit rate on a slice of the real trace.
 
-(The shared reference-model state machine, tests/test_cache_property.py, and the
-two-instance determinism test, tests/test_cache_determinism.py, also draw ``resight``.)
+(The shared reference-model state machine, tests/cache/test_cache_property.py, and the
+two-instance determinism test, tests/cache/test_cache_determinism.py, also draw ``resight``.)
 """
 
 from __future__ import annotations
@@ -311,7 +311,13 @@ def test_the_same_ops_give_the_same_evictions_in_a_fresh_process() -> None:
         "print(json.dumps(_run(int(sys.argv[2]), 200)))\n"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code, str(Path(__file__).parent), str(seed)],
+        [
+            sys.executable,
+            "-c",
+            code,
+            str(Path(__file__).parent),
+            str(seed),
+        ],
         capture_output=True,
         text=True,
         check=True,
