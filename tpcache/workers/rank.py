@@ -82,7 +82,7 @@ class RankWorker(RankSetup):
         raise fail_step(self._cache(), self._group(), self.rank, step, self.failed)
 
     def _apply_step(self, step: Step) -> StepResult:
-        # A method of its own so that a test worker (tests/drill_worker.py) can plant a
+        # A method of its own so that a test worker (tests/support/drill_worker.py) can plant a
         # fault in one step without a copy of ``apply``'s order check.
         return apply_step(self._cache(), self._group(), self.rank, step, copies=self.copies)
 
