@@ -53,7 +53,7 @@ class CacheSpec:
                     "sliding_window (the SWA pool) and host_capacity_tokens (a host tier) cannot"
                     " both be set: the hybrid (SWA) cache has no host tier"
                 )
-            host_config(self, self.page_size)
+            host_config(self, one_pool_config(self, self.page_size))
         if self.sliding_window is not None:
             hybrid_config(self, max(self.swa_capacity_tokens or 0, self.page_size))
         elif self.swa_capacity_tokens is not None:
@@ -86,9 +86,8 @@ def build(
     in a replay, each copy completes as it starts and only its counters are kept. Raises
     the config's ``CacheError`` for a capacity it cannot take."""
     if spec.host_capacity_tokens is not None:
-        return HostCache(
-            host_config(spec, capacity_tokens, record_events, record_copies, defer_copies)
-        )
+        one_pool = one_pool_config(spec, capacity_tokens, record_events)
+        return HostCache(host_config(spec, one_pool, record_copies, defer_copies))
     if spec.sliding_window is not None:
         return HybridCache(hybrid_config(spec, capacity_tokens, record_events))
     return RadixCache(one_pool_config(spec, capacity_tokens, record_events))
@@ -108,18 +107,15 @@ def one_pool_config(
 
 
 def host_config(
-    spec: CacheSpec,
-    capacity_tokens: int,
-    record_events: bool = False,
-    record_copies: bool = False,
-    defer_copies: bool = False,
+    spec: CacheSpec, one_pool: CacheConfig, record_copies: bool = False, defer_copies: bool = False
 ) -> HostConfig:
-    """The host tier's configuration of ``spec``; ``HostTierError`` if it has none."""
+    """The host tier's configuration of ``spec``: ``one_pool`` (its ``one_pool_config``)
+    with the tier behind it; ``HostTierError`` if it has none."""
     host = spec.host_capacity_tokens
     if host is None:
         raise HostTierError("no host_capacity_tokens: this cache has no host tier")
     return HostConfig(
-        **vars(one_pool_config(spec, capacity_tokens, record_events)),
+        **vars(one_pool),
         host_capacity_tokens=host,
         write_policy=spec.write_policy,
         write_through_hits=spec.write_through_hits,

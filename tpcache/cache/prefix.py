@@ -108,13 +108,21 @@ class PrefixCache:
     def insert(
         self, tokens: TokenLike, slots: TokenLike, priority: int = 0, namespace: Any = None
     ) -> int:
+        key, pages, prio, start = self._insert_args(tokens, slots, priority, namespace)
+        return insert_key(self.tree, key, pages, prio, owner=LENT, start=start)[0]
+
+    def _insert_args(
+        self, tokens: TokenLike, slots: TokenLike, priority: int, namespace: Any
+    ) -> tuple[np.ndarray, np.ndarray, int, Any]:
+        """``insert``'s arguments checked, in the order its errors are raised: the whole
+        pages of ``tokens``, their lent pages, the priority and the node the walk starts
+        from (``lent_insert_start``). Shared with the host tier's ``insert``."""
         key = as_tokens(tokens)
         slot_ids = as_slots(slots, key.size, self.alloc.num_pages * self.page_size)
         n = key.size // self.page_size * self.page_size
         pages = slots_to_pages(slot_ids[:n], self.page_size)
         prio = as_priority(priority)
-        start = lent_insert_start(self.tree, namespace, pages)
-        return insert_key(self.tree, key[:n], pages, prio, owner=LENT, start=start)[0]
+        return key[:n], pages, prio, lent_insert_start(self.tree, namespace, pages)
 
     def alloc_slots(self, num_tokens: int) -> np.ndarray:
         check_count(num_tokens, "alloc_slots' num_tokens")

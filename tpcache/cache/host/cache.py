@@ -63,18 +63,16 @@ from tpcache.cache.host.tree import HostTree
 from tpcache.cache.host.waits import CopyWaits
 from tpcache.cache.keys import (
     TokenLike,
-    as_slots,
     as_tokens,
     check_sign,
     join_pages,
-    slots_to_pages,
 )
 from tpcache.cache.policy.policies import policy_key
 from tpcache.cache.protocol import Evictor
 from tpcache.cache.radix import OnePoolCache
 from tpcache.cache.records import CacheSizes, HostTierStats, RequestId
-from tpcache.cache.reqtable import Beyond, Locked, Taken, as_priority
-from tpcache.cache.tree.anchors import insert_start, lent_insert_start, match_in
+from tpcache.cache.reqtable import Beyond, Locked, Taken
+from tpcache.cache.tree.anchors import insert_start, match_in
 from tpcache.cache.tree.check import check_cache
 from tpcache.cache.tree.insert import insert_key
 from tpcache.cache.tree.node import Match, pages_of
@@ -192,20 +190,12 @@ class HostCache(OnePoolCache):
     def insert(
         self, tokens: TokenLike, slots: TokenLike, priority: int = 0, namespace: Any = None
     ) -> int:
-        key = as_tokens(tokens)
-        slot_ids = as_slots(slots, key.size, self.alloc.num_pages * self.page_size)
-        n = key.size // self.page_size * self.page_size
-        pages = slots_to_pages(slot_ids[:n], self.page_size)
-        prio = as_priority(priority)
+        key, pages, prio, start = self._insert_args(tokens, slots, priority, namespace)
         tree = self.tree
-        # The namespace's anchor (made only once the pages are known to be the caller's:
-        # a new anchor has nothing below it, so none can be the tree's).
-        start = lent_insert_start(tree, namespace, pages)
         if tree.host_only_pages():
-            check_lent(tree, key[:n], pages, start)
-            revive(tree, key[:n], pages, start or tree.root, 0, LENT)
-        have, _, _ = insert_key(tree, key[:n], pages, prio, owner=LENT, start=start)
-        return have
+            check_lent(tree, key, pages, start)
+            revive(tree, key, pages, start or tree.root, 0, LENT)
+        return insert_key(tree, key, pages, prio, owner=LENT, start=start)[0]
 
     # ---- the lifecycle's hooks: host-only nodes on the way, and copy waits ---------------
     def _walk_start(self, req: Any, key: np.ndarray, pages: np.ndarray, start_pos: int) -> Any:

@@ -32,18 +32,13 @@ class RunOrder(EvictionOrder):
         super().__init__(key_fn)
         self.tail: deque[tuple[tuple[int, ...], Any]] = deque()  # ascending keys
 
-    def push(self, node: Any) -> None:
-        k = self.key_fn(node)
-        live = self.live
-        if live.get(node) == k:
-            return
-        live[node] = k
+    def _queue(self, k: tuple[int, ...], node: Any) -> None:
         tail = self.tail
         if not tail or k > tail[-1][0]:
             tail.append((k, node))
         else:
             heapq.heappush(self.heap, (k, node))
-        if len(self.heap) + len(tail) > 2 * len(live) + 1024:
+        if len(self.heap) + len(tail) > 2 * len(self.live) + 1024:
             self._compact()
 
     def pop(self) -> Any:

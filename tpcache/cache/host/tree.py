@@ -29,8 +29,6 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import numpy as np
-
 from tpcache.cache.errors import LockError
 from tpcache.cache.host.check import check_host_tree
 from tpcache.cache.host.copylog import CopyLog
@@ -49,16 +47,8 @@ class HostNode(Node):
 
     __slots__ = ("dev", "host", "pinned")
 
-    def __init__(
-        self,
-        node_id: int,
-        parent: Node | None,
-        key: bytes,
-        pages: np.ndarray,
-        states: np.ndarray | None,
-        tick: int,
-    ) -> None:  # as Node's (named, not ``*args``: a node is made per split and leaf)
-        Node.__init__(self, node_id, parent, key, pages, states, tick)
+    def __init__(self, *args: Any) -> None:  # as Node's
+        Node.__init__(self, *args)
         self.dev = True  # ``pages`` are device pages (else host ids + offset)
         self.host = EMPTY_PAGES  # host pages holding a copy (all or none of them)
         self.pinned = False  # being loaded by an admit: no host eviction takes it

@@ -43,12 +43,17 @@ class EvictionOrder:
         """Queue ``node`` under its current key (nothing to do if that is its live key)."""
         k = self.key_fn(node)
         live = self.live
-        if live.get(node) == k:
-            return
-        live[node] = k
+        if live.get(node) != k:
+            live[node] = k
+            self._queue(k, node)
+
+    def _queue(self, k: tuple[int, ...], node: Any) -> None:
+        """Keep the new live entry ``(k, node)`` for ``pop``, compacting once stale entries
+        outnumber live ones: the one step of a push that a variant (``RunOrder``) does
+        its own way, so the live keys are kept in one place."""
         heap = self.heap
         heapq.heappush(heap, (k, node))
-        if len(heap) > 2 * len(live) + 1024:
+        if len(heap) > 2 * len(self.live) + 1024:
             self._compact()
 
     def pop(self) -> Any:
