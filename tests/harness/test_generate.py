@@ -258,6 +258,6 @@ def test_the_cli_prints_one_json_object(tmp_path) -> None:
     assert s["cache"]["prefill_tokens_computed"] == rp["prompt_tokens"] - rp["matched_tokens"]
     assert s["no_cache"]["prefill_tokens_computed"] == rp["prompt_tokens"]
     hit = s["cache"]["hit_rate"]
-    assert s["time_bar"] == round(1 - hit / 2, 4)
+    assert s["time_target"] == round(1 - hit / 2, 4)
     assert s["time_ratio"] == round(s["cache"]["e2e_s"] / s["no_cache"]["e2e_s"], 4)
     assert s["prefill_equals_replay"] and s["nothing_held"]

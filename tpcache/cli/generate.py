@@ -151,8 +151,8 @@ def _print(s: dict) -> None:
         f"{'equal' if s['prefill_equals_replay'] else 'DIFFERENT'}"
     )
     print(
-        f"  time            cache/no-cache {s['time_ratio']:.3f}, bar 1 - hit/2 = "
-        f"{s['time_bar']:.3f} -> {'met' if s['time_bar_met'] else 'NOT met'}"
+        f"  time            cache/no-cache {s['time_ratio']:.3f}, target 1 - hit/2 = "
+        f"{s['time_target']:.3f} -> {'within' if s['time_within_target'] else 'above it'}"
     )
     print(
         f"  at the end      held {on['held_tokens_end']} / {off['held_tokens_end']} tokens, "

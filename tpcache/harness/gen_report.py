@@ -82,8 +82,8 @@ def summarize(
         "prefill_equals_replay": on["prefill_tokens_computed"] == expected
         and on["prompt_tokens"] == want["prompt_tokens"],
         "time_ratio": round(ratio, 4),
-        "time_bar": round(1 - hit / 2, 4),
-        "time_bar_met": ratio <= 1 - hit / 2,
+        "time_target": round(1 - hit / 2, 4),
+        "time_within_target": ratio <= 1 - hit / 2,
         "nothing_held": on["held_tokens_end"] == off["held_tokens_end"] == 0,
         "rank_digests_equal": on["rank_digests_equal"] and off["rank_digests_equal"],
     }

@@ -9,9 +9,8 @@ Face ``config.json`` as ``config=`` gives the shape). ``llama_reference_logits``
 same model over a whole sequence at once, without any pool: what the cached path is
 checked against. Shapes and weights: ``llama_weights``.
 
-    tpcache serve --runner tpcache.model.llama:LlamaRunner \\
-        --runner-arg config=/models/x/config.json --runner-arg weights=/models/x \\
-        --runner-arg dtype=bfloat16
+    GroupConfig(tp=2, **runner_options("tpcache.model.llama:LlamaRunner", [
+        "config=/models/x/config.json", "weights=/models/x", "dtype=bfloat16"]))
 """
 
 from __future__ import annotations

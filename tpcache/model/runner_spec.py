@@ -1,8 +1,8 @@
 """Naming a runner so that any process can build it: ``"package.module:Class"`` and
 keyword arguments of plain data (a Ray rank builds its runner in its own process).
 
-``runner_options`` turns ``tpcache serve --runner module:Class --runner-arg k=v ...``
-into ``GroupConfig`` fields; ``build_runner`` imports and constructs; ``runner_pool``
+``runner_options`` turns a runner's name and ``k=v`` arguments (``"module:Class"``,
+``["k=v", ...]``) into ``GroupConfig`` fields; ``build_runner`` imports and constructs; ``runner_pool``
 is the pool a runner's layout asks for. Every error is a ``RunnerSpecError`` raised
 before any rank starts.
 """
