@@ -90,6 +90,20 @@ def held_while(flood: Flood, before: int, drive: Callable[[], object] = lambda: 
     return rss() - before
 
 
+def refused_whole(endpoint: str, kind: bytes) -> None:
+    """A ``kind`` peer (NULL security) declaring a ``CLAIMED`` frame to the publisher at
+    ``endpoint`` is cut off at the header, and this process does not grow by it."""
+    before = rss()
+    opening = greeting(b"NULL") + ready(kind) + long_frame(CLAIMED)
+    flood = Flood(tcp_connect(endpoint), opening)
+    try:
+        held = held_while(flood, before)
+        assert held < HELD_MAX, f"the publisher grew by {held:,} bytes"
+        assert flood.cut is not None, f"{flood.sent:,} bytes were taken in"
+    finally:
+        flood.close()
+
+
 # ---- ZMTP 3.0 (rfc.zeromq.org/spec/23), written out so the test needs no ZMQ client -----
 def greeting(mechanism: bytes) -> bytes:
     return b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + mechanism.ljust(20, b"\0") + bytes(32)
@@ -121,15 +135,7 @@ def test_the_replay_socket_refuses_a_request_longer_than_a_request() -> None:
     ):
         pub.publish([AllBlocksCleared()])
         assert pub.replay_endpoint is not None
-        before = rss()
-        opening = greeting(b"NULL") + ready(b"DEALER") + long_frame(CLAIMED)
-        flood = Flood(tcp_connect(pub.replay_endpoint), opening)
-        try:
-            held = held_while(flood, before)
-            assert held < HELD_MAX, f"the publisher grew by {held:,} bytes"
-            assert flood.cut is not None, f"{flood.sent:,} bytes were taken in"
-        finally:
-            flood.close()
+        refused_whole(pub.replay_endpoint, b"DEALER")
         dealer = ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(pub.replay_endpoint)
@@ -146,15 +152,7 @@ def test_the_events_socket_refuses_a_subscription_longer_than_its_topic() -> Non
     """A PUB socket reads nothing but subscriptions: one of 512 MB is cut off at its
     header, and a subscriber still gets the stream."""
     with EventPublisher(EventConfig(endpoint=LOOPBACK, topic="kv")) as pub, zmq.Context() as ctx:
-        before = rss()
-        opening = greeting(b"NULL") + ready(b"SUB") + long_frame(CLAIMED)
-        flood = Flood(tcp_connect(pub.endpoint), opening)
-        try:
-            held = held_while(flood, before)
-            assert held < HELD_MAX, f"the publisher grew by {held:,} bytes"
-            assert flood.cut is not None, f"{flood.sent:,} bytes were taken in"
-        finally:
-            flood.close()
+        refused_whole(pub.endpoint, b"SUB")
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"kv")
