@@ -17,7 +17,7 @@ import zmq
 
 from tpcache.cli import main
 from tpcache.coordinator.local_ranks import start_local_group
-from tpcache.harness.engine import ModelEngine
+from tpcache.engine.forward import ModelEngine
 from tpcache.harness.gen_loop import GenLoop, LoopConfig
 from tpcache.harness.gen_wire import (
     GenClient,

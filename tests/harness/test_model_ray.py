@@ -21,8 +21,8 @@ from drill_worker import DrillWorker
 from model_helpers import host_script
 
 from tpcache.coordinator.core import CoordinatorConfig
+from tpcache.engine.forward import ModelEngine
 from tpcache.frontend.service import GroupConfig, start_group
-from tpcache.harness.engine import ModelEngine
 from tpcache.harness.modelcheck import Workload, run_script, run_workload
 from tpcache.lockstep.ops import encode, pack_slots, unpack_slots
 from tpcache.model.context import ForwardError, build_forward

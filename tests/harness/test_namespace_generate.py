@@ -9,7 +9,7 @@ from test_generate import TINY
 
 from tpcache.cache.namespace import CacheNamespace
 from tpcache.coordinator.local_ranks import start_local_group
-from tpcache.harness.engine import ModelEngine, Prefill
+from tpcache.engine.forward import ModelEngine, Prefill
 from tpcache.harness.gen_wire import GenerateError
 from tpcache.harness.generate import GenerateOptions, group_config, run_generate, scaled_requests
 from tpcache.replay import ReplayOptions, replay

@@ -24,7 +24,7 @@ from runner_helpers import (
     runner_engine,
 )
 
-from tpcache.harness.engine import Decode, Prefill
+from tpcache.engine.forward import Decode, Prefill
 from tpcache.harness.modelcheck import Workload, run_script, run_workload
 from tpcache.model.reference import ModelSpec
 

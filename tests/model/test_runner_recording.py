@@ -13,7 +13,7 @@ from runner_helpers import RECORDING, base_cache, hybrid_cache, runner_engine
 from tpcache.cache.errors import DuplicateRequest, InvalidTokens, UnknownRequest
 from tpcache.cache.keys import pages_to_slots
 from tpcache.coordinator.step_types import RankCallError
-from tpcache.harness.engine import Chunk, Compute, Decode, ModelEngine, Prefill
+from tpcache.engine.forward import Chunk, Compute, Decode, ModelEngine, Prefill
 from tpcache.lockstep.ops import Forward, ForwardBatch, encode
 from tpcache.model.context import ForwardError, build_forward
 

@@ -22,9 +22,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from tpcache.engine.forward import ModelEngine
 from tpcache.group.spec import GroupError
 from tpcache.group.tp_group import TPGroup
-from tpcache.harness.engine import ModelEngine
 from tpcache.harness.modelcheck import Workload, run_workload
 from tpcache.model.llama import LlamaReference, LlamaSpec
 from tpcache.model.runner_spec import RunnerSpec, runner_pool

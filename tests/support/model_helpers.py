@@ -18,7 +18,7 @@ import torch
 
 from tpcache.coordinator.core import Coordinator, CoordinatorConfig
 from tpcache.coordinator.step_types import RankCallError
-from tpcache.harness.engine import ModelEngine
+from tpcache.engine.forward import ModelEngine
 from tpcache.kv.pool import PoolSpec
 from tpcache.model.reference import ModelSpec
 from tpcache.workers.rank import CacheSpec, RankWorker, WorkerSpec

@@ -11,7 +11,7 @@ from drill_worker import DrillWorker
 from tpcache.coordinator.build import GroupConfig
 from tpcache.coordinator.core import CoordinatorConfig
 from tpcache.coordinator.local_ranks import start_local_group
-from tpcache.harness.engine import ModelEngine
+from tpcache.engine.forward import ModelEngine
 from tpcache.model.llama import LlamaReference, LlamaSpec
 from tpcache.model.reference import ModelSpec
 from tpcache.workers.rank import CacheSpec

@@ -34,7 +34,7 @@ import numpy as np
 import zmq
 
 from tpcache.cache.namespace import CacheNamespace
-from tpcache.harness.engine import Chunk, Compute, Decode, ForwardOut, ModelEngine, Prefill
+from tpcache.engine.forward import Chunk, Compute, Decode, ForwardOut, ModelEngine, Prefill
 from tpcache.harness.gen_admit import Run, fits, would_match_more
 from tpcache.harness.gen_wire import (
     Done,

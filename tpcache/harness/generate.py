@@ -42,7 +42,7 @@ from tpcache.trace import TraceRequest, scaled_output_length, scaled_prompt_toke
 
 if TYPE_CHECKING:  # torch: imported when a run starts
     from tpcache.coordinator.build import GroupConfig
-    from tpcache.harness.engine import ModelEngine
+    from tpcache.engine.forward import ModelEngine
 
 
 def scaled_requests(trace: list[TraceRequest], scale: int) -> list[GenRequest]:
@@ -90,7 +90,7 @@ def run_generate(
     empty slice, or a model and KV pool larger than this machine's memory) or the
     group's errors."""
     from tpcache.coordinator.local_ranks import start_local_group
-    from tpcache.harness.engine import ModelEngine
+    from tpcache.engine.forward import ModelEngine
     from tpcache.replay import ReplayOptions, replay
 
     requests = scaled_requests(trace, opts.scale)
@@ -189,7 +189,7 @@ def _client(
 
 def _warm_up(engine: ModelEngine) -> None:
     """One small forward before anything is timed (first-call costs on every rank)."""
-    from tpcache.harness.engine import Prefill
+    from tpcache.engine.forward import Prefill
 
     engine.step([Prefill("warm-up", [1, 2, 3])])
     engine.coord.abort("warm-up")

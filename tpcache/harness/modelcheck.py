@@ -19,9 +19,9 @@ from typing import Protocol
 
 import numpy as np
 
+from tpcache.engine.forward import ModelEngine
+from tpcache.engine.work import Chunk, Decode, Prefill, Work
 from tpcache.errors import TpcacheError
-from tpcache.harness.engine import ModelEngine
-from tpcache.harness.engine_work import Chunk, Decode, Prefill, Work
 
 
 class Reference(Protocol):

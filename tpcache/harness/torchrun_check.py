@@ -11,7 +11,7 @@ import random
 from typing import Any
 
 from tpcache.coordinator.core import Coordinator
-from tpcache.harness.engine import ModelEngine
+from tpcache.engine.forward import ModelEngine
 from tpcache.harness.modelcheck import Workload, run_script, run_workload
 from tpcache.lockstep.errors import DivergenceError
 from tpcache.model.reference import ModelSpec

@@ -1,4 +1,4 @@
-"""What one ``ModelEngine.step`` is asked to do, per request, and what it gives back.
+"""What one ``ModelEngine.step`` (``forward``) is asked to do, per request, and what it gives back.
 
 Plain records (no torch): a serving loop builds a list of them per step, prefill chunks
 and decodes mixed, and gets one ``ForwardOut`` per item, in the same order.

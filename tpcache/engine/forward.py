@@ -29,7 +29,7 @@ from tpcache.cache.errors import DuplicateRequest, UnknownRequest
 from tpcache.cache.keys import TokenLike, as_tokens
 from tpcache.cache.reqtable import check_request_id
 from tpcache.coordinator.core import Coordinator
-from tpcache.harness.engine_work import (
+from tpcache.engine.work import (
     Chunk,
     Compute,
     Decode,
