@@ -78,7 +78,11 @@ def test_block_index_integrity_catches_a_parent_cycle():
     idx = BlockIndex()
     idx.apply_all([stored([1]), stored([2], parent=1)])
     idx.check_integrity()
-    idx._blocks[("GPU", 1)] = StoredBlock(2, (1, 1), 2, None, None)  # corrupt on purpose
+    # Block 1 stored again under its own child (a hash collision upstream): the index
+    # applies it, as it applies every duplicate, and so holds the loop 1 -> 2 -> 1.
+    again = idx.apply(stored([1], parent=2))
+    assert [(p.kind, p.block_hash) for p in again] == [(ProblemKind.DUPLICATE_STORE, 1)]
+    assert idx.get(1) == StoredBlock(2, (1, 1), 2, None, None)
     with pytest.raises(IndexIntegrityError, match="cycle"):
         idx.check_integrity()
     assert sorted(h for e in idx.to_events() for h in e.block_hashes) == [1, 2]
