@@ -209,15 +209,21 @@ def test_a_killed_ranks_rendezvous_directory_goes_with_the_next_group(tmp_path) 
     assert not os.path.exists(path)
 
 
-def test_a_hub_closes_its_directory_and_the_lock_goes_with_it() -> None:
-    hub = StepHub(1, set(), "")
-    path = os.path.dirname(hub.attach[0].endpoint.removeprefix("unix://"))
-    assert sorted(os.listdir(path)) == sorted([pd.LOCK, pd.SOCKET])
-    hub.close()
-    assert not os.path.exists(path)
-    remote_only = StepHub(1, {0}, "127.0.0.1")  # no local rank: no directory at all
-    assert remote_only._dir is None
-    remote_only.close()
+def test_a_hub_closes_its_directory_and_the_lock_goes_with_it(monkeypatch) -> None:
+    base = tempfile.mkdtemp(prefix="tpcache-base-", dir="/tmp")  # this test's temp dir alone
+    monkeypatch.setattr(tempfile, "tempdir", base)
+    try:
+        hub = StepHub(1, set(), "")
+        path = os.path.dirname(hub.attach[0].endpoint.removeprefix("unix://"))
+        assert os.listdir(base) == [os.path.basename(path)]
+        assert sorted(os.listdir(path)) == sorted([pd.LOCK, pd.SOCKET])
+        hub.close()
+        assert not os.path.exists(path)
+        remote_only = StepHub(1, {0}, "127.0.0.1")  # no local rank: no directory at all
+        assert os.listdir(base) == []
+        remote_only.close()
+    finally:
+        os.rmdir(base)
 
 
 def test_a_temp_dir_too_long_for_a_socket_path_falls_back_to_tmp(monkeypatch) -> None:

@@ -145,7 +145,8 @@ def test_a_first_frame_that_is_no_hello_is_closed_at_once(first: bytes) -> None:
             assert time.monotonic() < deadline, "a connection that is no rank was kept"
             hub.ready(-1)
             time.sleep(0.02)
-        assert hub_fds(path) == 1 and not hub._unix.waiting
+        links = hub.unix_links
+        assert hub_fds(path) == 1 and links is not None and not links.waiting
     finally:
         stranger.close()
         hub.close()
@@ -203,5 +204,6 @@ def test_a_hello_limit_that_is_not_seconds_is_refused(hello_s: float) -> None:
     with pytest.raises(ValueError, match="hello_s must be seconds > 0"):
         StepHub(1, set(), "", hello_s=hello_s)
     hub = StepHub(1, set(), "")
-    assert hub._unix is not None and hub._unix.hello_s == HELLO_S
+    links = hub.unix_links
+    assert links is not None and links.hello_s == HELLO_S
     hub.close()

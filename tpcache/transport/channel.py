@@ -140,6 +140,11 @@ class StepHub:
             for r in range(world_size)
         ]
 
+    @property
+    def unix_links(self) -> UnixLinks | None:
+        """The local ranks' Unix-socket side (None when every rank is remote)."""
+        return self._unix
+
     # ---- connecting ---------------------------------------------------------------------
     def wait_connected(self, timeout: float, dead: Callable[[], int | None]) -> None:
         """Until every rank has said hello; raises ``ChannelError`` at the timeout or when

@@ -58,6 +58,11 @@ class FrameReader:
         self._buf += self._view[:n]
         return n
 
+    @property
+    def held(self) -> int:
+        """The bytes this reader holds: unread ones, and taken frames not yet dropped."""
+        return len(self._buf)
+
     def next_size(self) -> int | None:
         """The length the next frame's header declares, once the header has arrived."""
         buf, pos = self._buf, self._pos
