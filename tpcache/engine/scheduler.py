@@ -1,0 +1,188 @@
+"""``Scheduler``: who runs in the next step, and the cache calls that give them slots.
+
+A step is filled in this order, under ``step_tokens`` and ``max_batch``: one decode for
+every running request that is generating (oldest first); the next chunk of every
+running request still in prefill; then waiting requests in submission order (a
+preempted or recovered one keeps its place, so it goes first), each admitted with its
+whole cached prefix and a first chunk of what follows. The first waiting request that
+may not start stops admission (no overtaking: a large request is not starved).
+
+When the cache runs out of room for a running request's slots (``OutOfCapacity`` from
+``extend``), the newest running request is preempted: it gives its slots back (a
+generating one is finished into the cache, so its resume may hit its own prefix; one
+with slots but no KV yet is aborted) and waits again, keeping its tokens; on resume it
+is admitted with prompt + generated tokens. New requests are admitted while their
+context fits next to one page per running request (``ordered_admission``: next to all
+that running requests may still need, and only once the cache holds what a request
+would match after the prefills before it, as ``tpcache generate`` does).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import numpy as np
+
+from tpcache.cache.errors import OutOfCapacity
+from tpcache.coordinator.core import Coordinator
+from tpcache.engine.config import EngineConfig
+from tpcache.engine.errors import RequestTooLarge
+from tpcache.engine.live import Live, pages
+
+
+@dataclass(eq=False)
+class Item:
+    """One request's part of a step: the tokens it computes."""
+
+    live: Live
+    tokens: np.ndarray
+    decode: bool
+
+
+@dataclass
+class ScheduleCounters:
+    """Owned by the scheduler."""
+
+    preemptions: int = 0
+    waits: int = 0  # steps where ordered admission held the next request for a prefill
+    cached_tokens: int = 0  # prefix tokens taken from the cache at admissions
+
+
+class Scheduler:
+    """Waiting and running requests. Not thread-safe: the engine's loop thread calls it
+    with the coordinator's lock held."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.waiting: list[Live] = []  # by seq
+        self.running: dict[str | int, Live] = {}  # by admission
+        self.counters = ScheduleCounters()
+
+    def add(self, live: Live) -> None:
+        """Queue ``live`` (new, preempted or recovered) in submission order."""
+        live.running = False
+        live.done = 0
+        bisect.insort(self.waiting, live, key=lambda x: x.seq)
+
+    def remove(self, live: Live) -> None:
+        """Forget ``live`` (its coordinator state is the caller's)."""
+        self.running.pop(live.rid, None)
+        if live in self.waiting:
+            self.waiting.remove(live)
+
+    # ---- one step -------------------------------------------------------------------------
+    def plan(self, coord: Coordinator, limit: int) -> tuple[list[Item], list[Live]]:
+        """Make the cache calls of the next step; returns its items (oldest first) and
+        the waiting requests that can never fit in ``limit`` tokens (removed). Raises the
+        coordinator's errors (a failed group) with the calls before applied."""
+        budget = self.config.step_tokens
+        step: dict[str | int, Item] = {}
+        for live in list(self.running.values()):
+            if live.running and not live.prefilling and self._extend(coord, live, 1, step):
+                step[live.rid] = Item(live, np.asarray(live.out[-1:], np.int64), True)
+                budget -= 1
+        for live in list(self.running.values()):
+            if live.running and live.prefilling and budget > 0:
+                n = min(live.context.size - live.done, budget)
+                if live.done:  # its KV so far, for others to match
+                    coord.cache_unfinished(live.rid, live.context[: live.done])
+                if self._extend(coord, live, n, step):
+                    chunk = live.context[live.done : live.done + n]
+                    step[live.rid] = Item(live, chunk, False)
+                    budget -= n
+        too_large = self._admit(coord, limit, budget, step)
+        return list(step.values()), too_large
+
+    def _extend(self, coord: Coordinator, live: Live, n: int, step: dict) -> bool:
+        """``n`` slots for running ``live``, preempting the newest running requests while
+        the cache has no room; False if ``live`` itself was preempted."""
+        while True:
+            try:
+                coord.extend(live.rid, n)
+                return True
+            except OutOfCapacity:
+                victim = max(self.running.values(), key=lambda x: x.seq)
+                self.preempt(coord, victim, in_step=victim.rid in step)
+                step.pop(victim.rid, None)
+                if victim is live:
+                    return False
+
+    def preempt(self, coord: Coordinator, live: Live, in_step: bool) -> None:
+        """Give ``live``'s slots back and queue it again (it keeps its tokens)."""
+        if in_step or live.prefilling:
+            coord.abort(live.rid)  # slots without KV must not be cached
+        else:
+            coord.finish(live.rid, live.out[live.context.size - len(live.req.prompt) :])
+        del self.running[live.rid]
+        live.preemptions += 1
+        self.counters.preemptions += 1
+        self.add(live)
+
+    def _admit(self, coord: Coordinator, limit: int, budget: int, step: dict) -> list[Live]:
+        cfg = self.config
+        too_large: list[Live] = []
+        for live in list(self.waiting):
+            if budget <= 0 or len(self.running) >= cfg.max_batch or len(step) >= cfg.max_batch:
+                break
+            if live.final_kv() > limit:
+                self.waiting.remove(live)
+                too_large.append(live)
+                continue
+            context = live.resume_tokens()
+            mirror = coord.mirror
+            cached = mirror.admit_prefix_len(context)
+            if not self._may_start(coord, live, context, cached):
+                break
+            n = min(context.size - cached, budget)
+            try:
+                got = coord.admit(live.rid, context[: cached + n])
+            except OutOfCapacity:
+                break
+            self.waiting.remove(live)
+            live.context, live.running, live.done = context, True, got.prefix_len
+            if not live.preemptions and not live.recoveries:
+                live.prompt_cached = got.prefix_len
+            live.cached = got.prefix_len
+            self.counters.cached_tokens += got.prefix_len
+            self.running[live.rid] = live
+            step[live.rid] = Item(live, context[got.prefix_len : cached + n], False)
+            budget -= cached + n - got.prefix_len
+        return too_large
+
+    def _may_start(self, coord: Coordinator, live: Live, context: np.ndarray, cached: int) -> bool:
+        """Whether ``live`` may be admitted now (see the module docstring)."""
+        if not self.running:
+            return True  # alone it fits: its final size is within the request limit
+        ps = coord.mirror.page_size
+        sizes = coord.mirror.sizes()
+        room = (sizes.free + sizes.evictable) // ps
+        if not self.config.ordered_admission:
+            return pages(context.size, ps) - cached // ps + len(self.running) <= room
+        if would_match_more(self.running.values(), context, cached, ps):
+            self.counters.waits += 1
+            return False
+        pending = sum(
+            pages(r.final_kv(), ps) - pages(r.held_kv(), ps) for r in self.running.values()
+        )
+        return pages(live.final_kv(), ps) - cached // ps + pending <= room
+
+
+def would_match_more(running, context: np.ndarray, cached: int, ps: int) -> bool:
+    """Whether a context still in prefill shares more whole pages (of ``ps`` tokens) with
+    ``context`` than the cache gives it now (``cached``; an admit matches at most
+    len - 1 tokens)."""
+    bound = (context.size - 1) // ps * ps
+    for run in running:
+        if not run.prefilling:
+            continue
+        n = min(bound, run.context.size // ps * ps)
+        if n <= cached:
+            continue
+        diff = np.flatnonzero(run.context[:n] != context[:n])
+        if (int(diff[0]) if diff.size else n) // ps * ps > cached:
+            return True
+    return False
+
+
+__all__ = ["Item", "RequestTooLarge", "ScheduleCounters", "Scheduler", "would_match_more"]
