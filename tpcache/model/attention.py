@@ -28,10 +28,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rotary(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
     """Rotate ``x`` ``[tokens, heads, head_dim]`` by its absolute ``positions`` (RoPE,
-    rotate-half layout). Angles in float64 so every position is exact; result in x's dtype."""
+    rotate-half layout, inverse frequencies ``base ** (-2i / head_dim)``)."""
     d = x.shape[-1]
-    half = d // 2
-    inv = base ** (-torch.arange(half, dtype=torch.float64, device=x.device) * 2 / d)
+    inv = base ** (-torch.arange(d // 2, dtype=torch.float64, device=x.device) * 2 / d)
+    return rotary_freqs(x, positions, inv)
+
+
+def rotary_freqs(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """``rotary`` with the ``head_dim // 2`` inverse frequencies given (scaled RoPE).
+    Angles in float64 so every position is exact; result in x's dtype."""
+    half = x.shape[-1] // 2
+    inv = inv_freq.to(device=x.device, dtype=torch.float64)
     ang = positions.to(torch.float64)[:, None] * inv[None, :]  # [tokens, half]
     cos = torch.cos(ang).float()[:, None, :]
     sin = torch.sin(ang).float()[:, None, :]

@@ -1,17 +1,20 @@
-"""The shape of a standard (Llama-style) decoder and where its weights come from: drawn
-from a seed, or read from safetensors files with Hugging Face names. Each rank reads only
-its Megatron shard (rows or columns of each split weight), straight from the file map.
+"""The shape of a standard (Llama-family) decoder and where its weights come from: drawn
+from a seed, or read from a Hugging Face checkpoint. Each rank reads only its Megatron
+shard (rows or columns of each split weight) through ``safetensors``' slices.
 
-Weights use Hugging Face's names and ``[out, in]`` layout (``model.layers.{i}.self_attn
-.q_proj.weight`` ...), so a Llama, Mistral-style or Qwen3-style checkpoint without biases
-or RoPE scaling loads as it is. Rotary positions use the rotate-half layout those
-checkpoints are stored for.
+What loads: ``model_type`` llama, mistral, qwen2 and qwen3, configs of transformers 4.x
+or 5.x (``hf_config`` reads them strictly), RoPE default, linear or llama3, tied or own
+LM head, q/k/v (and o) biases, Qwen3's per-head q/k RMSNorm, safetensors in float32,
+float16 or bfloat16, one file or sharded with an index (``checkpoint``). Weights use
+Hugging Face's names and ``[out, in]`` layout; rotary positions use the rotate-half
+layout those checkpoints are stored for. Anything else is refused by name, before any
+rank computes: a missing, extra or misshapen tensor, a truncated file, a config key that
+would change the computation.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -20,10 +23,12 @@ from typing import Any
 import torch
 
 from tpcache.kv.pool import check_positive_int
+from tpcache.model.checkpoint import Slice, check_tensors, read_tensors, scan
+from tpcache.model.hf_config import HFConfig, read_hf_config
+from tpcache.model.rope import RopeScaling
 from tpcache.model.runner import KVLayout, RunnerConfigError
-from tpcache.model.safetensors_io import SafeFile, iter_tensors, safetensors_files
 
-_IGNORED = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry; recomputed here
+_HARMLESS = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry; recomputed here
 
 
 @dataclass(frozen=True)
@@ -32,7 +37,8 @@ class LlamaSpec:
     query heads sharing ``kv_heads`` KV heads of ``head_dim``) with RoPE, RMSNorm and a
     SwiGLU MLP of ``ffn`` units. ``weights``: a safetensors file, or a directory of them
     (None: random weights drawn from ``seed``). ``swa_layers`` attend over a sliding
-    ``window`` of tokens before the current one."""
+    ``window`` of tokens before the current one (drawn weights only: no checkpoint's
+    sliding window loads)."""
 
     vocab: int = 128
     hidden: int = 64
@@ -44,8 +50,12 @@ class LlamaSpec:
     swa_layers: tuple[int, ...] = ()
     window: int | None = None
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
     eps: float = 1e-5
     tie_embeddings: bool = False
+    qkv_bias: bool = False  # q/k/v projections carry biases
+    o_bias: bool = False  # so does o_proj
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
     seed: int = 0
     weights: str | None = None
 
@@ -61,18 +71,28 @@ class LlamaSpec:
             )
 
     @classmethod
-    def from_args(cls, config: str | None = None, **args: Any) -> LlamaSpec:
-        """A spec from a Hugging Face ``config.json`` (``config``), then ``args`` on top
-        (lists become tuples). Raises RunnerConfigError for an unknown argument or a
-        config this model cannot run."""
+    def from_args(
+        cls, config: str | HFConfig | None = None, model: str | None = None, **args: Any
+    ) -> LlamaSpec:
+        """A spec from a Hugging Face model directory (``model``: its config.json and its
+        weights) or ``config`` (a config.json, or one already read), then ``args`` on top
+        (lists become tuples). Raises RunnerConfigError (ConfigKeyError naming the key)
+        for an unknown argument or a config this model cannot run exactly."""
         known = {f.name for f in fields(cls)}
-        base = hf_config(config) if config is not None else {}
         unknown = sorted(set(args) - known)
         if unknown:
             raise RunnerConfigError(
                 f"unknown LlamaSpec arguments {unknown}; known: {sorted(known)}"
             )
-        merged = {**base, **args}
+        if model is not None:
+            if config is not None or "weights" in args:
+                raise RunnerConfigError(
+                    "model= gives the config and the weights: drop config=/weights="
+                )
+            config, args = str(Path(model) / "config.json"), {**args, "weights": str(model)}
+        if isinstance(config, str):
+            config = read_hf_config(config)
+        merged = {**(config.spec_fields() if config is not None else {}), **args}
         if isinstance(merged.get("swa_layers"), list | tuple):
             merged["swa_layers"] = tuple(merged["swa_layers"])
         return cls(**merged)
@@ -83,36 +103,13 @@ class LlamaSpec:
         )
 
     def check_tp(self, tp: int) -> None:
-        """Raises RunnerConfigError unless query heads, KV heads and MLP units split evenly."""
+        """Raises RunnerConfigError unless query heads, KV heads and MLP units split evenly
+        (a rank holds whole KV heads: fewer KV heads than ranks is refused)."""
         if self.heads % tp or self.kv_heads % tp or self.ffn % tp:
             raise RunnerConfigError(
                 f"heads={self.heads}, kv_heads={self.kv_heads} and ffn={self.ffn} must all "
                 f"divide by tp={tp}"
             )
-
-
-def hf_config(path: str) -> dict[str, Any]:
-    """``LlamaSpec`` fields from a Hugging Face ``config.json``. Raises RunnerConfigError
-    for what this model does not do (RoPE scaling, attention or MLP biases)."""
-    try:
-        cfg = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise RunnerConfigError(f"cannot read the model config {path}: {exc}") from None
-    if cfg.get("rope_scaling") or cfg.get("attention_bias") or cfg.get("mlp_bias"):
-        raise RunnerConfigError(f"{path}: RoPE scaling and biases are not supported")
-    heads = cfg["num_attention_heads"]
-    return {
-        "vocab": cfg["vocab_size"],
-        "hidden": cfg["hidden_size"],
-        "heads": heads,
-        "kv_heads": cfg.get("num_key_value_heads") or heads,
-        "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        "ffn": cfg["intermediate_size"],
-        "num_layers": cfg["num_hidden_layers"],
-        "rope_theta": float(cfg.get("rope_theta", 10000.0)),
-        "eps": float(cfg.get("rms_norm_eps", 1e-5)),
-        "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
-    }
 
 
 def weight_shapes(spec: LlamaSpec) -> dict[str, tuple[int, ...]]:
@@ -126,6 +123,15 @@ def weight_shapes(spec: LlamaSpec) -> dict[str, tuple[int, ...]]:
         out[p + "self_attn.k_proj.weight"] = (kv, d)
         out[p + "self_attn.v_proj.weight"] = (kv, d)
         out[p + "self_attn.o_proj.weight"] = (d, q)
+        if spec.qkv_bias:
+            out[p + "self_attn.q_proj.bias"] = (q,)
+            out[p + "self_attn.k_proj.bias"] = (kv,)
+            out[p + "self_attn.v_proj.bias"] = (kv,)
+        if spec.o_bias:
+            out[p + "self_attn.o_proj.bias"] = (d,)
+        if spec.qk_norm:
+            out[p + "self_attn.q_norm.weight"] = (spec.head_dim,)
+            out[p + "self_attn.k_norm.weight"] = (spec.head_dim,)
         out[p + "post_attention_layernorm.weight"] = (d,)
         out[p + "mlp.gate_proj.weight"] = (spec.ffn, d)
         out[p + "mlp.up_proj.weight"] = (spec.ffn, d)
@@ -143,15 +149,14 @@ def random_weights(spec: LlamaSpec) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(spec.seed)
     out = {}
     for name, shape in weight_shapes(spec).items():
-        if len(shape) == 1:  # a norm's gain, near 1
+        if name.endswith(".bias"):
+            t = torch.randn(*shape, generator=g, dtype=torch.float64) * 0.1
+        elif len(shape) == 1:  # a norm's gain, near 1
             t = 1.0 + torch.randn(*shape, generator=g, dtype=torch.float64) * 0.1
         else:  # fan-in scaled, so activations stay O(1) through the layers
             t = torch.randn(*shape, generator=g, dtype=torch.float64) * shape[1] ** -0.5
         out[name] = t.float()
     return out
-
-
-Slice = tuple[slice | None, slice | None]
 
 
 def shard_slices(spec: LlamaSpec, rank: int, tp: int) -> Callable[[str], Slice]:
@@ -174,49 +179,51 @@ def shard_slices(spec: LlamaSpec, rank: int, tp: int) -> Callable[[str], Slice]:
         "up_proj": (units, None),
         "down_proj": (None, units),
     }
-    return lambda name: by_part.get(name.split(".")[-2], (None, None))
+
+    def cut(name: str) -> Slice:
+        rows, cols = by_part.get(name.split(".")[-2], (None, None))
+        # a bias follows its weight's rows; a row-parallel product's is added whole
+        return (rows, None) if name.endswith(".bias") else (rows, cols)
+
+    return cut
+
+
+def check_checkpoint(spec: LlamaSpec) -> None:
+    """Raise unless ``spec.weights`` holds exactly the model's tensors, with its shapes,
+    in files whose headers are whole (headers only: cheap). RunnerConfigError kinds
+    (UnreadableCheckpoint, MissingTensor, UnexpectedTensor, TensorShapeError,
+    TensorDtypeError) name the file and the tensor."""
+    if spec.weights is not None:
+        check_tensors(spec.weights, scan(spec.weights), weight_shapes(spec), _HARMLESS)
 
 
 def load_shard(spec: LlamaSpec, rank: int, tp: int) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s shard of every weight (stored dtype for files, float32 drawn).
-    Raises RunnerConfigError / SafetensorsError for a file that lacks a weight, holds one
-    of another shape, or holds one this model does not use (a bias: it would be wrong
-    to drop it)."""
+    Every file's header is checked before any tensor is read (``check_checkpoint``'s
+    errors); not a collective, so a refusal reaches every rank alike."""
     cut = shard_slices(spec, rank, tp)
     shapes = weight_shapes(spec)
     if spec.weights is None:
         full = random_weights(spec)
         return {n: _take(full[n], *cut(n)).contiguous() for n in shapes}
-    files = safetensors_files(spec.weights)
-    where: dict[str, SafeFile] = {}
-    opened: list[SafeFile] = []
-    try:
-        for name, f in iter_tensors(files):
-            if not opened or opened[-1] is not f:
-                opened.append(f)
-            where[name] = f
-        extra = sorted(n for n in where if n not in shapes and not n.endswith(_IGNORED))
-        if extra:
-            raise RunnerConfigError(f"{spec.weights}: weights this model does not use: {extra[:5]}")
-        out = {}
-        for name, shape in shapes.items():
-            if name not in where:
-                raise RunnerConfigError(f"{spec.weights}: no weight {name!r}")
-            if where[name].shape(name) != shape:
-                raise RunnerConfigError(
-                    f"{spec.weights}: {name} is {where[name].shape(name)}, the spec says {shape}"
-                )
-            out[name] = where[name].get(name, *cut(name))
-        return out
-    finally:
-        for f in opened:
-            f.close()
+    found = scan(spec.weights)
+    check_tensors(spec.weights, found, shapes, _HARMLESS)
+    return read_tensors(found, shapes, cut)
 
 
 def _take(t: torch.Tensor, rows: slice | None, cols: slice | None) -> torch.Tensor:
     if rows is None and cols is None:
         return t
+    if t.dim() == 1:
+        return t[rows]
     return t[rows or slice(None), cols or slice(None)]
 
 
-__all__ = ["LlamaSpec", "hf_config", "load_shard", "random_weights", "weight_shapes"]
+__all__ = [
+    "LlamaSpec",
+    "check_checkpoint",
+    "load_shard",
+    "random_weights",
+    "shard_slices",
+    "weight_shapes",
+]

@@ -34,11 +34,7 @@ import torch
 from tpcache.errors import TpcacheError
 from tpcache.kv.pool import TORCH_DTYPES, KVPool, PoolSpec, check_positive_int
 from tpcache.model.batch import RunnerBatch
-
-
-class RunnerConfigError(TpcacheError, ValueError):
-    """A runner or layout that cannot work here: a bad shape, heads that do not divide by
-    tp, a layout that does not fit the pool or the cache. Raised before anything starts."""
+from tpcache.model.errors import RunnerConfigError
 
 
 @dataclass(frozen=True)
