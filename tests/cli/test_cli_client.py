@@ -76,7 +76,10 @@ def test_the_client_offers_what_the_readme_says(ray_cluster) -> None:
                 p1.result()
         c.flush()
         assert c.stats()["steps_sent"] - before == 1  # three calls, one step
-        assert p1.result().prefix_len == 40 and p3.result().size == 2
+        got = p1.result()  # what admit outside a batch returns: an Admitted, slots read-only
+        assert isinstance(got, Admitted) and got.prefix_len == 40
+        assert got.slots.dtype == np.int64 and not got.slots.flags.writeable
+        assert isinstance(p3.result(), np.ndarray) and p3.result().size == 2
         with pytest.raises(UnknownRequest, match=r"^no running request 'nope'$"):
             p2.result()  # refused alone: the others applied
         with pytest.raises(ZeroDivisionError), c.batch() as b:

@@ -9,7 +9,6 @@ import pytest
 from tpcache.cache.errors import UnknownRequest
 from tpcache.frontend import api
 from tpcache.frontend.calls import Batch, RequestCalls, UnexpectedReply, checked, ints
-from tpcache.frontend.ray_client import Admitted, _converted
 
 
 class Recorder(RequestCalls[object, object, object, object]):
@@ -42,7 +41,7 @@ def test_each_call_builds_its_record_with_the_reply_it_expects() -> None:
 
 
 def test_a_batch_hands_each_call_its_own_reply_or_error() -> None:
-    b = Batch(_converted)
+    b = Batch(checked)
     a = b.admit("a", [1, 2])
     e = b.extend("b", 1)
     f = b.finish("a")
@@ -50,12 +49,15 @@ def test_a_batch_hands_each_call_its_own_reply_or_error() -> None:
         a.result()
     err = api.ErrorReply("UnknownRequest", "no request 'b'")
     b.settle([api.AdmitReply(0, [4, 5]), err, api.CachedReply(2)])
-    got = a.result()
-    assert isinstance(got, Admitted) and got.slots.tolist() == [4, 5]
-    assert not got.slots.flags.writeable
+    assert a.result() == api.AdmitReply(0, [4, 5])
     with pytest.raises(UnknownRequest):
         e.result()
-    assert f.result() == 2
+    assert f.result() == api.CachedReply(2)
+    other = Batch(checked)  # each call is checked against the reply kind it expects
+    wrong = other.finish("a")
+    other.settle([api.SlotsReply([1])])
+    with pytest.raises(UnexpectedReply, match=r"expected a CachedReply.*SlotsReply"):
+        wrong.result()
     with pytest.raises(ValueError):  # one reply per call, no fewer
         Batch(checked).settle([api.CachedReply(1)])
 
@@ -63,8 +65,6 @@ def test_a_batch_hands_each_call_its_own_reply_or_error() -> None:
 def test_a_reply_of_the_wrong_kind_is_a_typed_error() -> None:
     with pytest.raises(UnexpectedReply, match=r"expected a SlotsReply.*CachedReply"):
         checked(api.CachedReply(1), api.SlotsReply)
-    with pytest.raises(UnexpectedReply):
-        _converted(api.AdmitReply(0, []), api.CachedReply)
     assert checked(api.OkReply(), None) is None
     with pytest.raises(UnknownRequest, match="no request 'b'"):  # an error beats the type
         checked(api.ErrorReply("UnknownRequest", "no request 'b'"), api.SlotsReply)
