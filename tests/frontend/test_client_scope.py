@@ -170,19 +170,23 @@ def test_a_timed_out_call_is_not_applied_twice(coord, front) -> None:
     goes, the extend applies; ``resend`` gets its reply without applying it again."""
     with Client(front.endpoint, timeout_s=0.3) as c:
         c.admit("r", list(range(1, 10)))
+        resent: list[list[api.Reply]] = []
         with coord.lock:
             with pytest.raises(api.OutcomeUnknown) as got:
                 c.extend("r", 1)
             assert not got.value.retryable
             c.timeout_s = 10.0
-            # Sent again while the first is still waiting: one is applied, both answered.
-            c._sock.send_multipart([got.value.message_id, b"", got.value.body])
-        (first,) = c.resend(got.value)
-        (second,) = c.resend(got.value)
-        assert isinstance(first, api.SlotsReply) and first == second
-        assert c._sock.poll(2000)  # the reply to the send above, the same again
-        _, body = c._sock.recv_multipart()
-        assert api.decode_replies(body) == [first]
+            # Sent again while the first is still waiting (the client used by one thread
+            # at a time: this one waits below): one is applied, both answered.
+            waiter = threading.Thread(target=lambda: resent.append(c.resend(got.value)))
+            waiter.start()
+            waiter.join(0.3)  # the resend is out; its reply cannot come while the lock is held
+            assert waiter.is_alive()
+        waiter.join(10.0)
+        (first,) = resent[0]
+        (second,) = c.resend(got.value)  # the earlier send's reply, the same again
+        (third,) = c.resend(got.value)
+        assert isinstance(first, api.SlotsReply) and first == second == third
         assert len(c.extend("r", 1).slots) == 1
         settled(coord)
         known_as = scoped_id(owner_of("", c.session), "r")
