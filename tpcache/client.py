@@ -11,6 +11,11 @@ engines that are not Ray drivers. Imports neither torch nor Ray.
     a.result().prefix_len, d.result().slots
     c.finish("req-1", output_ids)
 
+    # On a server that serves a model (`tpcache serve --model DIR --network-endpoint ...`):
+    out = c.generate(prompt_ids, 32)              # out.tokens, out.finish_reason
+    for token in c.generate(prompt_ids, 32, stream=True):   # tokens as they are sampled
+        ...
+
 Errors come back typed, as the coordinator raised them (``tpcache.frontend.api``,
 ``tpcache.cache.errors``); ``retryable`` says whether to try again. A call with no reply
 in time raises ``OutcomeUnknown`` (it may have been applied): ``c.resend(err)`` asks
@@ -18,10 +23,15 @@ again without applying it twice.
 
 Request ids are this client's own: another client's ids are unknown to it (each client
 is its credential and its connection's random routing id).
+
+Threads: a ``Client`` is used by one thread at a time; give each thread its own (they
+are cheap). Within that thread, several generate streams may be open at once and read
+in any order, between other calls: each message is kept for the call it answers.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 from collections.abc import Iterator
@@ -31,14 +41,22 @@ from typing import Any
 import zmq
 
 from tpcache.frontend import api
-from tpcache.frontend.calls import Batch, Pending, RequestCalls, UnexpectedReply, checked
+from tpcache.frontend.calls import (
+    Batch,
+    GenerateCalls,
+    Pending,
+    RequestCalls,
+    UnexpectedReply,
+    checked,
+)
 from tpcache.transport.netsec import make_client
 
 
-class Client(RequestCalls[api.AdmitReply, api.SlotsReply, api.CachedReply, None]):
+class Client(RequestCalls[api.AdmitReply, api.SlotsReply, api.CachedReply, None], GenerateCalls):
     """A DEALER socket to the network frontend at ``endpoint``. Not thread-safe: one per
     thread (they are cheap). ``timeout_s`` bounds each round trip: no reply in time is
-    ``OutcomeUnknown`` (see ``resend``).
+    ``OutcomeUnknown`` (see ``resend``); for a generate call, each wait for the next part
+    of its answer (``GenerateTimeout``, and the call is cancelled).
 
     Its request ids are scoped to its ``session`` (its routing id; random unless given):
     another ``Client`` does not reach its requests. A router that restarts and must
@@ -59,6 +77,9 @@ class Client(RequestCalls[api.AdmitReply, api.SlotsReply, api.CachedReply, None]
         self.timeout_s = timeout_s
         self._token = (token or "").encode()
         self._ids = itertools.count(int.from_bytes(os.urandom(4), "big"))
+        # Replies that came for an open generate call while another call read the
+        # socket, by message id (a call's own id is popped when it ends).
+        self._streams: dict[bytes, collections.deque[api.Reply]] = {}
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -109,7 +130,9 @@ class Client(RequestCalls[api.AdmitReply, api.SlotsReply, api.CachedReply, None]
                     body,
                 )
             got_id, reply = self._sock.recv_multipart()
-            if got_id == rid:  # an earlier request's late reply is dropped
+            if got_id in self._streams:  # an open generate call's
+                self._streams[got_id].extend(api.decode_replies(reply))
+            elif got_id == rid:  # an earlier request's late reply is dropped
                 replies = api.decode_replies(reply)
                 if len(replies) == n:
                     return replies
@@ -120,6 +143,34 @@ class Client(RequestCalls[api.AdmitReply, api.SlotsReply, api.CachedReply, None]
     def _send(self, call: api.Call, reply_type: type[api.Reply] | None) -> Any:
         (reply,) = self.send([call])
         return checked(reply, reply_type)
+
+    def _open(self, call: api.GenerateCall) -> Iterator[api.Reply]:
+        rid = (next(self._ids) % (1 << 64)).to_bytes(8, "big")
+        self._sock.send_multipart([rid, self._token, api.encode_calls([call])])
+        self._streams[rid] = collections.deque()
+        return self._stream_replies(rid)
+
+    def _stream_replies(self, rid: bytes) -> Iterator[api.Reply]:
+        """The replies of the generate call sent as ``rid``, as they come; ends after
+        the last (anything but a ``TokensReply``)."""
+        kept = self._streams[rid]
+        try:
+            while True:
+                while not kept:
+                    if not self._sock.poll(int(self.timeout_s * 1000)):
+                        raise api.GenerateTimeout(
+                            f"no answer from {self.endpoint} within {self.timeout_s:g}s; "
+                            "the request was cancelled"
+                        )
+                    got_id, body = self._sock.recv_multipart()
+                    if got_id in self._streams:
+                        self._streams[got_id].extend(api.decode_replies(body))
+                reply = kept.popleft()
+                yield reply
+                if not isinstance(reply, api.TokensReply):
+                    return
+        finally:
+            self._streams.pop(rid, None)
 
     @contextmanager
     def batch(self) -> Iterator[Batch]:

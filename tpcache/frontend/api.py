@@ -2,7 +2,8 @@
 
 Calls are a tagged union (tag field ``call``); unknown fields are rejected. Replies are
 another tagged union (tag field ``reply``). Errors come back as ``ErrorReply`` naming the
-error type, so a client raises the same typed error the coordinator raised.
+error type, so a client raises the same typed error the coordinator raised (the
+frontend's own errors are in ``api_errors``, and re-exported here).
 """
 
 from __future__ import annotations
@@ -11,10 +12,19 @@ from typing import TypedDict
 
 import msgspec
 
-from tpcache.cache import errors as cache_errors
 from tpcache.cache.records import RequestId
-from tpcache.coordinator.errors import CoordinatorUnavailable, RequestLost
-from tpcache.errors import TpcacheError
+from tpcache.coordinator.errors import CoordinatorUnavailable as CoordinatorUnavailable
+from tpcache.coordinator.errors import RequestLost as RequestLost
+from tpcache.engine.requests import GenerateRequest, SamplingParams
+from tpcache.frontend.api_errors import BadRequest as BadRequest
+from tpcache.frontend.api_errors import Busy as Busy
+from tpcache.frontend.api_errors import GenerateTimeout as GenerateTimeout
+from tpcache.frontend.api_errors import NoModel as NoModel
+from tpcache.frontend.api_errors import OutcomeUnknown as OutcomeUnknown
+from tpcache.frontend.api_errors import RemoteError as RemoteError
+from tpcache.frontend.api_errors import Unauthenticated as Unauthenticated
+from tpcache.frontend.api_errors import error_types as error_types
+from tpcache.frontend.api_errors import raise_reply_error as raise_reply_error
 
 
 class _Call(msgspec.Struct, tag_field="call", frozen=True, forbid_unknown_fields=True):
@@ -66,7 +76,50 @@ class StatsCall(_Call, tag="stats"):
     pass
 
 
-Call = AdmitCall | ExtendCall | CacheUnfinishedCall | FinishCall | AbortCall | StatsCall
+class GenerateCall(_Call, tag="generate"):
+    """Generate up to ``max_new_tokens`` after ``prompt`` (token ids) on a server that
+    serves a model; the sampling fields are ``engine.requests.SamplingParams``'. Its
+    request is a message of its own. ``stream``: a ``TokensReply`` as tokens are
+    sampled, then the ``GeneratedReply``; else that reply alone, at the end."""
+
+    request_id: RequestId
+    prompt: list[int]
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    stream: bool = False
+
+    def as_request(self, rid: RequestId) -> GenerateRequest:
+        """The engine's request for this call, known as ``rid``. Raises ``BadSampling``
+        naming a field that is out of range (or of a wrong type: a record built here,
+        not decoded, is not type-checked)."""
+        f = msgspec.structs.asdict(self)
+        del f["request_id"], f["prompt"], f["stream"]
+        f["stop_token_ids"] = tuple(self.stop_token_ids)
+        return GenerateRequest(rid, tuple(self.prompt), SamplingParams(**f))
+
+
+class CancelCall(_Call, tag="cancel"):
+    """Stop a running generate call of this client (its KV slots come back); its answer
+    ends with finish reason ``cancelled``."""
+
+    request_id: RequestId
+
+
+Call = (
+    AdmitCall
+    | ExtendCall
+    | CacheUnfinishedCall
+    | FinishCall
+    | AbortCall
+    | StatsCall
+    | GenerateCall
+    | CancelCall
+)
 
 
 class _Reply(msgspec.Struct, tag_field="reply", frozen=True):
@@ -124,35 +177,45 @@ class ErrorReply(_Reply, tag="error"):
     step: int | None = None
 
 
-Reply = AdmitReply | SlotsReply | CachedReply | OkReply | StatsReply | ErrorReply
+class TokensReply(_Reply, tag="tokens"):
+    """Tokens of a streamed generate call as they are sampled: ``start`` is the index of
+    the first of them in the output (the replies of one call follow each other)."""
+
+    start: int
+    tokens: list[int]
 
 
-class BadRequest(cache_errors.CacheError, ValueError):
-    """A message that is not a valid call (malformed bytes, wrong types, unknown fields)."""
+class GeneratedReply(_Reply, tag="generated"):
+    """A generate call's answer: every output token, why it stopped (``length``,
+    ``stop``, ``cancelled``), the prompt's length and how many of its tokens came from
+    the cache, and how often it was preempted or re-run after a group recovery."""
+
+    tokens: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    preemptions: int = 0
+    recoveries: int = 0
 
 
-class Busy(TpcacheError, RuntimeError):
-    """The network frontend has more calls waiting than it takes; retry shortly."""
+class CancelReply(_Reply, tag="cancel"):
+    """``cancelled``: the request was running and is being stopped (False: it had ended
+    or never existed)."""
 
-    retryable = True
-
-
-class Unauthenticated(TpcacheError, RuntimeError):
-    """The network frontend needs a valid token (or CURVE keys) for this request."""
+    cancelled: bool
 
 
-class OutcomeUnknown(TpcacheError, TimeoutError):
-    """No reply came in time: the calls may or may not have been applied, so they are
-    not to be made again as new calls. ``Client.resend(err)`` sends the same request
-    again (``message_id``, ``body``); the server applies it at most once and answers
-    what it answered the first time."""
-
-    retryable = False
-
-    def __init__(self, message: str, message_id: bytes = b"", body: bytes = b"") -> None:
-        super().__init__(message)
-        self.message_id = message_id
-        self.body = body
+Reply = (
+    AdmitReply
+    | SlotsReply
+    | CachedReply
+    | OkReply
+    | StatsReply
+    | ErrorReply
+    | TokensReply
+    | GeneratedReply
+    | CancelReply
+)
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -220,28 +283,6 @@ def decode_replies(data: bytes) -> list[Reply]:
     return _replies_decoder.decode(data)
 
 
-def error_types() -> dict[str, type[BaseException]]:
-    """Every error a reply may name, by type name (for clients to re-raise them)."""
-    from tpcache.lockstep.errors import DivergenceError, LockstepError, RankFailure
-
-    found: dict[str, type[BaseException]] = {}
-    for obj in vars(cache_errors).values():
-        if isinstance(obj, type) and issubclass(obj, BaseException):
-            found[obj.__name__] = obj
-    for cls in (
-        BadRequest,
-        Busy,
-        Unauthenticated,
-        CoordinatorUnavailable,
-        RequestLost,
-        DivergenceError,
-        LockstepError,
-        RankFailure,
-    ):
-        found[cls.__name__] = cls
-    return found
-
-
 def error_reply(exc: BaseException, retryable: bool | None = None) -> ErrorReply:
     """``exc`` as the reply that names it: its type's name, its message, ``retryable``
     (None: the error's own), and the step of a lockstep error. Changes nothing."""
@@ -250,24 +291,3 @@ def error_reply(exc: BaseException, retryable: bool | None = None) -> ErrorReply
     retry = bool(getattr(exc, "retryable", False)) if retryable is None else retryable
     step = exc.step if isinstance(exc, LockstepError) else None
     return ErrorReply(type(exc).__name__, str(exc), retry, step)
-
-
-class RemoteError(TpcacheError, RuntimeError):
-    """An error from the coordinator whose type this client does not know."""
-
-
-def raise_reply_error(reply: ErrorReply) -> None:
-    """Raise the typed error an ``ErrorReply`` names (``RemoteError`` if unknown here). A
-    lockstep error gets the reply's ``step`` and the message it had (``"step N: ..."``);
-    from a server that sends no step, step -1 (its message then reads ``"step -1: step
-    N: ..."``, as before the field)."""
-    from tpcache.lockstep.errors import LockstepError
-
-    cls = error_types().get(reply.error)
-    if cls is None:
-        raise RemoteError(f"{reply.error}: {reply.message}")
-    if issubclass(cls, LockstepError):
-        if reply.step is None:
-            raise cls(-1, reply.message)
-        raise cls(reply.step, reply.message.removeprefix(f"step {reply.step}: "))
-    raise cls(reply.message)

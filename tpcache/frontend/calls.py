@@ -2,13 +2,17 @@
 written once: each builds its ``api`` record and hands it to the client's ``_send`` with
 the reply type it expects. The Ray client, the network client and their batches differ
 only in ``_send``: one round trip, or a ``Pending`` kept until the batch goes.
+``generate`` and ``cancel`` are written once too (``GenerateCalls``), over the client's
+``_open``: a generate call's replies as they come.
 
 Imports only ``api`` and numpy (no torch, no Ray): the torch-free client uses it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import os
+from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar, Unpack
 
 import numpy as np
@@ -123,3 +127,96 @@ def ints(tokens: Any) -> list[int]:
     if isinstance(tokens, list):
         return tokens
     return np.asarray(tokens).tolist()
+
+
+class GenerateCalls:
+    """``generate`` and ``cancel`` over the client's ``_open(call)`` (sends a generate
+    call; an iterator of its replies as they come, ending after the last) and
+    ``_send``."""
+
+    def _open(self, call: api.GenerateCall) -> Iterator[api.Reply]:
+        raise NotImplementedError
+
+    def _send(self, call: api.Call, reply_type: type[api.Reply] | None) -> Any:
+        raise NotImplementedError
+
+    def generate(
+        self,
+        prompt_token_ids: Any,
+        max_new_tokens: int = 16,
+        *,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop_token_ids: Any = (),
+        ignore_eos: bool = False,
+        stream: bool = False,
+        request_id: Any = None,
+    ) -> Any:
+        """Generate after ``prompt_token_ids`` on a server that serves a model
+        (``engine.requests.SamplingParams`` says what the sampling arguments do).
+        ``stream``: an iterator of the token ids as they are sampled (closing it early
+        cancels the request); else the ``api.GeneratedReply`` once all are (tokens,
+        finish_reason, prompt_tokens, cached_tokens). ``request_id``: this client's id
+        for it (default: a random one), which ``cancel`` takes.
+
+        Raises ``BadSampling`` here for an argument out of range, before anything is
+        sent; the server's typed errors (``NoModel``, ``RequestTooLarge``,
+        ``DuplicateRequest``, ``EngineClosed``, ...) when the answer is read: for a
+        stream, from its first ``next``."""
+        rid = request_id if request_id is not None else "gen-" + os.urandom(8).hex()
+        call = api.GenerateCall(
+            rid,
+            ints(prompt_token_ids),
+            max_new_tokens,
+            temperature,
+            top_k,
+            top_p,
+            seed,
+            ints(stop_token_ids),
+            ignore_eos,
+            bool(stream),
+        )
+        call.as_request(rid)  # BadSampling before anything is sent
+        replies = self._open(call)
+        if stream:
+            return self._tokens(rid, replies)
+        done = False
+        try:
+            for reply in replies:
+                if not isinstance(reply, api.TokensReply):
+                    done = True
+                    return checked(reply, api.GeneratedReply)
+            raise UnexpectedReply("the server ended a generate call without its answer")
+        finally:
+            self._close(rid, replies, done)
+
+    def _tokens(self, rid: Any, replies: Iterator[api.Reply]) -> Iterator[int]:
+        done = False
+        try:
+            for reply in replies:
+                if isinstance(reply, api.TokensReply):
+                    yield from reply.tokens
+                    continue
+                done = True
+                checked(reply, api.GeneratedReply)
+                return
+            raise UnexpectedReply("the server ended a generate call without its answer")
+        finally:
+            self._close(rid, replies, done)
+
+    def _close(self, rid: Any, replies: Iterator[api.Reply], done: bool) -> None:
+        """Stop reading ``rid``'s replies; cancel it unless its answer came."""
+        close = getattr(replies, "close", None)
+        if close is not None:
+            close()
+        if not done:
+            # Best effort: the server (or this client's socket) may be gone too.
+            with contextlib.suppress(Exception):
+                self.cancel(rid)
+
+    def cancel(self, request_id: Any) -> bool:
+        """Stop a running generate call of this client; its slots come back and its
+        answer ends with finish reason ``cancelled``. False if it was not running."""
+        return self._send(api.CancelCall(request_id), api.CancelReply).cancelled

@@ -40,6 +40,7 @@ from tpcache.frontend.api import (
     max_call_bytes,
 )
 from tpcache.frontend.netfront import FrontendConfig, NetFrontend
+from tpcache.frontend.netgen import GenerateEngine
 from tpcache.frontend.owners import (
     ClientFigures,
     Owner,
@@ -184,11 +185,16 @@ def handle_many(coord: Coordinator, items: object, owner: Owner | None = None) -
 
 
 def serve_network(
-    coord: Coordinator, config: FrontendConfig, lock: threading.Lock | None = None
+    coord: Coordinator,
+    config: FrontendConfig,
+    lock: threading.Lock | None = None,
+    engine: GenerateEngine | None = None,
 ) -> NetFrontend:
     """Serve ``coord`` on the network frontend (``netfront``); the frontend's thread holds
     ``coord.lock`` for each step (and ``lock`` too, if given: a caller's own), so other
-    threads may call ``coord`` meanwhile. From now
+    threads may call ``coord`` meanwhile. Generate calls go to ``engine`` (a started
+    ``tpcache.engine.Engine`` over ``coord``, which the caller owns and closes after the
+    frontend; None: they are answered ``NoModel``). From now
     on a failure is recovered in the background (``recover_in_background``): network
     clients are answered ``CoordinatorUnavailable`` at once while it runs. A request may
     carry up to 16 full-size prompts."""
@@ -205,4 +211,4 @@ def serve_network(
         with guard, contextlib.suppress(*REJECTED):
             coord.flush()
 
-    return NetFrontend(config, run, 16 * call_limit(coord), idle)
+    return NetFrontend(config, run, 16 * call_limit(coord), idle, engine)

@@ -36,14 +36,12 @@ it may drive the cache.
 from __future__ import annotations
 
 import contextlib
-import hmac
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import zmq
 
-from tpcache.errors import TpcacheError
 from tpcache.frontend.api import (
     BadRequest,
     Call,
@@ -52,93 +50,11 @@ from tpcache.frontend.api import (
     decode_calls,
     encode_replies,
 )
+from tpcache.frontend.net_config import FrontendConfig, FrontendConfigError
+from tpcache.frontend.netgen import GenerateEngine, NetGenerate, engine_calls
 from tpcache.frontend.owners import Owner
 from tpcache.frontend.recent import RecentReplies, request_key
-from tpcache.transport.netsec import (
-    NetSecError,
-    allow_clients,
-    check_key,
-    endpoint_is_local,
-    make_server,
-    release_clients,
-)
-
-
-class FrontendConfigError(TpcacheError, ValueError):
-    """A field of ``FrontendConfig`` is invalid; the message names it."""
-
-
-@dataclass(frozen=True)
-class FrontendConfig:
-    """Where the network frontend listens and who may use it (validated here)."""
-
-    endpoint: str = "tcp://127.0.0.1:5560"
-    curve_secret_key: str | None = None
-    curve_client_keys: tuple[str, ...] = ()
-    token: str | None = None  # a shared secret every request carries
-    insecure: bool = False  # a network address without CURVE or a token, on purpose
-    max_queue: int = 4096  # calls waiting; more get a Busy reply
-    # Tenants by name, each with a token of its own (instead of, or beside, ``token``): a
-    # tenant's cache salts key KV that only it can match, and it sees its own figures.
-    tenants: dict[str, str] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.endpoint, str) or "://" not in self.endpoint:
-            raise FrontendConfigError(
-                f"endpoint must be 'transport://address', got {self.endpoint!r}"
-            )
-        try:
-            if self.curve_secret_key is not None:
-                check_key("curve_secret_key", self.curve_secret_key)
-            for key in self.curve_client_keys:
-                check_key("a key of curve_client_keys", key)
-        except NetSecError as exc:
-            raise FrontendConfigError(str(exc)) from None
-        if self.curve_client_keys and self.curve_secret_key is None:
-            raise FrontendConfigError("curve_client_keys need curve_secret_key")
-        if self.token is not None and (not isinstance(self.token, str) or len(self.token) < 16):
-            raise FrontendConfigError("token must be a str of at least 16 characters")
-        self._check_tenants()
-        if (
-            isinstance(self.max_queue, bool)
-            or not isinstance(self.max_queue, int)
-            or self.max_queue < 1
-        ):
-            raise FrontendConfigError(f"max_queue must be an int >= 1, got {self.max_queue!r}")
-        guarded = self.curve_secret_key is not None or self.token is not None or self.tenants
-        if not (endpoint_is_local(self.endpoint) or guarded or self.insecure):
-            raise FrontendConfigError(
-                f"{self.endpoint!r} is reachable from the network and the API carries prompts "
-                "and changes the cache: give curve_secret_key, token or tenants, or insecure=True"
-            )
-
-    def _check_tenants(self) -> None:
-        if not isinstance(self.tenants, dict):
-            raise FrontendConfigError(
-                f"tenants must be a dict of name -> token, got {type(self.tenants).__name__}"
-            )
-        seen = {self.token}
-        for name, token in self.tenants.items():
-            if not isinstance(name, str) or not 0 < len(name) <= 64:
-                raise FrontendConfigError(f"a tenant's name must be 1 to 64 characters: {name!r}")
-            if not isinstance(token, str) or len(token) < 16:
-                raise FrontendConfigError(
-                    f"tenant {name!r}: its token must be a str of at least 16 characters"
-                )
-            if token in seen:
-                raise FrontendConfigError(f"tenant {name!r}: its token is another's too")
-            seen.add(token)
-
-    def credential(self, token: bytes) -> str | None:
-        """Who a request's ``token`` says it is: a tenant's name (``tenant:NAME``), "" for
-        the shared token or where none is needed, None for a token that is not valid."""
-        for name, want in self.tenants.items():
-            if hmac.compare_digest(token, want.encode()):
-                return f"tenant:{name}"
-        if self.token is not None:
-            return "" if hmac.compare_digest(token, self.token.encode()) else None
-        return None if self.tenants else ""
-
+from tpcache.transport.netsec import allow_clients, make_server, release_clients
 
 Runner = Callable[[list[tuple[Owner, list[Call]]]], list[list[Reply]]]
 
@@ -153,8 +69,9 @@ class NetFrontend:
     """Serves ``run`` (one step for a list of requests' calls, each with its owner; the
     caller's lock and coordinator inside) on ``config.endpoint``; ``idle`` runs when no
     request came for 50 ms (the coordinator's waiting steps must not wait for the next
-    request). Bound in the constructor (a taken or bad address raises
-    ``FrontendConfigError`` at once); ``close()`` stops it."""
+    request). Generate and cancel calls go to ``engine`` (``netgen``; None: answered
+    ``NoModel``), whose events this thread sends on. Bound in the constructor (a taken
+    or bad address raises ``FrontendConfigError`` at once); ``close()`` stops it."""
 
     def __init__(
         self,
@@ -162,6 +79,7 @@ class NetFrontend:
         run: Runner,
         max_bytes: int,
         idle: Callable[[], None] = lambda: None,
+        engine: GenerateEngine | None = None,
     ) -> None:
         self.config = config
         self._run = run
@@ -192,6 +110,7 @@ class NetFrontend:
         self.endpoint: str = self._sock.get(zmq.LAST_ENDPOINT).decode()
         self._stop = threading.Event()
         self._replies = RecentReplies()  # the serving thread's only
+        self.generate = NetGenerate(engine, self._send)  # the serving thread's only
         # Counters, written by the serving thread only.
         self.requests = 0
         self.steps = 0
@@ -202,10 +121,12 @@ class NetFrontend:
         self._thread.start()
 
     def close(self) -> None:
-        """Stop serving (the request in hand finishes first). Idempotent."""
+        """Stop serving (the request in hand finishes first) and cancel the generate
+        calls still running. Idempotent."""
         self._stop.set()
         self._thread.join(10.0)
         if not self._thread.is_alive():
+            self.generate.close()
             self._shut()
 
     def _shut(self) -> None:
@@ -217,9 +138,16 @@ class NetFrontend:
 
     # ---- the serving thread -------------------------------------------------------------
     def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self.generate.fd, zmq.POLLIN)
         while not self._stop.is_set():
-            if not self._sock.poll(50):
-                self._idle()
+            ready = dict(poller.poll(50))
+            if self.generate.fd in ready:
+                self.generate.drain()
+            if self._sock not in ready:
+                if not ready:
+                    self._idle()
                 continue
             batch: list[_Request] = []
             again: list[tuple[list[bytes], bytes]] = []  # repeats of a request in ``batch``
@@ -231,6 +159,10 @@ class NetFrontend:
                     break
                 req = self._take(*got, waiting)
                 if req is None:
+                    continue
+                if engine_calls(req.calls):  # answered as the engine's events come
+                    if replies := self.generate.take(req.owner, req.head, req.calls):
+                        self._reply(req.head, replies)
                     continue
                 if req.key in keys:  # sent again before the first was applied
                     again.append((req.head, req.key))
@@ -306,10 +238,14 @@ class NetFrontend:
     def _reply(self, head: list[bytes], replies: list[Reply]) -> None:
         self._send(head, encode_replies(replies))
 
-    def _send(self, head: list[bytes], body: bytes) -> None:
-        # A client that is gone (or not reading) has no one to take its reply.
-        with contextlib.suppress(zmq.ZMQError):
+    def _send(self, head: list[bytes], body: bytes) -> bool:
+        """Whether ZMQ took it: not for a client that is gone or not reading (its send
+        queue is full), who has no one to take its reply."""
+        try:
             self._sock.send_multipart([*head, body], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return False
+        return True
 
 
 @dataclass
