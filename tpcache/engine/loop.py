@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import secrets
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
@@ -197,18 +198,26 @@ class Engine:
         return True
 
     def _recover(self, exc: Exception) -> None:
-        """A step failed: wait for a healthy group, then queue every running request
-        again (those re-admitted too often fail)."""
+        """A step failed: queue every running request again (those re-admitted too often
+        fail), wait for a healthy group, and drop what the coordinator still runs of them
+        (a forward the ranks refused leaves the group up). If the group does not come
+        back, every live request fails."""
         st = self.stepper
-        lost = list(st.sched.running.values())
-        try:
-            wait_healthy(self.coord, self.config.recovery_wait_s, lambda: self._closed)
-        except GroupDown as down:
-            for live in lost + list(st.sched.waiting):
-                st.end_failed(live, GenerationFailed(f"request {live.rid!r}: {down}; after {exc}"))
-            return
-        self._limit = self.coord.request_limit()
-        st.requeue(lost, exc)
+        lost = st.requeue(list(st.sched.running.values()), exc)
+        deadline = time.monotonic() + self.config.recovery_wait_s
+        while True:
+            try:
+                wait_healthy(self.coord, deadline - time.monotonic(), lambda: self._closed)
+                st.drop_stale(lost)
+                self._limit = self.coord.request_limit()
+                return
+            except GroupDown as down:
+                for live in list(st.sched.waiting):
+                    why = f"request {live.rid!r}: {down}; after {exc}"
+                    st.end_failed(live, GenerationFailed(why))
+                return
+            except TpcacheError as again:  # it failed again meanwhile: wait again
+                exc = again
 
     def _deliver(self) -> None:
         """Give the step's events to their sinks; a sink that raises cancels its request."""

@@ -164,6 +164,8 @@ class Stepper:
 
     def cancel(self, live: Live) -> None:
         """Abort ``live`` (its slots come back) and finish it as cancelled."""
+        if live.ended:
+            return
         if live.running:
             try:
                 with self.coord.lock:
@@ -191,17 +193,12 @@ class Stepper:
             if not live.ended:
                 self.end_failed(live, err)
 
-    def requeue(self, lost: list[Live], why: BaseException) -> None:
-        """After a failed step and a healthy group again: queue ``lost`` (the requests
-        that were running) again, each with its prompt + tokens sent; one re-admitted
-        more than ``max_recoveries`` times fails."""
-        coord = self.coord
+    def requeue(self, lost: list[Live], why: BaseException) -> list[Live]:
+        """After a failed step: queue ``lost`` (the requests that were running) again,
+        each to resume with its prompt + tokens sent; one re-admitted more than
+        ``max_recoveries`` times fails. Makes no coordinator call; returns those queued."""
+        again = []
         for live in lost:
-            if live.ended:
-                continue
-            with coord.lock:
-                if coord.mirror.is_running(live.rid):  # a refused forward: the group is fine
-                    coord.abort(live.rid)
             self.sched.running.pop(live.rid, None)
             live.running = False
             live.recoveries += 1
@@ -214,6 +211,17 @@ class Stepper:
                 self.end_failed(live, err)
             else:
                 self.sched.add(live)
+                again.append(live)
+        return again
+
+    def drop_stale(self, lives: list[Live]) -> None:
+        """Abort those of ``lives`` (queued, not ended) that the coordinator still runs (a
+        refused forward, not a failed group). Raises the coordinator's errors."""
+        coord = self.coord
+        with coord.lock:
+            for live in lives:
+                if not live.running and not live.ended and coord.mirror.is_running(live.rid):
+                    coord.abort(live.rid)
 
     def _end(self, live: Live, ev: GenEvent) -> None:
         live.ended = True
