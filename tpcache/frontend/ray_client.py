@@ -8,6 +8,9 @@
         a = b.admit("req-2", other_ids)
         b.extend("req-1", 1)
     a.result().prefix_len
+    out = client.generate(prompt_ids, 32)         # with a model served: out.tokens
+    for token in client.generate(prompt_ids, 32, stream=True):
+        ...
 
 Calls travel as encoded ``api`` messages; errors come back as the same typed exceptions
 the coordinator raised.
@@ -30,7 +33,7 @@ from tpcache.coordinator.cluster import join
 from tpcache.coordinator.errors import CoordinatorUnavailable
 from tpcache.errors import TpcacheError
 from tpcache.frontend import api
-from tpcache.frontend.calls import Batch, RequestCalls, checked
+from tpcache.frontend.calls import Batch, GenerateCalls, RequestCalls, checked
 
 DEFAULT_NAMESPACE = "tpcache"
 
@@ -56,7 +59,7 @@ class Admitted:
         return int(self.slots.size)
 
 
-class Client(RequestCalls[Admitted, np.ndarray, int, None]):
+class Client(RequestCalls[Admitted, np.ndarray, int, None], GenerateCalls):
     """A frontend's handle on a served coordinator: the coordinator's calls over encoded
     messages (``admit`` returns an ``Admitted``); errors come back as the same typed
     exceptions. Thread-safe as far as the actor is: each call is one actor call. Its
@@ -67,7 +70,12 @@ class Client(RequestCalls[Admitted, np.ndarray, int, None]):
     that change nothing (``stats``, ``sync``, ``flush``) are retried here for up to
     ``retry_s``; the others are not, since a call cut off by the restart may or may not
     have been applied (after a restart, its requests are lost anyway).
+
+    ``generate`` polls (``ray_gen``): one actor call starts it, then each poll waits up
+    to ``poll_s`` for tokens and returns all that came.
     """
+
+    poll_s = 0.5
 
     def __init__(self, actor: Any, retry_s: float = 30.0) -> None:
         self.actor = actor
@@ -107,6 +115,30 @@ class Client(RequestCalls[Admitted, np.ndarray, int, None]):
         data = self._get(self.actor.call.remote(api.encode(call), self._session))
         reply = api.decode_reply(data)
         return _converted(reply, reply_type)
+
+    def _open(self, call: api.GenerateCall) -> Iterator[api.Reply]:
+        data = self._get(self.actor.generate_start.remote(api.encode(call), self._session))
+        reply = api.decode_reply(data)
+        if isinstance(reply, api.ErrorReply):
+            return iter([reply])
+        return self._polls(call.request_id)
+
+    def _polls(self, request_id: Any) -> Iterator[api.Reply]:
+        while True:
+            ref = self.actor.generate_poll.remote(self._session, request_id, self.poll_s)
+            for data in self._get(ref):
+                reply = api.decode_reply(data)
+                yield reply
+                if not isinstance(reply, api.TokensReply):
+                    return
+
+    def cancel(self, request_id: Any) -> bool:
+        data = self._get(self.actor.generate_cancel.remote(self._session, request_id))
+        return checked(api.decode_reply(data), api.CancelReply).cancelled
+
+    def endpoints(self) -> dict[str, str | None]:
+        """Where the served group's network frontend and HTTP endpoint listen."""
+        return dict(self._get(self.actor.endpoints.remote()))
 
     @contextmanager
     def batch(self) -> Iterator[Batch]:

@@ -27,6 +27,8 @@ from tpcache.frontend import api
 from tpcache.frontend.frontend import REJECTED, handle, handle_many
 from tpcache.frontend.owners import Owner
 from tpcache.frontend.ray_client import DEFAULT_NAMESPACE, Client, connect
+from tpcache.frontend.served import describe, find_served, stop_served
+from tpcache.frontend.serving import ModelServing, ServeOptions
 from tpcache.workers.rank import RankWorker
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "Client",
     "CoordinatorService",
     "GroupConfig",
+    "ServeOptions",
     "connect",
     "describe",
     "find_served",
@@ -91,10 +94,21 @@ class CoordinatorService:
     Every entry point holds the coordinator's lock (``Coordinator.lock``). A failure is
     recovered on a thread of its own: meanwhile calls are answered at once with
     ``CoordinatorUnavailable``, and ``stats()`` answers too.
+
+    When the group's ranks run a model (``config.runner``), the service builds and owns
+    its serving engine; ``generate_start``/``generate_poll``/``generate_cancel`` serve
+    it (``ray_gen``), and ``serving`` may add the network frontend and the OpenAI
+    endpoint in this process (``serving.ModelServing``).
     """
 
-    def __init__(self, config: GroupConfig, health_interval_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        config: GroupConfig,
+        health_interval_s: float = 2.0,
+        serving: ServeOptions | None = None,
+    ) -> None:
         self.config = config
+        self.serving: ModelServing | None = None
         self._stop = threading.Event()
         restarted = False
         with contextlib.suppress(Exception):  # not inside an actor: no restart to detect
@@ -106,6 +120,12 @@ class CoordinatorService:
         self.start_error: Exception | None = None
         try:
             self.coord = start_group(config)
+            try:
+                has_model = config.runner is not None
+                self.serving = ModelServing(self.coord, serving or ServeOptions(), has_model)
+            except BaseException:
+                self.coord.close()
+                raise
         except Exception as exc:
             if restarted:
                 raise
@@ -133,6 +153,34 @@ class CoordinatorService:
         while not self._stop.wait(interval):
             with contextlib.suppress(Exception):  # errors reach frontends
                 self.coord.check_health()
+            if self.serving is not None and self.serving.generate is not None:
+                self.serving.generate.sweep()
+
+    # ---- generate (a model served; polled: ``ray_gen``) ---------------------------------
+    def generate_start(self, data: bytes, session: bytes) -> bytes:
+        """Submit an encoded ``GenerateCall``: an encoded ``OkReply`` or ``ErrorReply``
+        (``NoModel`` when the group runs no model)."""
+        gen = None if self.serving is None else self.serving.generate
+        if gen is None:
+            why = "this coordinator serves no model (serve one with `tpcache serve --model`)"
+            return api.encode(api.error_reply(api.NoModel(why)))
+        return gen.start(data, _owner(session) or Owner(b""))
+
+    def generate_poll(self, session: bytes, request_id: Any, wait_s: float) -> list[bytes]:
+        """The encoded replies of a generate call waiting now (``RayGenerate.poll``)."""
+        assert self.serving is not None and self.serving.generate is not None
+        return self.serving.generate.poll(_owner(session) or Owner(b""), request_id, wait_s)
+
+    def generate_cancel(self, session: bytes, request_id: Any) -> bytes:
+        gen = None if self.serving is None else self.serving.generate
+        if gen is None:
+            return api.encode(api.CancelReply(False))
+        return gen.cancel(_owner(session) or Owner(b""), request_id)
+
+    def endpoints(self) -> dict[str, str | None]:
+        """Where this service's network frontend and HTTP endpoint listen (None: not)."""
+        none: dict[str, str | None] = {"network": None, "http": None}
+        return none if self.serving is None else self.serving.endpoints()
 
     def _locked(self, fn: Callable[..., _T], *args: Any) -> _T:
         """``fn(*args)``, holding the lock (as every entry point does)."""
@@ -194,6 +242,8 @@ class CoordinatorService:
     def shutdown(self) -> None:
         """Stop the health check, the ranks and the endpoints (the actor stays)."""
         self._stop.set()
+        if self.serving is not None:
+            self.serving.close()
         if self.start_error is None:
             self.coord.close()
 
@@ -214,9 +264,11 @@ def serve(
     detached: bool = False,
     resources: dict[str, float] | None = None,
     replace: bool = False,
+    serving: ServeOptions | None = None,
 ) -> Any:
     """Start the coordinator as a named actor in ``namespace``; returns its handle once
-    its group is up. ``resources``: custom Ray resources the coordinator's actor asks
+    its group is up (and with it, when its ranks run a model, its engine and the
+    endpoints ``serving`` asks for). ``resources``: custom Ray resources the coordinator's actor asks
     for (to place it on a node that has them; ranks on that node are reached over IPC).
 
     Raises ``AlreadyServing`` if the name is taken (``replace``: stop that coordinator
@@ -234,14 +286,16 @@ def serve(
         "namespace": namespace,
         "num_cpus": 0,
         "max_restarts": -1,
-        "max_concurrency": 4,  # frontends' calls serialise on the service's lock
+        # Frontends' calls serialise on the service's lock; a generate poll holds a
+        # thread for up to a second without it.
+        "max_concurrency": 16,
     }
     if detached:
         opts["lifetime"] = "detached"
     if resources:
         opts["resources"] = dict(resources)
     try:
-        actor = ray.remote(CoordinatorService).options(**opts).remote(config)
+        actor = ray.remote(CoordinatorService).options(**opts).remote(config, 2.0, serving)
     except ValueError:  # taken since we looked (ActorAlreadyExistsError is a ValueError)
         raise AlreadyServing(name, namespace, "started by another process just now") from None
     error = ray.get(actor.failed_start.remote())  # waits until the group is up
@@ -249,34 +303,3 @@ def serve(
         ray.kill(actor, no_restart=True)
         raise error
     return actor
-
-
-def find_served(name: str, namespace: str) -> Any | None:
-    """The actor served as ``name`` in ``namespace``, or None."""
-    try:
-        return ray.get_actor(name, namespace=namespace)
-    except ValueError:
-        return None
-
-
-def describe(actor: Any, timeout_s: float = 10.0) -> str:
-    """One line on a served coordinator: its group, or that it does not answer."""
-    try:
-        st = ray.get(actor.stats.remote(), timeout=timeout_s)
-    except Exception as exc:
-        return f"not answering within {timeout_s:g} s: {type(exc).__name__}"
-    return (
-        f"TP={st['tp']}, capacity {st['capacity']:,} tokens, {st['running']} running "
-        f"requests, {st['steps_done']:,} steps done"
-    )
-
-
-def stop_served(actor: Any, name: str, namespace: str, timeout_s: float = 60.0) -> None:
-    """Shut a served coordinator down (ranks, endpoints), end its actor for good, and wait
-    until its name is free. A coordinator that does not answer is killed anyway."""
-    with contextlib.suppress(Exception):
-        ray.get(actor.shutdown.remote(), timeout=timeout_s)
-    ray.kill(actor, no_restart=True)
-    deadline = time.monotonic() + timeout_s
-    while find_served(name, namespace) is not None and time.monotonic() < deadline:
-        time.sleep(0.1)
