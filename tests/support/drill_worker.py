@@ -22,11 +22,13 @@ import msgspec
 import numpy as np
 import torch
 
-from tpcache.kv.pool import PoolSpec
+from tpcache.cache.protocol import Cache
+from tpcache.kv.pool import KVPool, PoolSpec
 from tpcache.lockstep.ops import Admit, Evict, Op, Step, StepResult, pack_tokens, unpack_tokens
 from tpcache.model.batch import RunnerBatch
 from tpcache.workers.protocol import apply_step
 from tpcache.workers.rank import RankWorker
+from tpcache.workers.rank_setup import RankNotReady
 
 FAULTS = ("corrupt", "fail", "sleep", "crash")
 
@@ -43,13 +45,14 @@ class DrillWorker(RankWorker):
 
     def read_kv(self, layer: int, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """K and V of ``layer`` at ``slots`` of this rank's shard, as float32 arrays."""
-        k, v = self._pool().read(layer, slots)
+        k, v = ready(self)[1].read(layer, slots)
         return k.float().cpu().numpy(), v.float().cpu().numpy()
 
     def request_slots(self, rid: int | str) -> list[int]:
         """The slot ids of running request ``rid`` on this rank (its whole row)."""
-        row = self._cache().request_row(rid)
-        ps = self._cache().page_size
+        cache = ready(self)[0]
+        row = cache.request_row(rid)
+        ps = cache.page_size
         return [int(p) * ps + o for p in row.pages for o in range(ps)][: row.num_tokens]
 
     def copy_drill(self, delay_s: float = 0.0, fail: list[int] | None = None) -> None:
@@ -78,7 +81,7 @@ class DrillWorker(RankWorker):
     def write_token_kv(self, slots: np.ndarray, tokens: np.ndarray) -> None:
         """Write a known function of (token, layer, global head) at ``slots`` on every layer
         (``expected_token_kv``): a later prefix hit must read back exactly that."""
-        pool = self._pool()
+        pool = ready(self)[1]
         for layer in range(self.spec.pool.num_layers):
             k, v = expected_token_kv(self.spec.pool, self.rank, layer, tokens)
             pool.write(layer, slots, k.to(self.device), v.to(self.device))
@@ -122,7 +125,10 @@ class DrillWorker(RankWorker):
 
     def _apply_step(self, step: Step) -> StepResult:
         tamper = self._drill(step.step)
-        return apply_step(self._cache(), self._group(), self.rank, step, tamper, self.copies)
+        cache, group = ready(self)[0], self.group
+        if group is None:
+            raise RankNotReady(f"rank {self.rank} has not joined its group")
+        return apply_step(cache, group, self.rank, step, tamper, self.copies)
 
     def _drill(self, step: int) -> Callable[[Op], Op] | None:
         fault = self._faults.pop(step, None)
@@ -135,6 +141,13 @@ class DrillWorker(RankWorker):
         if kind == "crash":
             os._exit(17)
         return _fail_first() if kind == "fail" else _corrupt_first
+
+
+def ready(worker: RankWorker) -> tuple[Cache, KVPool]:
+    """The worker's cache and pool shard; ``RankNotReady`` before its setup."""
+    if worker.cache is None or worker.pool is None:
+        raise RankNotReady(f"rank {worker.rank} is not set up")
+    return worker.cache, worker.pool
 
 
 class _ShiftOnce:

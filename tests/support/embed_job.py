@@ -84,12 +84,13 @@ def main(seed: int) -> int:
         out["join_refused"] = False
     except GroupError as exc:
         out["join_refused"] = "TPGroup.attach" in str(exc)
-    capacity = worker.attach_and_setup(TPGroup.attach(tp_group, timeout_s=60.0, where="job"))
+    group = TPGroup.attach(tp_group, timeout_s=60.0, where="job")
+    capacity = worker.attach_and_setup(group)
     out["capacity"] = capacity
     if rank == 0:
         out.update(lead(worker, capacity, cache, seed))
     else:
-        follow(worker._group(), worker, rank, world)
+        follow(group, worker, rank, world)
     worker.shutdown()  # leaves the job's group to the job
     out["job_sum_after"] = job_sum()
     out["tp_group_sum_after"] = job_sum(tp_group)
