@@ -19,8 +19,10 @@ its verdict is agreed by MIN before ``run`` starts.
 
 Two runners ship: ``tpcache.model.reference:ReferenceRunner`` (the built-in checking
 model) and ``tpcache.model.llama:LlamaRunner`` (a standard decoder: RMSNorm, RoPE,
-grouped-query attention, SwiGLU). The batch records, and the paged attention both of
-them use, live in ``runner_batch``; naming a runner (``"module:Class"`` and arguments)
+grouped-query attention, SwiGLU), which loads Hugging Face checkpoints of the Llama,
+Mistral, Qwen2 and Qwen3 families (``model=DIR``) exactly or refuses them by name
+(``RunnerConfigError`` kinds in ``errors``). The batch records, and the paged attention
+both of them use, live in ``batch``; naming a runner (``"module:Class"`` and arguments)
 in ``runner_spec``.
 """
 
