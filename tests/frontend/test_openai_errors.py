@@ -118,7 +118,7 @@ def test_http_level_refusals(served) -> None:
     assert "at most 4096" in body["error"]["message"]
     conn.close()
     with pytest.raises(openai.APIStatusError) as exc:  # the client sees it too
-        client(server).completions.create(model="tiny", prompt=[1] * 2000, max_tokens=1)
+        client(server).completions.create(model="tiny", prompt=[1] * 3000, max_tokens=1)
     assert exc.value.status_code == 413
 
 
@@ -134,20 +134,62 @@ def test_a_client_leaving_cancels_its_request(served) -> None:
     before = engine.stats()
     for stream in (True, False):
         body = json.dumps({"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": stream})  # fmt: skip
-        s = socket.create_connection(("127.0.0.1", server.port), timeout=30)
-        s.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
-        )
+        s = send_raw(server.port, "POST /v1/completions HTTP/1.1", body.encode())
         wait_until(lambda: engine.stats()["live"] == 1)
         if stream:
-            assert b"data: " in s.recv(4096)  # the stream has begun
+            read_until(s, b"data: ")  # the stream has begun
         s.close()
         wait_until(lambda: engine.stats()["live"] == 0)
         wait_until(lambda: coord.stats()["running"] == 0)
     after = engine.stats()
-    assert after.get("cancelled", 2) - before.get("cancelled", 0) == 2, after
+    assert after["cancelled"] - before["cancelled"] == 2, after
+    assert after["finished"] == before["finished"]
+    assert after["generated"] - before["generated"] < 2000  # both stopped early
     assert coord.stats()["held"] == 0
+
+
+def send_raw(port: int, head: str, body: bytes = b"") -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    s.sendall(f"{head}\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    return s
+
+
+def read_until(s: socket.socket, end: bytes) -> bytes:
+    data = b""
+    while end not in data:
+        more = s.recv(65536)
+        assert more, data
+        data += more
+    return data
+
+
+def test_closing_the_server_ends_a_stream(served) -> None:
+    _, engine, _ = served
+    server = OpenAIServer(engine, model_name="tiny")
+    server.start()
+    body = json.dumps({"model": "tiny", "prompt": [4, 5], "max_tokens": 1000, "ignore_eos": True, "stream": True})  # fmt: skip
+    s = send_raw(server.port, "POST /v1/completions HTTP/1.1", body.encode())
+    read_until(s, b"data: ")
+    server.close()
+    rest = read_until(s, b"\r\n0\r\n\r\n")  # the last chunk
+    assert b'"message": "the server is closing"' in rest and b"data: [DONE]" in rest
+    s.close()
+    wait_until(lambda: engine.stats()["live"] == 0)
+
+
+def test_unread_bodies_end_the_connection(served) -> None:
+    _, _, server = served
+    # A refusal before the body was read: the body must not be taken for a request.
+    s = send_raw(server.port, "POST /v1/nothing HTTP/1.1", b"GET /health HTTP/1.1\r\n\r\n")
+    data = read_until(s, b"}}")
+    assert data.startswith(b"HTTP/1.1 404") and b"Connection: close" in data
+    assert s.recv(100) == b""  # closed, nothing more answered
+    s.close()
+    # Expect: 100-continue over the limit: refused before the client sends the body
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 99999\r\n\r\n")  # fmt: skip
+    assert read_until(s, b"}}").startswith(b"HTTP/1.1 413")
+    s.close()
 
 
 def test_api_key_and_bind_rules(served) -> None:

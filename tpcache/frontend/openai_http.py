@@ -150,19 +150,14 @@ class Handler(BaseHTTPRequestHandler):
         pass  # the endpoint's figures are the engine's; no line per request on stderr
 
     def do_GET(self) -> None:
-        self._route("GET")
+        self._route(self.command)
 
-    def do_POST(self) -> None:
-        self._route("POST")
-
-    def do_PUT(self) -> None:
-        self._route("PUT")
-
-    def do_DELETE(self) -> None:
-        self._route("DELETE")
+    # every other method: 405 on a known path, else 404
+    do_POST = do_PUT = do_DELETE = do_PATCH = do_GET
 
     def _route(self, method: str) -> None:
         path = self.path.split("?", 1)[0]
+        self.body_read = False
         try:
             if path not in PATHS:
                 raise ApiError(404, f"no such path: {method} {path}", code="unknown_url")
@@ -177,22 +172,37 @@ class Handler(BaseHTTPRequestHandler):
             else:
                 self._complete()
         except ApiError as exc:
+            # A body left unread would be taken for the next request: the connection ends.
+            unread = self.headers.get("Transfer-Encoding") or self.headers.get("Content-Length", "0") != "0"  # fmt: skip
+            if unread and not self.body_read:
+                self.close_connection = True
             self._send_json(exc.status, exc.body())
 
-    def _read_body(self) -> object:
-        if self.headers.get("Transfer-Encoding"):
+    def handle_expect_100(self) -> bool:
+        """Refuse a body over the limit before the client sends it."""
+        try:
+            self._body_size()
+        except ApiError as exc:
             self.close_connection = True
+            self._send_json(exc.status, exc.body())
+            return False
+        return super().handle_expect_100()
+
+    def _body_size(self) -> int:
+        if self.headers.get("Transfer-Encoding"):
             raise ApiError(411, "send the body with a Content-Length (no chunked encoding)")
         raw = self.headers.get("Content-Length", "0")
         if not raw.isdigit():
-            self.close_connection = True
             raise ApiError(400, f"bad Content-Length: {raw!r}")
-        size = int(raw)
-        if size > self.app.max_body_bytes:
-            self.close_connection = True  # the body stays unread: this connection ends
-            raise ApiError(413, f"the request body has {size} bytes; at most {self.app.max_body_bytes}", code="request_too_large")  # fmt: skip
+        if int(raw) > self.app.max_body_bytes:
+            raise ApiError(413, f"the request body has {raw} bytes; at most {self.app.max_body_bytes}", code="request_too_large")  # fmt: skip
+        return int(raw)
+
+    def _read_body(self) -> object:
+        data = self.rfile.read(self._body_size())
+        self.body_read = True
         try:
-            return json.loads(self.rfile.read(size))
+            return json.loads(data)
         except (ValueError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
 
@@ -271,7 +281,7 @@ class Handler(BaseHTTPRequestHandler):
                 self._event(completion_body(cid, created, model, [], usage_body(*run.usage())))
             self._chunk(b"data: [DONE]\n\n")
             self._chunk(b"")
-        except (ConnectionError, OSError):
+        except OSError:  # the client went away (ConnectionError is an OSError)
             self.close_connection = True  # run.cancel() in _complete frees the slots
 
     def _event(self, body: dict[str, Any]) -> None:
