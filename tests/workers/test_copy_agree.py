@@ -5,7 +5,9 @@ wait for its own rank's write-backs."""
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -41,6 +43,19 @@ def test_a_rank_whose_agreed_copy_count_differs_is_odd() -> None:
     assert odd_ranks(step, none_ran, copies)[0] == [] and copies.agreed == 5
 
 
+def machine_free(monkeypatch: pytest.MonkeyPatch, free: Callable[[], int]) -> None:
+    """The machine's free memory, as the OS reports it to this process, is ``free()``
+    bytes (available pages of one byte each)."""
+    real = os.sysconf
+
+    def sysconf(name: str | int) -> int:
+        if name == "SC_AVPHYS_PAGES":
+            return free()
+        return 1 if name == "SC_PAGE_SIZE" else real(name)
+
+    monkeypatch.setattr(os, "sysconf", sysconf)
+
+
 class _OneRank:
     """A group of one rank: a MIN over it is its own values, a gather its own list."""
 
@@ -69,12 +84,10 @@ def test_ranks_on_one_machine_share_its_free_memory(monkeypatch) -> None:
     """Each rank checks the host pool against free memory: two ranks on one machine may
     count on half of it each (they each counted on all of it, and together could take
     twice what is there); ranks on two machines on all of theirs."""
-    from tpcache.workers import copysync
-
     cache = CacheSpec(page_size=PAGE, policy="lru", host_capacity_tokens=60 * PAGE)
     spec = group_config(2, capacity_tokens=4 * PAGE, cache=cache).worker_spec()
     free = 100 * PAGE * spec.pool.bytes_per_slot  # room for 100 pages
-    monkeypatch.setattr(copysync, "_free_memory_bytes", lambda: free)
+    machine_free(monkeypatch, lambda: free)
     cpu = torch.device("cpu")
     assert agree_pools(_OneRank(), spec, cpu) == (4 * PAGE, 60 * PAGE)
     assert agree_pools(_TwoApart(), spec, cpu) == (4 * PAGE, 60 * PAGE)
@@ -198,7 +211,6 @@ def test_a_second_setup_reads_free_memory_after_the_old_host_pool_is_gone(monkey
     pool over half the free memory started, then failed every recovery)."""
     import weakref
 
-    from tpcache.workers import copysync
     from tpcache.workers.rank import RankWorker
 
     cache = CacheSpec(page_size=PAGE, policy="lru", host_capacity_tokens=8 * PAGE)
@@ -210,13 +222,13 @@ def test_a_second_setup_reads_free_memory_after_the_old_host_pool_is_gone(monkey
     gone = weakref.ref(old.host)
     del old
     seen: list[bool] = []
-    real = copysync._free_memory_bytes
+    real = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
     def probe() -> int:  # the real reading, and whether the old host pool was gone then
         seen.append(gone() is None)
-        return real()
+        return real
 
-    monkeypatch.setattr(copysync, "_free_memory_bytes", probe)
+    machine_free(monkeypatch, probe)
     assert worker.setup() == 4 * PAGE
     assert seen == [True]
     assert worker.copies is not None and worker.copies.host is not None
