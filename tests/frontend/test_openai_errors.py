@@ -223,6 +223,8 @@ def test_closed_engine_is_503_retryable() -> None:
             client(server).completions.create(model="tiny", prompt=[1, 2], max_tokens=2)
         assert exc.value.status_code == 503 and exc.value.response.headers["Retry-After"] == "1"
         assert exc.value.body["type"] == "server_error" and "try again" in exc.value.body["message"]
+        status, body = raw(server, "GET", "/health")
+        assert (status, body) == (503, {"status": "closed"})
     finally:
         server.close()
         coord.close()
