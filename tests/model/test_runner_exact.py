@@ -165,5 +165,9 @@ def test_last_position_logits_are_the_last_rows_of_all_logits():
             (second[1].logits, ref.full_logits(c, "float32")[4:]),
         ):
             assert float(np.abs(got - want).max()) <= TOL * float(np.abs(want).max())
+        # Each rank counted both forwards, their 14 + 1 + 4 tokens, and time inside run.
+        for times in eng.coord.ranks.call("model_times"):
+            assert (times["forwards"], times["tokens"]) == (2, 19)
+            assert 0 < times["run_wall_s"] and 0 < times["run_cpu_s"] <= times["process_cpu_s"]
     finally:
         eng.coord.close()

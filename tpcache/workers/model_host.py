@@ -10,6 +10,7 @@ enters any collective. So a bad command raises ``ForwardError`` on every rank to
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +64,10 @@ class ModelHost:
         # forward first waits for the copies still reading pages it writes (copysync.py).
         self.copies: RankCopies | None = None
         self.forwards = 0  # runner calls since install
+        # CPU and wall seconds inside the runner's run (process CPU: torch's own threads
+        # count too), so what a step costs outside the model can be told apart.
+        self.run_cpu_s = 0.0
+        self.run_wall_s = 0.0
         # The SWA pool, built for one cache instance (a new cache after setup/rejoin gets
         # a new pool: its slots mean nothing to the new cache).
         self._swa_pool: KVPool | None = None
@@ -83,6 +88,7 @@ class ModelHost:
         runner.load(RankShard(self.rank, self.tp, self.device))
         self.runner, self.layout = runner, layout
         self.tokens_computed = self.forwards = 0
+        self.run_cpu_s = self.run_wall_s = 0.0
         self._swa_pool = self._swa_pool_cache = None
         full, swa = layout.pool_layers(window is not None)
         return {
@@ -122,7 +128,10 @@ class ModelHost:
             where = f"this rank ({self.rank}): {problem}" if problem else "another rank"
             raise ForwardError(f"forward refused on {where}")
         assert self.runner is not None
+        cpu, wall = time.process_time(), time.perf_counter()
         out = self.runner.run(batch, kv, group)
+        self.run_cpu_s += time.process_time() - cpu
+        self.run_wall_s += time.perf_counter() - wall
         result = self._result(batch, out)
         self.tokens_computed += batch.num_tokens
         self.forwards += 1

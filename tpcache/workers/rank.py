@@ -151,6 +151,20 @@ class RankWorker(RankSetup):
         """Tokens run through the runner since it was installed."""
         return self.models.tokens_computed
 
+    def model_times(self) -> dict[str, float]:
+        """This rank's forwards since its runner was installed: how many, the tokens they
+        computed, the CPU and wall seconds inside the runner's ``run``, and this process's
+        CPU seconds so far (so a caller can tell the model's cost from the rest). Reads
+        only."""
+        m = self.models
+        return {
+            "forwards": m.forwards,
+            "tokens": m.tokens_computed,
+            "run_cpu_s": m.run_cpu_s,
+            "run_wall_s": m.run_wall_s,
+            "process_cpu_s": time.process_time(),
+        }
+
     def load_model(self, spec: ModelSpec) -> dict[str, Any]:
         """Install the built-in checking model ``spec`` in the pool's dtype (not a
         collective). Raises ``ModelConfigError``, the current runner kept, unless the pool
