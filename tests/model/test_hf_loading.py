@@ -105,9 +105,14 @@ def _cfg(**changes) -> dict:
         ),
         (_cfg(layer_types=["full_attention", "sliding_attention"]), UnsupportedConfig, "layer_types"),
         (
-            _cfg(model_type="mistral", attention_bias=WITHOUT, mlp_bias=WITHOUT, sliding_window=4096),
+            _cfg(model_type="mistral", attention_bias=WITHOUT, mlp_bias=WITHOUT, sliding_window=1),
             UnsupportedConfig,
             "sliding_window",
+        ),
+        (
+            _cfg(model_type="mistral", attention_bias=WITHOUT, mlp_bias=WITHOUT, sliding_window=8, layer_types=["full_attention"] * 2),
+            UnsupportedConfig,
+            "layer_types",
         ),
         (
             _cfg(model_type="mistral", mlp_bias=WITHOUT, sliding_window=None),
@@ -115,7 +120,7 @@ def _cfg(**changes) -> dict:
             "attention_bias",  # Mistral has none
         ),
         (
-            _cfg(model_type="qwen2", attention_bias=WITHOUT, mlp_bias=WITHOUT, use_sliding_window=True, sliding_window=32),
+            _cfg(model_type="qwen2", attention_bias=WITHOUT, mlp_bias=WITHOUT, use_sliding_window=True, sliding_window=None),
             UnsupportedConfig,
             "use_sliding_window",
         ),
@@ -148,10 +153,19 @@ def test_what_the_config_gives_an_engine(tmp_path):
     qwen2 = _cfg(model_type="qwen2", attention_bias=WITHOUT, mlp_bias=WITHOUT, head_dim=WITHOUT)
     (tmp_path / "config.json").write_text(json.dumps({**qwen2, "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 21}))  # fmt: skip
     cfg = read_hf_config(tmp_path)
-    assert (cfg.qkv_bias, cfg.o_bias, cfg.head_dim) == (True, False, 16)
+    assert (cfg.qkv_bias, cfg.o_bias, cfg.head_dim, cfg.swa_layers) == (True, False, 16, ())
     (tmp_path / "config.json").write_text(json.dumps(_cfg(model_type="qwen3", mlp_bias=WITHOUT, head_dim=None, attention_bias=True)))  # fmt: skip
     cfg = read_hf_config(tmp_path)
     assert (cfg.qkv_bias, cfg.o_bias, cfg.qk_norm, cfg.head_dim) == (True, True, True, 128)
+    # sliding windows: transformers counts the current token in the window, tpcache not
+    (tmp_path / "config.json").write_text(json.dumps({**qwen2, "use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 1}))  # fmt: skip
+    cfg = read_hf_config(tmp_path)
+    assert (cfg.swa_layers, cfg.window) == ((1,), 4095)
+    mistral = _cfg(model_type="mistral", attention_bias=WITHOUT, mlp_bias=WITHOUT)
+    (tmp_path / "config.json").write_text(json.dumps({**mistral, "sliding_window": 4096}))
+    assert (read_hf_config(tmp_path).swa_layers, read_hf_config(tmp_path).window) == ((0, 1), 4095)
+    (tmp_path / "config.json").write_text(json.dumps({**mistral, "sliding_window": None}))
+    assert (read_hf_config(tmp_path).swa_layers, read_hf_config(tmp_path).window) == ((), None)
     scaling = {k: v for k, v in LLAMA3.items() if k != "rope_theta"}
     for kind_key in ("type", "rope_type"):
         old = {**scaling, kind_key: scaling["rope_type"]}

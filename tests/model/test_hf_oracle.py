@@ -6,7 +6,8 @@ ranks over gloo, through the cache: chunked prefill, greedy decode, then a secon
 request that hits the first one's prefix. Its logits must equal transformers' float32
 forward over the same tokens (within 1e-4 of the logits' scale) and its greedy tokens
 be transformers' greedy tokens. Qwen3's checkpoint is sharded (an index and several
-files), the others are one file.
+files), the others are one file; the sliding-window Qwen2 runs with the hybrid cache
+(its sliding layer's KV in the SWA pool).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 from hf_checkpoints import FAMILIES, hf_logits, hf_model, write_checkpoint
-from runner_helpers import LLAMA, base_cache, runner_engine
+from runner_helpers import LLAMA, base_cache, hybrid_cache, runner_engine
 
 from tpcache.model.hf_config import read_hf_config
 from tpcache.model.llama import LlamaSpec, llama_reference_logits
@@ -58,7 +59,9 @@ def test_family_through_the_cache_equals_transformers(checkpoints, family, tp):
     rng = np.random.default_rng(SEED)
     prompt = [int(t) for t in rng.integers(0, 256, 22)]
     other = prompt[:16] + [int(t) for t in rng.integers(0, 256, 6)]
-    eng = runner_engine(tp, LLAMA, {"model": str(path)}, base_cache(), 256)
+    # the sliding layers of qwen2_swa keep their window in the hybrid cache's SWA pool
+    cache = hybrid_cache(8) if family == "qwen2_swa" else base_cache()
+    eng = runner_engine(tp, LLAMA, {"model": str(path)}, cache, 256)
     start = time.perf_counter()
     try:
         errs = []
@@ -122,12 +125,17 @@ def test_a_config_written_the_transformers_4_way_computes_the_same(checkpoints, 
 
 
 def test_each_familys_own_part_changes_its_logits(checkpoints):
-    """llama3 scaling, Qwen2's biases and Qwen3's q/k norms each change these checkpoints'
-    logits: a runner that ignored one would fail the comparisons above."""
+    """llama3 scaling, sliding windows, Qwen2's biases and Qwen3's q/k norms each change
+    these checkpoints' logits: a runner that ignored one would fail the comparisons above."""
     tokens = list(range(3, 200, 7))
-    for family in ("llama31", "llama32"):
+    for family, plain_fields in (
+        ("llama31", {"rope_scaling": None}),
+        ("llama32", {"rope_scaling": None}),
+        ("mistral_swa", {"swa_layers": (), "window": None}),
+        ("qwen2_swa", {"swa_layers": (), "window": None}),
+    ):
         model, path = checkpoints[family]
-        spec = dataclasses.replace(LlamaSpec.from_args(model=str(path)), rope_scaling=None)
+        spec = dataclasses.replace(LlamaSpec.from_args(model=str(path)), **plain_fields)
         plain = llama_reference_logits(spec, tokens)
         assert float((plain - hf_logits(model, tokens)).abs().max()) > 1e-2, family
     for family, part, value in (("qwen2", "_proj.bias", 0.0), ("qwen3", "_norm.weight", 1.0)):

@@ -59,7 +59,20 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         "MistralConfig",
         {"num_key_value_heads": 2, "sliding_window": None, "rope_theta": 1000000.0},
     ),
+    "mistral_swa": (  # Mistral 7B v0.1 style: every layer slides (window 8 with itself)
+        "MistralConfig",
+        {"num_key_value_heads": 2, "sliding_window": 8},
+    ),
     "qwen2": ("Qwen2Config", {"num_key_value_heads": 2, "tie_word_embeddings": True}),
+    "qwen2_swa": (  # layer 0 full, layer 1 sliding (window 9 with itself)
+        "Qwen2Config",
+        {
+            "num_key_value_heads": 2,
+            "use_sliding_window": True,
+            "sliding_window": 9,
+            "max_window_layers": 1,
+        },
+    ),
     "qwen3": ("Qwen3Config", {"num_key_value_heads": 2, "head_dim": 32}),
 }
 

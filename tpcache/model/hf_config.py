@@ -4,10 +4,13 @@ a typed refusal that names the key.
 Families: ``llama``, ``mistral``, ``qwen2``, ``qwen3``, as transformers 4.x writes them
 (``rope_theta`` and ``rope_scaling`` at the top level) and as 5.x does (``rope_parameters``
 with ``rope_type`` and ``rope_theta``). RoPE types: ``default``, ``linear`` and ``llama3``.
-Every key is either used, or listed in ``HARMLESS`` (it does not change what inference
-computes), or accepted only with the value that computes the same as without it (no
-sliding window, no MLP bias, ``silu``); anything else, an unknown key above all, raises
-a ``ConfigKeyError`` naming it: a model must load exactly right or not at all.
+Sliding windows as transformers 5 applies them: Mistral's ``sliding_window`` on every
+layer; Qwen's ``use_sliding_window`` on the ``layer_types`` marked sliding (or the layers
+from ``max_window_layers`` on). Every key is either used, or listed in ``HARMLESS`` (it
+does not change what inference computes), or accepted only with the value that
+computes the same as without it (no MLP bias, ``silu``); anything else, an unknown key
+above all, raises a ``ConfigKeyError`` naming it: a model must load exactly right or
+not at all.
 
 Torch-free, so a front end can read a model's vocabulary and end-of-sequence ids.
 """
@@ -72,6 +75,8 @@ class HFConfig:
     """What a checkpoint's config says the model computes. ``qkv_bias``: q/k/v
     projections carry biases (Qwen2 always, ``attention_bias`` otherwise); ``o_bias``: so
     does o_proj; ``qk_norm``: per-head RMSNorm of queries and keys before RoPE (Qwen3).
+    ``swa_layers`` attend over the ``window`` tokens before the current one (one less
+    than transformers' ``sliding_window``, which counts the current token).
     ``eos_token_ids``: from config.json, then generation_config.json beside it."""
 
     model_type: str
@@ -89,6 +94,8 @@ class HFConfig:
     qkv_bias: bool
     o_bias: bool
     qk_norm: bool
+    swa_layers: tuple[int, ...] = ()
+    window: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     max_positions: int | None = None
 
@@ -97,6 +104,7 @@ class HFConfig:
         names = (
             "vocab", "hidden", "heads", "kv_heads", "head_dim", "ffn", "num_layers", "eps",
             "tie_embeddings", "rope_theta", "rope_scaling", "qkv_bias", "o_bias", "qk_norm",
+            "swa_layers", "window",
         )  # fmt: skip
         return {n: getattr(self, n) for n in names}
 
@@ -128,7 +136,7 @@ def read_hf_config(path: str | Path) -> HFConfig:
     if get.value("mlp_bias", False) is not False:
         raise UnsupportedConfig(where, "mlp_bias", "is set: MLP biases are not computed")
     num_layers = get.positive("num_hidden_layers")
-    _check_no_sliding(cfg, kind, num_layers, where)
+    swa_layers, window = _sliding(cfg, kind, num_layers, where)
     heads, hidden = get.positive("num_attention_heads"), get.positive("hidden_size")
     kv_heads = get.positive("num_key_value_heads") if _given(cfg, "num_key_value_heads") else heads
     if _given(cfg, "head_dim"):
@@ -153,6 +161,8 @@ def read_hf_config(path: str | Path) -> HFConfig:
         qkv_bias=kind == "qwen2" or attention_bias,
         o_bias=attention_bias,
         qk_norm=kind == "qwen3",
+        swa_layers=swa_layers,
+        window=window,
         eos_token_ids=_eos_ids(cfg, p.parent / "generation_config.json"),
         max_positions=cfg.get("max_position_embeddings"),
     )
@@ -187,26 +197,47 @@ class _Getter:
         return v
 
 
-def _check_no_sliding(cfg: dict[str, Any], kind: str, num_layers: int, where: str) -> None:
-    """Raise unless every layer attends over its whole context (a Mistral window set,
-    Qwen's ``use_sliding_window``, a ``layer_types`` entry other than full attention)."""
-    if kind == "mistral" and cfg.get("sliding_window") is not None:
-        raise UnsupportedConfig(
-            where,
-            "sliding_window",
-            f"is {cfg['sliding_window']}: sliding-window layers do not load",
-        )
-    if cfg.get("use_sliding_window"):
-        raise UnsupportedConfig(where, "use_sliding_window", "is true: sliding windows do not load")
+def _sliding(
+    cfg: dict[str, Any], kind: str, num_layers: int, where: str
+) -> tuple[tuple[int, ...], int | None]:
+    """The layers that attend over a sliding window, and the window in this runner's terms
+    (the tokens before the current one seen: transformers' ``sliding_window`` counts the
+    current one too). Mistral: every layer, when ``sliding_window`` is set. Qwen2/Qwen3:
+    with ``use_sliding_window``, the ``layer_types`` marked sliding (else the layers from
+    ``max_window_layers`` on), as transformers 5 does; without it, every layer is full
+    and ``layer_types`` must say so."""
     types = cfg.get("layer_types")
     if types is not None and (
         not isinstance(types, list)
         or len(types) != num_layers
-        or any(t != "full_attention" for t in types)
+        or any(t not in ("full_attention", "sliding_attention") for t in types)
     ):
-        raise UnsupportedConfig(
-            where, "layer_types", f"is {types!r}: only full_attention layers load"
+        raise UnsupportedConfig(where, "layer_types", f"is {types!r}: not one type per layer")
+    window = cfg.get("sliding_window")
+    if kind == "mistral":
+        if types is not None:
+            raise UnsupportedConfig(where, "layer_types", "is not a Mistral key: it is ambiguous")
+        layers = tuple(range(num_layers)) if window is not None else ()
+    elif cfg.get("use_sliding_window") is True and window is not None:
+        first = cfg.get("max_window_layers", 28)
+        layers = tuple(
+            i
+            for i in range(num_layers)
+            if (types[i] == "sliding_attention" if types is not None else i >= first)
         )
+    else:
+        if cfg.get("use_sliding_window"):
+            raise UnsupportedConfig(where, "use_sliding_window", "is set without a sliding_window")
+        if types is not None and "sliding_attention" in types:
+            raise UnsupportedConfig(
+                where, "layer_types", "has sliding layers but use_sliding_window is not set"
+            )
+        layers = ()
+    if not layers:
+        return (), None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 2:
+        raise UnsupportedConfig(where, "sliding_window", f"is {window!r}; at least 2 is needed")
+    return layers, window - 1
 
 
 def _eos_ids(cfg: dict[str, Any], generation: Path) -> tuple[int, ...]:
