@@ -35,6 +35,9 @@ class Live:
     preemptions: int = 0
     recoveries: int = 0
     ended: bool = False  # its Finished or Failed is queued
+    # Its prefill runs in steps of its own: it was in two failed steps in a row, and may
+    # be what fails them (a prompt the ranks refuse), so it must not take others along.
+    solo: bool = False
 
     @property
     def rid(self) -> str | int:

@@ -198,21 +198,19 @@ class Engine:
         return True
 
     def _recover(self, exc: Exception) -> None:
-        """A step failed: queue every running request again (those re-admitted too often
-        fail), wait for a healthy group, and drop what the coordinator still runs of them
-        (a forward the ranks refused leaves the group up). If the group does not come
-        back, every live request fails."""
+        """A step failed: wait for a healthy group, then queue again the running requests
+        that lost their KV (``Stepper.settle``). If the group does not come back, every
+        live request fails."""
         st = self.stepper
-        lost = st.requeue(list(st.sched.running.values()), exc)
         deadline = time.monotonic() + self.config.recovery_wait_s
         while True:
             try:
                 wait_healthy(self.coord, deadline - time.monotonic(), lambda: self._closed)
-                st.drop_stale(lost)
+                st.settle(exc)
                 self._limit = self.coord.request_limit()
                 return
             except GroupDown as down:
-                for live in list(st.sched.waiting):
+                for live in [*st.sched.running.values(), *st.sched.waiting]:
                     why = f"request {live.rid!r}: {down}; after {exc}"
                     st.end_failed(live, GenerationFailed(why))
                 return

@@ -15,6 +15,10 @@ is admitted with prompt + generated tokens. New requests are admitted while thei
 context fits next to one page per running request (``ordered_admission``: next to all
 that running requests may still need, and only once the cache holds what a request
 would match after the prefills before it, as ``tpcache generate`` does).
+
+A request that was in two failed steps in a row (``Live.solo``) has its prefill run in
+steps of its own, before anything else: if its prompt is what the ranks refuse, it
+fails alone, and the requests beside it go on.
 """
 
 from __future__ import annotations
@@ -58,6 +62,8 @@ class Scheduler:
         self.waiting: list[Live] = []  # by seq
         self.running: dict[str | int, Live] = {}  # by admission
         self.counters = ScheduleCounters()
+        # Requests the current step made cache calls for (kept when the step fails).
+        self.touched: set[str | int] = set()
 
     def add(self, live: Live) -> None:
         """Queue ``live`` (new, preempted or recovered) in submission order."""
@@ -78,25 +84,42 @@ class Scheduler:
         coordinator's errors (a failed group) with the calls before applied."""
         budget = self.config.step_tokens
         step: dict[str | int, Item] = {}
+        self.touched.clear()
+        solo = next((r for r in self.running.values() if r.solo), None)
+        if solo is not None:  # its prefill runs alone (see ``Live.solo``)
+            self._chunk(coord, solo, budget, step)
+            return list(step.values()), []
+        solo = next((w for w in self.waiting if w.solo), None)
+        if solo is not None:
+            too_large = self._admit(coord, limit, budget, step, [solo])
+            if step or too_large:
+                return list(step.values()), too_large
         for live in list(self.running.values()):
             if live.running and not live.prefilling and self._extend(coord, live, 1, step):
                 step[live.rid] = Item(live, np.asarray(live.out[-1:], np.int64), True)
                 budget -= 1
         for live in list(self.running.values()):
             if live.running and live.prefilling and budget > 0:
-                n = min(live.context.size - live.done, budget)
-                if live.done:  # its KV so far, for others to match
-                    coord.cache_unfinished(live.rid, live.context[: live.done])
-                if self._extend(coord, live, n, step):
-                    chunk = live.context[live.done : live.done + n]
-                    step[live.rid] = Item(live, chunk, False)
-                    budget -= n
-        too_large = self._admit(coord, limit, budget, step)
+                budget -= self._chunk(coord, live, budget, step)
+        too_large = self._admit(coord, limit, budget, step, list(self.waiting))
         return list(step.values()), too_large
+
+    def _chunk(self, coord: Coordinator, live: Live, budget: int, step: dict) -> int:
+        """The next prefill chunk of running ``live`` (at most ``budget`` tokens) into
+        ``step``; returns its length (0 if ``live`` was preempted)."""
+        n = min(live.context.size - live.done, budget)
+        self.touched.add(live.rid)
+        if live.done:  # its KV so far, for others to match
+            coord.cache_unfinished(live.rid, live.context[: live.done])
+        if not self._extend(coord, live, n, step):
+            return 0
+        step[live.rid] = Item(live, live.context[live.done : live.done + n], False)
+        return n
 
     def _extend(self, coord: Coordinator, live: Live, n: int, step: dict) -> bool:
         """``n`` slots for running ``live``, preempting the newest running requests while
         the cache has no room; False if ``live`` itself was preempted."""
+        self.touched.add(live.rid)
         while True:
             try:
                 coord.extend(live.rid, n)
@@ -119,12 +142,18 @@ class Scheduler:
         self.counters.preemptions += 1
         self.add(live)
 
-    def _admit(self, coord: Coordinator, limit: int, budget: int, step: dict) -> list[Live]:
+    def _admit(
+        self, coord: Coordinator, limit: int, budget: int, step: dict, order: list[Live]
+    ) -> list[Live]:
+        """Admit from ``order`` (waiting requests) while they may start; returns those
+        that never can (removed from the queue)."""
         cfg = self.config
         too_large: list[Live] = []
-        for live in list(self.waiting):
+        for live in order:
             if budget <= 0 or len(self.running) >= cfg.max_batch or len(step) >= cfg.max_batch:
                 break
+            if live.solo and step:
+                break  # it starts alone
             if live.final_kv() > limit:
                 self.waiting.remove(live)
                 too_large.append(live)
@@ -135,6 +164,7 @@ class Scheduler:
             if not self._may_start(coord, live, context, cached):
                 break
             n = min(context.size - cached, budget)
+            self.touched.add(live.rid)
             try:
                 got = coord.admit(live.rid, context[: cached + n])
             except OutOfCapacity:
@@ -148,6 +178,8 @@ class Scheduler:
             self.running[live.rid] = live
             step[live.rid] = Item(live, context[got.prefix_len : cached + n], False)
             budget -= cached + n - got.prefix_len
+            if live.solo:
+                break
         return too_large
 
     def _may_start(self, coord: Coordinator, live: Live, context: np.ndarray, cached: int) -> bool:

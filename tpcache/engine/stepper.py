@@ -116,6 +116,7 @@ class Stepper:
                 live.done += out.computed
                 if live.prefilling:
                     continue
+                live.solo = False
             token = self._sample(live, out)
             live.out.append(token)
             c.generated += 1
@@ -193,35 +194,35 @@ class Stepper:
             if not live.ended:
                 self.end_failed(live, err)
 
-    def requeue(self, lost: list[Live], why: BaseException) -> list[Live]:
-        """After a failed step: queue ``lost`` (the requests that were running) again,
-        each to resume with its prompt + tokens sent; one re-admitted more than
-        ``max_recoveries`` times fails. Makes no coordinator call; returns those queued."""
-        again = []
-        for live in lost:
-            self.sched.running.pop(live.rid, None)
-            live.running = False
-            live.recoveries += 1
-            self.counters.recoveries += 1
-            if live.recoveries > self.config.max_recoveries:
-                err = GenerationFailed(
-                    f"request {live.rid!r} was re-admitted {self.config.max_recoveries} times "
-                    f"after failed steps; the last: {why}"
-                )
-                self.end_failed(live, err)
-            else:
-                self.sched.add(live)
-                again.append(live)
-        return again
-
-    def drop_stale(self, lives: list[Live]) -> None:
-        """Abort those of ``lives`` (queued, not ended) that the coordinator still runs (a
-        refused forward, not a failed group). Raises the coordinator's errors."""
+    def settle(self, why: BaseException) -> None:
+        """After a failed step, with the group healthy again: queue again each running
+        request that lost its KV (all of them after a recovery; after a forward the
+        ranks refused, those the failed step touched: their slots have no KV), to
+        resume with its prompt + tokens sent; the others go on. One re-admitted more
+        than ``max_recoveries`` times fails. Raises the coordinator's errors (it failed
+        again: call again once it is back; what was done stays done)."""
         coord = self.coord
         with coord.lock:
-            for live in lives:
-                if not live.running and not live.ended and coord.mirror.is_running(live.rid):
+            for live in list(self.sched.running.values()):
+                held = coord.mirror.is_running(live.rid)
+                if held and live.rid not in self.sched.touched:
+                    continue
+                if held:
                     coord.abort(live.rid)
+                self.sched.running.pop(live.rid)
+                live.running = False
+                live.recoveries += 1
+                live.solo = live.recoveries >= 2
+                self.counters.recoveries += 1
+                if live.recoveries > self.config.max_recoveries:
+                    err = GenerationFailed(
+                        f"request {live.rid!r} was re-admitted {self.config.max_recoveries} "
+                        f"times after failed steps; the last: {why}"
+                    )
+                    self.end_failed(live, err)
+                else:
+                    self.sched.add(live)
+            self.sched.touched.clear()
 
     def _end(self, live: Live, ev: GenEvent) -> None:
         live.ended = True
