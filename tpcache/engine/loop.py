@@ -164,11 +164,18 @@ class Engine:
     # ---- the loop thread -----------------------------------------------------------------
     def _run(self) -> None:
         try:
+            failed = 0  # steps failed in a row
             while self._take():
                 try:
                     self.stepper.step(self._limit)
+                    failed = 0
                 except Exception as exc:  # a failed group, or a bug: its requests may fail
-                    self._recover(exc)
+                    failed += 1
+                    if failed > self.config.max_recoveries + 1:  # no request to blame
+                        self._fail_live(GenerationFailed(f"every step fails: {exc}"))
+                        failed = 0
+                    else:
+                        self._recover(exc)
                 self._deliver()
         finally:
             self._fail_all(EngineClosed("the engine was closed"))
@@ -210,9 +217,10 @@ class Engine:
                 self._limit = self.coord.request_limit()
                 return
             except GroupDown as down:
-                for live in [*st.sched.running.values(), *st.sched.waiting]:
-                    why = f"request {live.rid!r}: {down}; after {exc}"
-                    st.end_failed(live, GenerationFailed(why))
+                if self._closed:
+                    self._fail_live(EngineClosed("the engine was closed"))
+                else:
+                    self._fail_live(GenerationFailed(f"{down}; after {exc}"))
                 return
             except TpcacheError as again:  # it failed again meanwhile: wait again
                 exc = again
@@ -228,6 +236,12 @@ class Engine:
             except Exception:
                 if not final:
                     self.cancel(live.rid)
+
+    def _fail_live(self, err: TpcacheError) -> None:
+        """End every request the scheduler holds with ``err``."""
+        st = self.stepper
+        for live in [*st.sched.running.values(), *st.sched.waiting]:
+            st.end_failed(live, err)
 
     def _fail_all(self, err: TpcacheError) -> None:
         with self._cv:
