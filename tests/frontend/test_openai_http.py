@@ -154,6 +154,25 @@ def test_several_prompts_are_several_choices(served) -> None:
     assert finished == {0: "length", 1: "length", 2: "length"}
 
 
+def test_concurrent_clients_each_get_their_own_answer(served) -> None:
+    engine, plain, _, _ = served
+    prompts = [[(7 * i + j) % VOCAB for j in range(3 + i % 5)] for i in range(8)]
+    want = [engine_greedy(engine, p, 6) for p in prompts]
+    got: dict[int, list[int]] = {}
+
+    def ask(i: int) -> None:
+        c = client(plain)
+        stream = c.completions.create(model="tiny", prompt=prompts[i], max_tokens=6, temperature=0, stream=bool(i % 2))  # fmt: skip
+        got[i] = [t for k in stream for ch in k.choices for t in ch.token_ids] if i % 2 else stream.choices[0].token_ids  # fmt: skip
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [got.get(i) for i in range(8)] == want
+
+
 def test_stop_token_ids_and_a_seeded_sample(served) -> None:
     engine, plain, _, _ = served
     greedy = engine_greedy(engine, PROMPTS[0], 9)

@@ -58,6 +58,7 @@ def test_defaults_and_fields_reach_the_sampling() -> None:
         ({"prompt": ""}, 400, "prompt", None),
         ({"stop": ["a", ""]}, 400, "stop", None),
         ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop", None),
+        ({"stop": "x" * 513}, 400, "stop", None),
         ({"stream": "yes"}, 400, "stream", None),
         ({"stream": True, "stream_options": {"x": 1}}, 400, "stream_options", None),
         ({"max_tokens": 2.0}, 400, "max_tokens", None),

@@ -18,6 +18,7 @@ slots come back at once. How a connection is served: ``openai_handler``.
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 import time
 from http.server import ThreadingHTTPServer
@@ -33,6 +34,17 @@ MAX_BODY_BYTES = 16 << 20
 
 class OpenAIConfigError(TpcacheError, ValueError):
     """An ``OpenAIServer`` that may not be built as asked (its message says why)."""
+
+
+class HttpServer(ThreadingHTTPServer):
+    """The threading server, quiet about clients that reset their connection (a pool
+    closing a kept-alive one): nothing went wrong here."""
+
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 class OpenAIServer:
@@ -83,12 +95,11 @@ class OpenAIServer:
         """Bind and serve on a thread of its own. Raises ``OpenAIConfigError`` if the
         address cannot be bound."""
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        server_cls = type("Server", (ThreadingHTTPServer,), {"address_family": family})
+        server_cls = type("HttpServer", (HttpServer,), {"address_family": family})
         try:
             httpd = server_cls((self.host, self.requested_port), Handler)
         except OSError as exc:
             raise OpenAIConfigError(f"cannot bind {self.host}:{self.requested_port}: {exc.strerror}") from None  # fmt: skip
-        httpd.daemon_threads = True
         httpd.served = self.served  # type: ignore[attr-defined]
         self.httpd = httpd
         self.port = int(httpd.server_address[1])

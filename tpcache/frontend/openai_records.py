@@ -24,6 +24,7 @@ from tpcache.errors import TpcacheError
 
 MAX_PROMPTS = 64  # prompts in one request: each is an engine request of its own
 MAX_STOPS = 4  # OpenAI's limit on stop strings
+MAX_STOP_CHARS = 512  # each is looked for after every token: its length bounds that work
 
 # Known, not implemented: refused unless the value is one of these defaults.
 UNSUPPORTED = {
@@ -161,6 +162,8 @@ def parse_stops(stop: object, has_tokenizer: bool) -> tuple[str, ...]:
         raise bad("stop must be a non-empty string or a list of non-empty strings", "stop")
     if len(stops) > MAX_STOPS:
         raise bad(f"stop holds {len(stops)} strings; at most {MAX_STOPS}", "stop")
+    if max(map(len, stops)) > MAX_STOP_CHARS:
+        raise bad(f"a stop string may have at most {MAX_STOP_CHARS} characters", "stop")
     if not has_tokenizer:
         raise bad("this server has no tokenizer: stop strings need one; use stop_token_ids", "stop", "no_tokenizer")  # fmt: skip
     return tuple(dict.fromkeys(stops))
