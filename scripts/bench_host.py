@@ -125,7 +125,7 @@ def lockstep_run(host: int | None, requests: int, seed: int) -> dict:
             coord.finish(i)
         coord.sync()
         elapsed = time.perf_counter() - started
-        counts = coord.mirror.host_counts() if host else {}
+        counts = coord.mirror.host.counts() if coord.mirror.host is not None else {}
         return {
             "calls_per_s": round(2 * requests / elapsed, 1),
             "wait_ready_ms_mean": round(waited / requests * 1e3, 3),

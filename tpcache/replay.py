@@ -190,7 +190,7 @@ def make_cache(opts: ReplayOptions, capacity: int) -> tuple[Cache, Callable[[int
         # pool (its capacity is agreed later), a replay's is refused if larger.
         HybridConfig(capacity, opts.swa_capacity, spec.sliding_window, opts.page_size, opts.policy)
     cache = build(spec, capacity)
-    if cache.window is not None:
+    if cache.swa is not None:
         return cache, lambda _: hybrid_summary(cache)
     if spec.host_capacity_tokens is not None:
         return cache, lambda matched: host_summary(cache, matched)
@@ -216,10 +216,11 @@ def hybrid_summary(cache: Cache) -> dict[str, Any]:
     """The hybrid cache's extra figures: SWA pool use and tombstones at the end."""
     s = cache.sizes()
     assert isinstance(s, HybridSizes), "a cache with a window sizes its SWA pool too"
+    assert cache.swa is not None, "a cache with an SWA pool has its window"
     stats = cache.stats()
     ps = cache.page_size
     return {
-        "swa_window": cache.window,
+        "swa_window": cache.swa.window,
         "swa_capacity_tokens": s.swa.capacity,
         "full_cached_tokens_end": s.cached,
         "swa_cached_tokens_end": s.swa.cached,
@@ -234,8 +235,8 @@ def hybrid_summary(cache: Cache) -> dict[str, Any]:
 def host_summary(cache: Cache, matched: int) -> dict[str, Any]:
     """The host tier's figures: hits split by tier (a host hit is loaded back: its tokens
     are the loaded ones), tokens loaded and written back."""
-    tier = cache.host_tier()
-    assert tier is not None, "a cache built with a host tier reports it"
+    assert cache.host is not None, "a cache built with a host tier reports it"
+    tier = cache.host.stats()
     return {
         "host_capacity_tokens": tier.sizes.capacity,
         "write_policy": cache.config.write_policy,

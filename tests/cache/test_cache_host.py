@@ -57,8 +57,8 @@ def test_write_back_load_back_and_host_eviction_exact_state(ps: int) -> None:
     # B needs 3 pages, 2 are free: A (LRU) is written back to the host, its pages freed.
     run(c, 2, blocks(ps, 3, 4))
     assert tiers(c) == [(101, "host", [], [0, 1]), (301, "device", [3, 2], [])]
-    assert c.host_counts()["written_pages"] == 2
-    assert c.host_sizes() == CacheSizes(4 * ps, 2 * ps, 2 * ps, 0, 0)
+    assert c.host.counts()["written_pages"] == 2
+    assert c.host.sizes() == CacheSizes(4 * ps, 2 * ps, 2 * ps, 0, 0)
     # A + C: A is on the host only; the admit loads it (B goes to the host for room).
     assert c.admit_prefix_len(blocks(ps, 1, 2, 5)) == 2 * ps
     m = c.match_prefix(blocks(ps, 1, 2, 5))
@@ -84,7 +84,7 @@ def test_write_back_load_back_and_host_eviction_exact_state(ps: int) -> None:
         (501, "host", [], [0]),
         (601, "device", [3, 0, 1], []),
     ]
-    assert c.host_counts() == {
+    assert c.host.counts() == {
         "written_pages": 7,
         "loaded_pages": 2,
         "host_evicted_pages": 2,
@@ -101,14 +101,14 @@ def test_a_hit_on_a_node_on_both_tiers(ps: int) -> None:
     got = run(c, 2, blocks(ps, 1, 2, 3))  # a hit: A is copied, and stays on the device
     assert got.prefix_len == 2 * ps and got.host_hit_length == 0
     assert tiers(c) == [(101, "both", [0, 1], [0, 1]), (301, "device", [3], [])]
-    assert c.host_sizes() == CacheSizes(4 * ps, 2 * ps, 0, 2 * ps, 0)
+    assert c.host.sizes() == CacheSizes(4 * ps, 2 * ps, 0, 2 * ps, 0)
     m = c.match_prefix(blocks(ps, 1, 2))  # a hit on both tiers is a device hit
     assert (m.prefix_len, m.host_hit_length, m.pages.tolist()) == (2 * ps, 0, [0, 1])
     # Evicting everything: A keeps only its host copy (no second write), C is dropped.
     c.evict(4 * ps)
     c.check_integrity()
     assert tiers(c) == [(101, "host", [], [0, 1])]
-    assert c.host_counts()["written_pages"] == 2
+    assert c.host.counts()["written_pages"] == 2
     got = c.admit(3, blocks(ps, 1, 2, 9))  # loaded back; write-through keeps the copy
     assert (got.prefix_len, got.host_hit_length) == (2 * ps, 2 * ps)
     c.check_integrity()
@@ -163,7 +163,7 @@ def test_insert_over_host_nodes_takes_the_lent_pages() -> None:
     assert c.insert([1, 2, 3], slots) == 3  # all three were cached (on the host)
     c.check_integrity()
     assert tiers(c) == [(1, "device", slots.tolist(), [])]  # the lent pages, no load
-    assert c.host_counts()["loaded_pages"] == 0
+    assert c.host.counts()["loaded_pages"] == 0
 
 
 @pytest.mark.parametrize(
@@ -213,36 +213,36 @@ def test_deferred_copies_change_no_decision_and_gate_only_the_forward(ps: int) -
     # so each rank's forward of B waits for its own copy 0 (no load: no agreement).
     got = c.admit(2, blocks(ps, 3, 4), reserve=1)
     ref.admit(2, blocks(ps, 3, 4), reserve=1)
-    assert tiers(c) == tiers(ref) and (got.ready_after, c.local_after(2)) == (0, 1)
-    assert c.copies_pending() == 1 and c.request_ready(2)
-    (copy,) = c.take_copies()
+    assert tiers(c) == tiers(ref) and (got.ready_after, c.host.local_after(2)) == (0, 1)
+    assert c.host.copies_pending() == 1 and c.host.request_ready(2)
+    (copy,) = c.host.take_copies()
     assert (copy.id, copy.to_host, copy.device_pages.tolist(), copy.host_pages.tolist()) == (
         0, True, [0, 1], [0, 1],
     )  # fmt: skip
     before = c.digest()
     for bad in (2, -1, 1.0, True):
         with pytest.raises(HostTierError, match="copies_done"):
-            c.copies_done(bad)  # type: ignore[arg-type]
+            c.host.copies_done(bad)  # type: ignore[arg-type]
     assert c.digest() == before
-    c.copies_done(1)
-    assert c.local_after(2) == 0 and c.copies_pending() == 0 and c.digest() != before
-    c.copies_done(0)  # what is known already changes nothing
+    c.host.copies_done(1)
+    assert c.host.local_after(2) == 0 and c.host.copies_pending() == 0 and c.digest() != before
+    c.host.copies_done(0)  # what is known already changes nothing
     c.finish(2)
     ref.finish(2)
     # B is written back (copy 1) to make room, then A loads (copy 2): C waits for both.
     got = c.admit(3, blocks(ps, 1, 2, 5), reserve=1)
     assert (got.host_hit_length, got.ready_after) == (2 * ps, 3)
-    assert [(k.id, k.to_host) for k in c.take_copies()] == [(1, True), (2, False)]
+    assert [(k.id, k.to_host) for k in c.host.take_copies()] == [(1, True), (2, False)]
     c.check_integrity()
-    c.copies_done(2)
-    assert not c.request_ready(3) and c.ready_after(3) == 3
-    c._waits.waits[99] = 3  # a request that is not running cannot wait
+    c.host.copies_done(2)
+    assert not c.host.request_ready(3) and c.host.ready_after(3) == 3
+    c.host.waits.waits[99] = 3  # a request that is not running cannot wait
     with pytest.raises(IntegrityError, match="request 99 waits for 3 copies"):
         c.check_integrity()
-    del c._waits.waits[99]
+    del c.host.waits.waits[99]
     c.abort(3)  # an aborted request waits for nothing
     c.check_integrity()
-    assert c.copies_pending() == 1
+    assert c.host.copies_pending() == 1
 
 
 @pytest.mark.parametrize("ps", [1, 16])
@@ -256,20 +256,20 @@ def test_a_request_waits_only_for_copies_of_its_own_pages(ps: int) -> None:
     run(c, 2, blocks(ps, 3, 4))  # B on pages 3, 4
 
     def waits(rid: int) -> tuple[int, int]:
-        return c.ready_after(rid), c.local_after(rid)
+        return c.host.ready_after(rid), c.host.local_after(rid)
 
     got = c.admit(3, blocks(ps, 5, 6), reserve=1)  # evicts A: copy 0 reads pages 0, 1
     assert (got.pages.tolist(), got.ready_after, waits(3)) == ([2, 5, 0], 0, (0, 1))
-    assert c.request_ready(3)  # no load: only rank-local ordering, no agreement
-    c.copies_done(1)
+    assert c.host.request_ready(3)  # no load: only rank-local ordering, no agreement
+    c.host.copies_done(1)
     c.finish(3)
     c.evict(2 * ps)  # B goes to the host: copy 1 reads pages 3, 4
-    assert [(k.id, k.to_host, k.device_pages.tolist()) for k in c.take_copies()] == [
+    assert [(k.id, k.to_host, k.device_pages.tolist()) for k in c.host.take_copies()] == [
         (0, True, [0, 1]),
         (1, True, [3, 4]),
     ]
     got = c.admit(4, blocks(ps, 7, 8), reserve=0)  # pages no pending copy touches
-    assert (got.pages.tolist(), waits(4), c.copies_pending()) == ([1, 0], (0, 0), 1)
+    assert (got.pages.tolist(), waits(4), c.host.copies_pending()) == ([1, 0], (0, 0), 1)
     got = c.admit(5, blocks(ps, 9), reserve=0)  # page 3: copy 1 still reads it
     assert (got.pages.tolist(), waits(5)) == ([3], (0, 2))
     c.abort(4)
@@ -280,12 +280,12 @@ def test_a_request_waits_only_for_copies_of_its_own_pages(ps: int) -> None:
     got = c.admit(7, blocks(ps, 1, 2, 11), reserve=0)
     assert (got.pages.tolist(), got.prefix_len, got.host_hit_length) == ([4, 0, 3], 2 * ps, 0)
     assert waits(7) == (3, 3) and got.ready_after == 3
-    c.copies_done(2)
-    assert not (c.request_ready(6) or c.request_ready(7))
+    c.host.copies_done(2)
+    assert not (c.host.request_ready(6) or c.host.request_ready(7))
     c.check_integrity()
-    c.copies_done(3)
-    assert c.request_ready(6) and waits(7) == (0, 0)
-    assert not (c._waits.waits or c._waits.local)
+    c.host.copies_done(3)
+    assert c.host.request_ready(6) and waits(7) == (0, 0)
+    assert not (c.host.waits.waits or c.host.waits.local)
     c.check_integrity()
 
 
@@ -296,14 +296,14 @@ def test_copy_waits_of_an_unknown_request_are_refused() -> None:
     c = make(1, defer_copies=True, record_copies=True)
     run(c, 1, blocks(1, 1, 2))
     c.admit(2, blocks(1, 3, 4), reserve=1)  # writes A back: copy 0 pending
-    assert (c.copies_pending(), c.local_after(2)) == (1, 1)
+    assert (c.host.copies_pending(), c.host.local_after(2)) == (1, 1)
     c.abort(2)
     before = c.digest()
     for rid in (1, 2, 3):
-        for ask in (c.ready_after, c.local_after, c.request_ready):
+        for ask in (c.host.ready_after, c.host.local_after, c.host.request_ready):
             with pytest.raises(UnknownRequest):
                 ask(rid)
-    assert c.digest() == before and c.copies_pending() == 1
+    assert c.digest() == before and c.host.copies_pending() == 1
 
 
 @pytest.mark.parametrize("ps", [1, 16])
@@ -314,13 +314,13 @@ def test_a_match_says_how_long_until_a_load_under_way_fills_its_pages(ps: int) -
     c = make(ps, defer_copies=True, record_copies=True)
     run(c, 1, blocks(ps, 1, 2))
     run(c, 2, blocks(ps, 3, 4))  # A written back to the host (copy 0)
-    c.copies_done(1)
+    c.host.copies_done(1)
     assert c.match_prefix(blocks(ps, 1, 2)).host_hit_length == 2 * ps
     got = c.admit(3, blocks(ps, 1, 2, 5), reserve=1)  # loads A back (copies 1, 2)
     assert got.host_hit_length == 2 * ps and got.ready_after == 3
     m = c.match_prefix(blocks(ps, 1, 2))
     assert m.prefix_len == 2 * ps and m.host_hit_length == 0 and m.ready_after == 3
-    c.copies_done(3)
+    c.host.copies_done(3)
     assert c.match_prefix(blocks(ps, 1, 2)).ready_after == 0
     assert c.match_prefix(blocks(ps, 9)).ready_after == 0  # nothing matched: nothing to wait
     c.check_integrity()

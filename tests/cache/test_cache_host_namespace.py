@@ -78,9 +78,9 @@ def test_an_anchor_goes_with_its_last_host_leaf() -> None:
     run(c, 1, blocks(1, 1, 2, 3), A)
     assert anchor_lock(c) == 1
     run(c, 2, blocks(1, 4, 5, 6, 7))  # A's 3 pages to the host
-    assert anchors(c) == 1 and c.host_sizes().evictable == 3
+    assert anchors(c) == 1 and c.host.sizes().evictable == 3
     run(c, 3, blocks(1, 8, 9, 10, 11))  # the default prefix to the host: A's is dropped
-    assert c.host_counts()["host_evicted_pages"] >= 3
+    assert c.host.counts()["host_evicted_pages"] >= 3
     assert anchors(c) == 0 and not c.tree.spaces
     assert c.admit_prefix_len(blocks(1, 1, 2, 3), A) == 0
     run(c, 4, blocks(1, 1, 2, 3), A)  # a new anchor, as for a namespace never seen
@@ -94,7 +94,7 @@ def test_an_anchor_goes_when_its_device_node_is_dropped_without_host_room() -> N
     run(c, 1, blocks(1, 1, 2, 3), A)
     run(c, 2, blocks(1, 4, 5, 6, 7))
     assert anchors(c) == 0 and not c.tree.spaces
-    assert c.host_sizes().cached == 0
+    assert c.host.sizes().cached == 0
 
 
 def test_a_load_under_an_anchor_locks_as_a_walk_would() -> None:
@@ -223,4 +223,4 @@ def test_random_calls_in_several_namespaces_keep_every_check() -> None:
     for r in sorted(running):
         c.finish(r)
     c.check_integrity()
-    assert c.host_counts()["written_pages"] > 0 and c.host_counts()["loaded_pages"] > 0
+    assert c.host.counts()["written_pages"] > 0 and c.host.counts()["loaded_pages"] > 0

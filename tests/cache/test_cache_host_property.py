@@ -86,7 +86,7 @@ def test_random_ops_keep_the_host_tier_whole_and_deterministic(
         fold(index, a.take_events())
         b.take_events()
         assert (index["GPU"], index["CPU"]) == tier_hashes(a), f"step {step}: {op}"
-        moved = max(moved, a.host_counts()["copies_started"])
+        moved = max(moved, a.host.counts()["copies_started"])
     print(f"copies started: {moved}")
     assert moved > 0  # the ops did reach the host tier
 
@@ -118,16 +118,16 @@ def _deferred_run(write: str, ps: int, seed: int) -> tuple[int, int]:
     taken = waited = 0
     for step, op in enumerate(random_ops(seed, ps, 300)):
         assert apply(d, op) == apply(a, op), f"step {step}: {op}"
-        ids = [c.id for c in d.take_copies()]
+        ids = [c.id for c in d.host.take_copies()]
         assert ids == list(range(taken, taken + len(ids)))
         taken += len(ids)
         if rng.random() < 0.3:
-            d.copies_done(rng.randint(d.copies_completed(), taken))
+            d.host.copies_done(rng.randint(d.host.copies_completed(), taken))
         d.check_integrity()
         for rid in d.running_ids():
-            waits, local = d.ready_after(rid), d.local_after(rid)
-            assert d.request_ready(rid) == (waits <= d.copies_completed())
+            waits, local = d.host.ready_after(rid), d.host.local_after(rid)
+            assert d.host.request_ready(rid) == (waits <= d.host.copies_completed())
             assert local >= waits  # a rank's own engine does the loads too
-            waited += local > d.copies_completed()
+            waited += local > d.host.copies_completed()
     print(f"copies: {taken}, request checks with a copy to wait for: {waited}")
     return taken, waited

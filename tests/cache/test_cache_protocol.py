@@ -1,5 +1,7 @@
-"""Both cache kinds implement ``Cache`` (``tpcache.cache.protocol``), and the calls that
-replace upper layers' reaching into a cache's tree, table or allocator answer exactly."""
+"""Every cache kind implements ``Cache`` (``tpcache.cache.protocol``), its parts
+``SwaPart`` and ``HostPart`` (``tpcache.cache.parts``) where it was built with them and
+nowhere else, and the calls that replace upper layers' reaching into a cache's tree,
+table or allocator answer exactly."""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ from swa_helpers import hybrid, run
 
 from tpcache.cache.errors import CacheError, InvalidSlots, NoSwaPool, UnknownRequest
 from tpcache.cache.events import AllBlocksCleared, BlockStored
+from tpcache.cache.factory import CacheSpec, build
 from tpcache.cache.keys import pages_to_slots
+from tpcache.cache.parts import HostPart, SwaPart
 from tpcache.cache.protocol import Cache
 from tpcache.cache.radix import CacheConfig, RadixCache
 from tpcache.cache.records import CacheStats
@@ -23,19 +27,21 @@ def _base() -> RadixCache:
     return RadixCache(CacheConfig(64, 4, record_events=True))
 
 
-def _members() -> list[str]:
-    names = [n for n in vars(Cache) if not n.startswith("_")]
-    return sorted({*names, *Cache.__annotations__})
+def _host() -> Cache:
+    return build(CacheSpec(page_size=4, host_capacity_tokens=64), 64)
 
 
-@pytest.mark.parametrize("make", [_base, lambda: hybrid(64, 64, 8, 4)], ids=["base", "hybrid"])
-def test_every_protocol_member_is_there_with_its_signature(make) -> None:
-    cache = make()
-    for name in _members():
-        assert hasattr(cache, name), name
-        want = vars(Cache).get(name)
+def _members(protocol: type) -> list[str]:
+    names = [n for n in vars(protocol) if not n.startswith("_")]
+    return sorted({*names, *protocol.__annotations__})
+
+
+def _check_members(protocol: type, obj: object) -> None:
+    for name in _members(protocol):
+        assert hasattr(obj, name), name
+        want = vars(protocol).get(name)
         if inspect.isfunction(want):
-            got = inspect.signature(getattr(type(cache), name))
+            got = inspect.signature(getattr(type(obj), name))
             params = [(p.name, p.kind, p.default) for p in got.parameters.values()]
             expected = [
                 (p.name, p.kind, p.default) for p in inspect.signature(want).parameters.values()
@@ -43,30 +49,39 @@ def test_every_protocol_member_is_there_with_its_signature(make) -> None:
             assert params == expected, name
 
 
+KINDS = [_base, lambda: hybrid(64, 64, 8, 4), _host]
+
+
+@pytest.mark.parametrize("make", KINDS, ids=["base", "hybrid", "host"])
+def test_every_protocol_member_is_there_with_its_signature(make) -> None:
+    cache = make()
+    _check_members(Cache, cache)
+    for part, protocol in ((cache.swa, SwaPart), (cache.host, HostPart)):
+        if part is not None:
+            _check_members(protocol, part)
+
+
+@pytest.mark.parametrize("make", KINDS, ids=["base", "hybrid", "host"])
+def test_a_cache_has_the_parts_it_was_built_with_and_none_of_the_others_calls(make) -> None:
+    """The window and the host tier are parts, not calls every cache answers: a cache
+    built without one has ``None`` there and none of its calls."""
+    c = make()
+    built = {"swa": c.swa is not None, "host": c.host is not None}
+    assert built == {"swa": make is KINDS[1], "host": make is KINDS[2]}
+    own = {n for n in dir(c) if not n.startswith("_")}
+    for part, protocol in (("swa", SwaPart), ("host", HostPart)):
+        assert not own & set(_members(protocol)) - set(_members(Cache)), part
+    for name in ("window", "swa_slots", "request_swa_slots", "host_tier", "host_sizes"):
+        assert not hasattr(c, name), name
+
+
 def test_kinds_differ_by_data() -> None:
     b, h = _base(), hybrid(64, 32, 8, 4)
-    assert (b.pool_names, b.num_pools, b.window) == (("full",), 1, None)
-    assert (h.pool_names, h.num_pools, h.window) == (("full", "SWA"), 2, 8)
+    assert (b.pool_names, b.num_pools, b.swa) == (("full",), 1, None)
+    assert (h.pool_names, h.num_pools) == (("full", "SWA"), 2)
+    assert h.swa is not None and h.swa.window == 8
     assert [p.capacity for p in h.pool_sizes()] == [64, 32]
     assert b.evictable_pages() == (0,) and h.evictable_pages() == (0, 0)
-
-
-@pytest.mark.parametrize("make", [_base, lambda: hybrid(64, 64, 8, 4)], ids=["base", "hybrid"])
-def test_a_cache_without_a_copy_log_has_nothing_to_wait_for(make) -> None:
-    """What the coordinator and the ranks ask every cache (a host tier answers more)."""
-    c = make()
-    c.admit("a", R(1, 9))
-    digest = c.digest()
-    assert (c.copies_pending(), c.copies_completed(), c.take_copies()) == (0, 0, [])
-    assert c.ready_after("a") == 0 and c.request_ready("a")
-    c.copies_done(0)
-    with pytest.raises(CacheError, match="starts no copies"):
-        c.copies_done(1)
-    with pytest.raises(UnknownRequest):
-        c.ready_after("b")
-    with pytest.raises(UnknownRequest):
-        c.request_ready("b")
-    assert c.digest() == digest
 
 
 @pytest.mark.parametrize("make", [_base, lambda: hybrid(64, 64, 8, 4)], ids=["base", "hybrid"])
@@ -89,21 +104,12 @@ def test_request_row_slots() -> None:
     assert row.slots.tolist() == pages_to_slots(row.pages, 4, 11).tolist() == R(0, 10)
 
 
-def test_swa_slots_is_refused_without_an_swa_pool_after_checking_the_slots() -> None:
-    b = _base()
-    with pytest.raises(NoSwaPool, match="needs an SWA pool"):
-        b.swa_slots([0, 1])
-    with pytest.raises(InvalidSlots):
-        b.swa_slots([10_000])
-
-
 def test_request_swa_slots_is_the_window_the_first_new_token_sees() -> None:
-    b = _base()
-    b.admit("a", R(1, 9))
-    assert b.request_swa_slots("a", 4) is None
-    with pytest.raises(UnknownRequest):
-        b.request_swa_slots("z", 0)
     h = hybrid(36, 32, 4, 4)  # 9 full pages, 8 SWA pages
+    swa = h.swa
+    assert swa is not None
+    with pytest.raises(UnknownRequest):
+        swa.request_slots("z", 0)
     run(h, "p", R(101, 108))
     run(h, "q", [*R(101, 104), *R(201, 204)])
     h.lock(h.match_prefix(R(101, 108)).handle)
@@ -114,15 +120,17 @@ def test_request_swa_slots_is_the_window_the_first_new_token_sees() -> None:
     h.extend("a", 4)
     row = h.request_row("a")
     assert row.pages.tolist() == [3, 4, 5, 6, 7, 8]
-    assert h.swa_slots(row.slots[16:]).tolist() == [28, 29, 30, 31, 0, 1]  # SWA page 0 again
+    assert swa.slots(row.slots[16:]).tolist() == [28, 29, 30, 31, 0, 1]  # SWA page 0 again
     for start in (0, 3, 16, 18, 22):
-        swa_start, swa = h.request_swa_slots("a", start)
+        swa_start, slots = swa.request_slots("a", start)
         assert swa_start == max(0, start - 4)
-        assert swa.tolist() == h.swa_slots(row.slots[swa_start:]).tolist()
+        assert slots.tolist() == swa.slots(row.slots[swa_start:]).tolist()
     with pytest.raises(InvalidSlots):
-        h.request_swa_slots("a", 23)
+        swa.request_slots("a", 23)
     with pytest.raises(InvalidSlots):
-        h.request_swa_slots("a", -1)
+        swa.request_slots("a", -1)
+    with pytest.raises(InvalidSlots):
+        swa.slots([10_000])
 
 
 def test_tombstoned_pages_of_a_match() -> None:
@@ -134,14 +142,11 @@ def test_tombstoned_pages_of_a_match() -> None:
     assert h.evict(0, 1).tombstoned == 1  # [1..6] keeps its full KV only
     got = h.match_prefix(R(1, 10))
     assert got.prefix_len == 10
-    assert h.tombstoned_pages(got.pages) == 6
-    assert h.tombstoned_pages(got.pages[6:]) == 0
+    assert h.swa is not None
+    assert h.swa.tombstoned_pages(got.pages) == 6
+    assert h.swa.tombstoned_pages(got.pages[6:]) == 0
     with pytest.raises(InvalidSlots):
-        h.tombstoned_pages([64])
-    b = _base()
-    assert b.tombstoned_pages([0, 15]) == 0
-    with pytest.raises(InvalidSlots):
-        b.tombstoned_pages([16])
+        h.swa.tombstoned_pages([64])
     assert h.stats().tombstoned_nodes == 1
 
 

@@ -54,7 +54,7 @@ def test_admit_with_reserve_is_admit_then_extend(kind: str, page_size: int) -> N
         assert (a.prefix_len, a.num_tokens) == (b.prefix_len, len(prompt) + reserve)
         assert a.slots.tolist() == b.slots.tolist() + more.tolist()
         if kind == "hybrid":
-            assert a.swa_slots.tolist() == b.swa_slots.tolist() + two.swa_slots(more).tolist()
+            assert a.swa_slots.tolist() == b.swa_slots.tolist() + two.swa.slots(more).tolist()
         extra = len(output) - reserve
         if extra > 0:  # decode past the reserve, as an engine would
             assert one.extend(i, extra).tolist() == two.extend(i, extra).tolist()

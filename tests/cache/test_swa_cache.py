@@ -147,7 +147,7 @@ def test_insert_over_a_tombstone_revives_it_with_the_newcomers_swa_kv() -> None:
     # The full FIFO holds 25..63 then the duplicates 14..19; the SWA FIFO 25..63 then 0..5.
     s = c.alloc_slots(41)
     assert s[-3:].tolist() == [63, 14, 15]
-    assert c.swa_slots(s)[-3:].tolist() == [63, 0, 1]
+    assert c.swa.slots(s)[-3:].tolist() == [63, 0, 1]
     c.free_slots(s)
     c.unlock(hx)
     c.check_integrity()

@@ -78,7 +78,7 @@ def _state():
         (lambda c: c.insert([9, 9], [0]), InvalidSlots),
         (lambda c: c.insert([9, 9], [64, 65]), InvalidSlots),
         (lambda c: c.free_slots([0]), AllocatorError),
-        (lambda c: c.swa_slots([64]), InvalidSlots),
+        (lambda c: c.swa.slots([64]), InvalidSlots),
         (lambda c: c.alloc_slots(-1), CacheError),
         (lambda c: c.alloc_slots(40), OutOfCapacity),  # 33 SWA pages short
         (lambda c: c.lock(Handle(1, c.handles.owner)), UnknownHandle),
@@ -111,10 +111,10 @@ def test_insert_that_could_never_be_matched_is_refused() -> None:
         c.insert([*R(1, 6), 30, 31], [*R(0, 5), *tail.tolist()])
     assert snapshot(c) == before
     with pytest.raises(InvalidSlots, match="no SWA page"):
-        c.swa_slots([0])
+        c.swa.slots([0])
     # Fresh slots revive it.
     fresh = c.alloc_slots(6)
-    fresh_swa = c.swa_slots(fresh).tolist()
+    fresh_swa = c.swa.slots(fresh).tolist()
     assert c.insert([*R(1, 6), 30, 31], [*fresh.tolist(), *tail.tolist()]) == 6
     assert view(c)[0][1:3] == (R(0, 5), fresh_swa)  # full pages kept, SWA pages taken
     c.check_integrity()

@@ -67,15 +67,15 @@ def test_a_slow_rank_holds_back_completion_at_the_same_step_everywhere(group) ->
         per_rank = copies(coord)
         # Every rank knows exactly what the mirror knows: the same started and agreed.
         assert {(s, a) for s, a, _ in per_rank} == {
-            (mirror.host_counts()["copies_started"], mirror.copies_completed())
+            (mirror.host.counts()["copies_started"], mirror.host.copies_completed())
         }
         # Rank 0 (fast) has done copies the group has not agreed yet: rank 1 holds it back.
         held_back += per_rank[0][2] > per_rank[0][1] and per_rank[1][2] < per_rank[0][2]
-        if not mirror.request_ready(i):
+        if not mirror.host.request_ready(i):
             with pytest.raises(ForwardError, match="waits for"):
                 build_forward(mirror, i, p[-1:])
         coord.wait_ready([i], 20.0)
-        assert mirror.request_ready(i)
+        assert mirror.host.request_ready(i)
         build_forward(mirror, i, p[-1:])  # now it may run
         coord.finish(i)
     coord.sync()
@@ -86,7 +86,7 @@ def test_a_slow_rank_holds_back_completion_at_the_same_step_everywhere(group) ->
     # A frontend's engine runs its forward when it gets the slots: the reply waits.
     for j, p in enumerate(prompts(17, 6)):
         reply = dispatch(coord, AdmitCall(1000 + j, p))
-        assert isinstance(reply, AdmitReply) and coord.mirror.request_ready(1000 + j)
+        assert isinstance(reply, AdmitReply) and coord.mirror.host.request_ready(1000 + j)
         assert isinstance(dispatch(coord, FinishCall(1000 + j, [])), CachedReply)
     coord.ranks.call_on(1, "copy_drill", 0.0, [])
 
@@ -95,7 +95,7 @@ def test_a_copy_that_fails_on_one_rank_fails_everywhere_and_nothing_leaks(group)
     coord = group
     coord.reset()
     coord.sync()
-    started = coord.mirror.host_counts()["copies_started"]
+    started = coord.mirror.host.counts()["copies_started"]
     coord.ranks.call_on(1, "copy_drill", 0.0, [started + 2])
     failures = []
     for i, p in enumerate(prompts(8, 16)):
@@ -116,7 +116,7 @@ def test_a_copy_that_fails_on_one_rank_fails_everywhere_and_nothing_leaks(group)
     # and the pools account for every page (device and host conservation).
     mirror = coord.mirror
     coord.wait_ready(mirror.running_ids(), 20.0)
-    assert {tuple(c) for c in copies(coord)} == {(mirror.host_counts()["copies_started"],) * 3}
+    assert {tuple(c) for c in copies(coord)} == {(mirror.host.counts()["copies_started"],) * 3}
     coord.ranks.call("check_integrity")
     mirror.check_integrity()
     assert [i["digest"] for i in coord.ranks.call("info")] == [mirror.digest()] * 2
@@ -135,11 +135,11 @@ def test_a_forward_that_waits_too_long_is_refused_in_time(group) -> None:
     coord.ranks.call_on(0, "copy_drill", 1.0, [])
     failures = coord.stats()["rank_failures"]
     got = coord.admit(205, [*heads[0], 1, 2, 3])  # its forward reads what is being loaded
-    assert got.host_hit_length > 0 and got.ready_after > coord.mirror.copies_completed()
+    assert got.host_hit_length > 0 and got.ready_after > coord.mirror.host.copies_completed()
     with pytest.raises(CopiesNotDone, match="waits for"):
         coord.wait_ready([205], 0.05)
     assert coord.stats()["rank_failures"] == failures and coord.mirror.running_ids() == [205]
-    assert not coord.mirror.request_ready(205)
+    assert not coord.mirror.host.request_ready(205)
     coord.ranks.call_on(0, "copy_drill", 0.0, [])
     coord.wait_ready([205], 30.0)
     coord.finish(205)
@@ -203,7 +203,7 @@ def test_stats_and_metrics_show_the_host_tier(group) -> None:
         coord.finish(300 + i)
     coord.sync()
     stats = coord.stats()
-    tier = coord.mirror.host_tier()
+    tier = coord.mirror.host.stats()
     assert loaded > 0 and stats["host_hit_tokens"] - before["host_hit_tokens"] == loaded
     assert stats["hit_tokens"] - before["hit_tokens"] == hits >= loaded
     assert stats["written_back_tokens"] > before["written_back_tokens"]
@@ -213,7 +213,7 @@ def test_stats_and_metrics_show_the_host_tier(group) -> None:
     total = stats["host_free"] + stats["host_evictable"] + stats["host_protected"]
     assert total == stats["host_capacity"] and stats["host_evictable"] > 0
     # (Copies the last steps started are agreed done at a later step: some may pend.)
-    assert stats["copies_pending"] == coord.mirror.copies_pending() == tier.copies_pending
+    assert stats["copies_pending"] == coord.mirror.host.copies_pending() == tier.copies_pending
     m = scrape(coord.metrics_port)
     assert m["tpcache_host_hit_tokens_total"] == stats["host_hit_tokens"]
     assert m["tpcache_host_written_tokens_total"] == stats["written_back_tokens"]
@@ -237,10 +237,10 @@ def test_the_demo_splits_its_hits_by_tier(group) -> None:
         for i, p in enumerate(prompts(23, 40))
     ]
     for run in range(2):
-        tier = coord.mirror.host_tier()
+        tier = coord.mirror.host.stats()
         requests = [dataclasses.replace(r, rid=r.rid + 100 * run) for r in chat]
         got = run_demo(coord, requests, batch=1)
-        after = coord.mirror.host_tier()
+        after = coord.mirror.host.stats()
         assert got["lockstep_verified"] and got["host_capacity_tokens"] == 256
         assert got["host_hit_tokens"] == after.loaded_tokens - tier.loaded_tokens > 0
         assert got["written_back_tokens"] == after.written_tokens - tier.written_tokens > 0

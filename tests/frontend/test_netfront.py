@@ -228,7 +228,7 @@ def _check_swa(coord, rid: str, start: int, reply) -> None:
     row = coord.mirror.request_row(rid)
     assert reply.swa_start == max(0, start - 12)
     full = row.slots[reply.swa_start :]
-    assert reply.swa_slots == coord.mirror.swa_slots(full).tolist()
+    assert reply.swa_slots == coord.mirror.swa.slots(full).tolist()
     assert len(set(reply.swa_slots)) == len(reply.swa_slots) == row.num_tokens - reply.swa_start
 
 

@@ -177,12 +177,12 @@ def test_kv_through_ray_ranks_host_tier_equals_full_recompute(engines):
     eng = engines(2, "host")
     rep = run_script(eng, MODEL, host_script(710, MODEL.vocab), tol=TOL)
     assert rep.ok(TOL), rep
-    assert rep.prefix_lens[3] == 36 and eng.coord.mirror.host_counts()["loaded_pages"] >= 9
+    assert rep.prefix_lens[3] == 36 and eng.coord.mirror.host.counts()["loaded_pages"] >= 9
     check_clean(eng)
     # Every rank knows what the mirror knows (started, agreed); a last write-back no
     # forward needed may still be unagreed (nothing asked for it) or running.
     mirror = eng.coord.mirror
-    started, agreed = mirror.host_counts()["copies_started"], mirror.copies_completed()
+    started, agreed = mirror.host.counts()["copies_started"], mirror.host.copies_completed()
     got = [i["copies"] for i in eng.coord.ranks.call("info")]
     assert [c[:2] for c in got] == [[started, agreed]] * 2
     assert all(agreed <= c[2] <= started for c in got)
@@ -201,7 +201,7 @@ def test_host_tier_with_a_slow_copy_rank_equals_full_recompute(engines):
     finally:
         eng.coord.ranks.call_on(1, "copy_drill", 0.0, [])
     assert rep.ok(TOL), rep
-    assert eng.coord.mirror.host_counts()["loaded_pages"] >= 9
+    assert eng.coord.mirror.host.counts()["loaded_pages"] >= 9
     check_clean(eng)
 
 

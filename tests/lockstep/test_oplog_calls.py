@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from tpcache.cache.allocator import CACHED, FREE, HELD, PageAllocator
-from tpcache.cache.errors import DuplicateRequest, InvalidTokens
+from tpcache.cache.errors import CacheError, DuplicateRequest, InvalidTokens
 from tpcache.cache.keys import frozen_tokens
 from tpcache.cache.radix import CacheConfig, RadixCache
 from tpcache.lockstep.oplog import logged_admit, logged_finish
-from tpcache.lockstep.ops import Finish, pack_tokens
+from tpcache.lockstep.ops import CopiesDone, Finish, OpResult, pack_tokens
 from tpcache.workers.protocol import apply_op, local_evict
 
 
@@ -85,3 +85,16 @@ def test_one_page_tag_moves_show_in_the_numpy_tags() -> None:
     assert pages.tolist() == [1, 2, 3, 4, 5, 6, 7, 0]  # the FIFO wraps: a new array
     assert (alloc.tags_of(pages) == HELD).all()
     alloc.check_integrity()
+
+
+def test_a_copies_done_op_on_a_cache_without_a_host_tier_is_refused_unless_zero() -> None:
+    """A cache built without a host tier has no copy log (``cache.host`` is None): only
+    the count it has, 0, can be done."""
+    rank = _cache()
+    rank.admit("a", PROMPT)
+    digest = rank.digest()
+    assert rank.host is None
+    assert apply_op(rank, CopiesDone(0), local_evict(rank)) == OpResult()
+    with pytest.raises(CacheError, match="starts no copies: 1 cannot be done"):
+        apply_op(rank, CopiesDone(1), local_evict(rank))
+    assert rank.digest() == digest

@@ -141,7 +141,7 @@ def test_kv_through_the_host_tier_equals_full_recompute(tp):
     eng = local_engine(tp, MODEL, HOST_CACHE, 96)
     rep = run_script(eng, MODEL, host_script(700, MODEL.vocab), tol=TOL)
     assert rep.ok(TOL), rep
-    counts = eng.coord.mirror.host_counts()
+    counts = eng.coord.mirror.host.counts()
     assert counts["written_pages"] > 0 and counts["loaded_pages"] >= 9  # A's 36 tokens
     assert rep.prefix_lens[3] == 36  # the continuation got A back from the host
     eng.coord.sync()

@@ -41,9 +41,9 @@ def expect(eng: ModelEngine, rid: str, tokens: list[int], write: list[int]) -> S
     assert slots[start:] == write  # the reply's slots are the row's newest
     swa_start, swa = 0, None
     mirror = eng.coord.mirror
-    if mirror.window is not None:
-        swa_start = max(0, start - mirror.window)
-        swa = mirror.swa_slots(np.asarray(slots[swa_start:])).tolist()
+    if mirror.swa is not None:
+        swa_start = max(0, start - mirror.swa.window)
+        swa = mirror.swa.slots(np.asarray(slots[swa_start:])).tolist()
     return Seen(rid, tokens, start, write, slots, swa_start, swa, False)
 
 

@@ -119,8 +119,8 @@ def test_pools_that_fit_are_agreed_in_whole_pages() -> None:
 
 
 class _LocalWaits:
-    """What ``RankCopies.before_forward`` reads of a cache: the copies each request's
-    forward must not overtake on this rank (``HostCache.local_after``)."""
+    """What ``RankCopies.before_forward`` reads of a cache's host part: the copies each
+    request's forward must not overtake on this rank (``HostPart.local_after``)."""
 
     def __init__(self, after: dict[str, int]) -> None:
         self.after = after

@@ -44,7 +44,7 @@ class StaleBoundary(LockError):
 
 
 class NoSwaPool(CacheError, ValueError):
-    """An SWA-pool call (``swa_slots``, SWA tokens to evict) on a cache without one."""
+    """SWA tokens to evict (``evict``'s ``swa_tokens``) from a cache without an SWA pool."""
 
 
 class UnknownRequest(CacheError, KeyError):

@@ -5,11 +5,13 @@ tree-level calls (match, insert, lock, evict) and the request lifecycle (admit, 
 cache_unfinished, finish, abort) over them. A cache kind is it with its parts, not a
 second copy: its pools (``pool_names``; per-pool figures come back as tuples in that
 order), its tree (``RadixTree``; ``SwaTree`` adds the window), what its handles and
-results carry, and its host tier or none (``HostCache``'s steps of an admit and a
-lifecycle; ``device_only.DeviceOnly``). ``RadixCache`` (one pool), ``HybridCache`` (full
-+ SWA) and ``HostCache`` (one pool and a host tier) implement ``protocol.Cache``. The same op sequence gives the same tree, slot
-ids and digest in every process. Every public method validates its input before it
-changes anything and raises a ``CacheError`` subclass otherwise.
+results carry, and the parts it is built with (``parts.py``): the sliding window
+(``cache.swa``) or the host tier (``cache.host``, with ``HostCache``'s steps of an
+admit and a lifecycle), ``None`` where it has none. ``RadixCache`` (one pool),
+``HybridCache`` (full + SWA) and ``HostCache`` (one pool and a host tier) implement
+``protocol.Cache``. The same op sequence gives the same tree, slot ids and digest in
+every process. Every public method validates its input before it changes anything and
+raises a ``CacheError`` subclass otherwise.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from tpcache.cache.keys import (
     pages_to_slots,
     slots_to_pages,
 )
+from tpcache.cache.parts import HostPart, SwaPart
 from tpcache.cache.protocol import Evictor
 from tpcache.cache.records import AdmitResult, CacheSizes, EvictResult, MatchResult, RequestId
 from tpcache.cache.reqtable import (
@@ -63,12 +66,15 @@ class PrefixCache:
 
     ``alloc``, ``tree``, ``reqs`` and ``handles`` are owned here and changed only through
     these methods (the digest and ``check_integrity`` read them); so is ``_room``. A kind
-    gives ``pool_names``, its allocator and tree, its results and its answers to the SWA
-    calls (``_match_result``, ``_admit_result``, ``_evict_result``, ``swa_slots``,
-    ``request_swa_slots``, ``tombstoned_pages``, ``sizes``): ``OnePoolCache``'s, ``HybridCache``'s.
+    gives ``pool_names``, its allocator and tree, its results (``_match_result``,
+    ``_admit_result``, ``_evict_result``, ``sizes``: ``OnePoolCache``'s,
+    ``HybridCache``'s) and its parts: ``swa`` and ``host`` stay ``None`` unless the kind
+    sets them, once, in its constructor.
     """
 
     pool_names: tuple[str, ...] = ("full",)
+    swa: SwaPart | None = None  # the sliding window (``HybridCache`` sets it)
+    host: HostPart | None = None  # the host tier (``HostCache`` sets it)
 
     def __init__(self, config: Any, alloc: Any, tree: Any) -> None:
         self.config = config
@@ -84,11 +90,6 @@ class PrefixCache:
     @property
     def num_pools(self) -> int:
         return len(self.pool_names)
-
-    @property
-    def window(self) -> int | None:
-        """The sliding window in tokens; ``None`` for a cache without an SWA pool."""
-        return self.tree.window
 
     # ---- tree-level operations (the contracts of every public method: ``protocol.Cache``) --
     def admit_prefix_len(self, tokens: TokenLike, namespace: Any = None) -> int:
@@ -142,7 +143,7 @@ class PrefixCache:
     def evict(self, num_tokens: int, swa_tokens: int = 0) -> EvictResult:
         check_count(num_tokens, "evict's num_tokens")
         check_count(swa_tokens, "evict's swa_tokens")
-        if swa_tokens and self.window is None:
+        if swa_tokens and self.tree.window is None:
             raise NoSwaPool("swa_tokens needs an SWA pool (the hybrid cache)")
         ps = self.page_size
         return self._evict_result(self.tree.evict(-(-num_tokens // ps), -(-swa_tokens // ps)))

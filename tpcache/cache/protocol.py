@@ -1,11 +1,15 @@
-"""``Cache``: what every cache kind offers, and all that the layers above may ask of one.
+"""``Cache``: what every cache kind offers, and all that the layers above may ask of one;
+``SwaPart`` and ``HostPart``: the parts a cache may be built with, and what they add.
 
-``RadixCache`` (one pool) and ``HybridCache`` (a full and a sliding-window pool) both
-implement it, through one implementation (``prefix.PrefixCache``). Quantities that
-differ by kind are data, never a kind test: per-pool figures are tuples in
-``pool_names`` order (``("full",)`` or ``("full", "SWA")``), ``window`` is ``None``
-without an SWA pool, and the SWA calls answer ``None``, 0 or ``NoSwaPool`` there.
-Callers never reach into a cache's tree, request table or allocator.
+``RadixCache`` (one pool), ``HybridCache`` (a full and a sliding-window pool) and
+``HostCache`` (one pool and a host tier) implement ``Cache``, through one
+implementation (``prefix.PrefixCache``). Quantities that differ by pool are data, never
+a kind test: per-pool figures are tuples in ``pool_names`` order (``("full",)`` or
+``("full", "SWA")``). The sliding window and the host tier are parts a cache is built
+with, not calls every cache answers: ``cache.swa`` is its ``SwaPart`` (``None`` without
+an SWA pool) and ``cache.host`` its ``HostPart`` (``None`` without a host tier), so a
+caller asks a part only where there is one, and a cache built without it has none of
+its calls. Callers never reach into a cache's tree, request table or allocator.
 
 Every call validates its input before it changes anything and raises a ``CacheError``
 subclass (``errors.py``) otherwise; "Pure" means it changes nothing. Slots are token
@@ -22,13 +26,13 @@ import numpy as np
 from tpcache.cache.events import KVEvent
 from tpcache.cache.keys import TokenLike
 from tpcache.cache.namespace import CacheNamespace
+from tpcache.cache.parts import HostPart, SwaPart
 from tpcache.cache.records import (
     AdmitResult,
     CacheSizes,
     CacheStats,
     EvictResult,
     Handle,
-    HostTierStats,
     MatchResult,
     RequestId,
     RequestRow,
@@ -49,6 +53,8 @@ class Cache(Protocol):
 
     config: Any  # the frozen configuration it was built from (``CacheConfig``, ``HybridConfig``)
     page_size: int
+    swa: SwaPart | None  # the sliding window it was built with; None: no SWA pool
+    host: HostPart | None  # the host tier it was built with; None: none
 
     # ---- what kind ----------------------------------------------------------------------
     @property
@@ -59,11 +65,6 @@ class Cache(Protocol):
 
     @property
     def num_pools(self) -> int: ...
-
-    @property
-    def window(self) -> int | None:
-        """Tokens an SWA layer attends to before the current one; ``None``: no SWA pool."""
-        ...
 
     # ---- requests -----------------------------------------------------------------------
     def admit(
@@ -186,25 +187,6 @@ class Cache(Protocol):
         foreign slots, or a part that could never be matched; ``InvalidNamespace``."""
         ...
 
-    # ---- SWA slots (a cache without an SWA pool answers None, 0 or NoSwaPool) -----------
-    def swa_slots(self, slots: TokenLike) -> np.ndarray:
-        """The SWA-pool slots paired with full-pool ``slots`` (each page's SWA page, the
-        same offset). Pure. Raises ``InvalidSlots`` for ids out of range or pages with no
-        SWA page, ``NoSwaPool`` without an SWA pool."""
-        ...
-
-    def request_swa_slots(self, rid: RequestId, start: int) -> tuple[int, np.ndarray] | None:
-        """For a forward of ``rid`` whose first new token is at ``start``: ``(swa_start,
-        SWA slots of positions swa_start .. its end)``, ``swa_start = max(0, start -
-        window)``, the KV its SWA layers read and write; ``None`` without an SWA pool.
-        Pure. Raises ``UnknownRequest``, ``InvalidSlots`` for ``start`` outside the row."""
-        ...
-
-    def tombstoned_pages(self, pages: TokenLike) -> int:
-        """How many of full ``pages`` (e.g. a matched prefix's) lost their SWA KV; 0
-        without an SWA pool. Pure. Raises ``InvalidSlots`` for ids out of range."""
-        ...
-
     # ---- eviction -----------------------------------------------------------------------
     def evict(self, num_tokens: int, swa_tokens: int = 0) -> EvictResult:
         """Evict unlocked leaves in policy order until ``num_tokens`` of full KV are freed,
@@ -269,37 +251,6 @@ class Cache(Protocol):
         nothing after); announce ``AllBlocksCleared`` if recording events."""
         ...
 
-    def host_tier(self) -> HostTierStats | None:
-        """The host tier's pool and moves, or None for a cache without one. Pure."""
-        ...
-
-    # ---- the copy log (a host tier's; a cache without one has nothing pending) ----------
-    def copies_pending(self) -> int:
-        """Copies started and not yet known done. Pure."""
-        ...
-
-    def copies_completed(self) -> int:
-        """How many copies of the copy log are known done. Pure."""
-        ...
-
-    def copies_done(self, n: int) -> None:
-        """The first ``n`` copies of the copy log are done (on every rank, agreed by MIN);
-        a typed error, nothing changed, for an ``n`` the log cannot have."""
-        ...
-
-    def ready_after(self, rid: RequestId) -> int:
-        """How many copies must be done before ``rid``'s forward may read or write its row
-        (0: none). Raises ``UnknownRequest``. Pure."""
-        ...
-
-    def request_ready(self, rid: RequestId) -> bool:
-        """Whether ``rid``'s forward may run: every copy it waits for is done. Pure."""
-        ...
-
-    def take_copies(self) -> list[Any]:
-        """The copies started since the last call, in id order: what a rank runs."""
-        ...
-
     def take_events(self) -> list[KVEvent]:
         """KV events since the last call, in order (empty unless ``record_events``)."""
         ...
@@ -308,3 +259,4 @@ class Cache(Protocol):
         """Queue ``events`` (taken from this cache or another, e.g. the one it replaces)
         ahead of this cache's own: the next ``take_events`` returns them first."""
         ...
+

@@ -15,9 +15,7 @@ from typing import Any
 import numpy as np
 
 from tpcache.cache.allocator import PageAllocator
-from tpcache.cache.device_only import DeviceOnly
-from tpcache.cache.errors import NoSwaPool
-from tpcache.cache.keys import TokenLike, as_slots, join_pages
+from tpcache.cache.keys import join_pages
 from tpcache.cache.policy.policies import make_policy
 from tpcache.cache.prefix import PrefixCache
 from tpcache.cache.protocol import Evictor
@@ -49,9 +47,9 @@ __all__ = [
 
 
 class OnePoolCache(PrefixCache):
-    """What a one-pool cache kind gives ``PrefixCache``: results without SWA pages, and
-    refusals of the SWA calls. ``RadixCache`` and the host tier's ``HostCache`` are such
-    kinds; the hybrid cache gives its own."""
+    """What a one-pool cache kind gives ``PrefixCache``: results without SWA pages (and
+    no ``swa`` part). ``RadixCache`` and the host tier's ``HostCache`` are such kinds;
+    the hybrid cache gives its own."""
 
     def _match_result(self, path: list[Any], n: int) -> MatchResult:
         if len(path) > 1:
@@ -67,24 +65,13 @@ class OnePoolCache(PrefixCache):
     def _evict_result(self, out: Freed) -> EvictResult:
         return EvictResult(out.full * self.page_size, len(out.dead))
 
-    def swa_slots(self, slots: TokenLike) -> np.ndarray:
-        as_slots(slots, None, self.alloc.num_pages * self.page_size)
-        raise NoSwaPool("swa_slots needs an SWA pool (the hybrid cache)")
-
-    def request_swa_slots(self, rid: RequestId, start: int) -> tuple[int, np.ndarray] | None:
-        self.reqs.get(rid)
-        return None
-
-    def tombstoned_pages(self, pages: TokenLike) -> int:
-        as_slots(pages, None, self.alloc.num_pages)
-        return 0
-
     def sizes(self) -> CacheSizes:
         return self.pool_sizes()[0]
 
 
-class RadixCache(DeviceOnly, OnePoolCache):
-    """A paged radix prefix cache over one pool, with its allocator and request table."""
+class RadixCache(OnePoolCache):
+    """A paged radix prefix cache over one pool, with its allocator and request table;
+    built with no part (``swa`` and ``host`` are None)."""
 
     def __init__(self, config: CacheConfig) -> None:
         alloc = PageAllocator(config.num_pages, config.page_size)

@@ -173,7 +173,7 @@ class CacheStats:
 @dataclass(frozen=True, slots=True)
 class HostTierStats:
     """A host tier's pool and its moves since the cache was made (a reset included), in
-    tokens; statistics only, never a decision (``Cache.host_tier``). ``sizes``: the host
+    tokens; statistics only, never a decision (``HostPart.stats``). ``sizes``: the host
     pool (evictable: host-only pages; protected: copies of device-resident nodes).
     ``loaded_tokens`` are the host hits: an admit loads what it matched on the host."""
 

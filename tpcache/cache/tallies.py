@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from tpcache.cache.allocator import HELD, LENT
-from tpcache.cache.records import CacheSizes, HostTierStats
+from tpcache.cache.parts import HostPart
+from tpcache.cache.records import CacheSizes
 from tpcache.cache.reqtable import ReqTable
 from tpcache.cache.tree.handles import HandleLocks
 from tpcache.cache.tree.hashing import fmix64_int, fold_fields
@@ -29,10 +30,11 @@ class CacheShape(Protocol):
     def pool_sizes(self) -> tuple[CacheSizes, ...]: ...
 
 
-class HostTierPart(Protocol):
+class WithParts(Protocol):
     """A cache as ``host_figures`` reads it: its host tier, if it was built with one."""
 
-    def host_tier(self) -> HostTierStats | None: ...
+    @property
+    def host(self) -> HostPart | None: ...
 
 
 def pool_sizes(cache: CacheShape) -> tuple[CacheSizes, ...]:
@@ -60,13 +62,13 @@ def cache_digest(cache: CacheShape) -> int:
     )
 
 
-def host_figures(cache: HostTierPart) -> dict[str, int]:
-    """A host tier's pool and moves in tokens (``Cache.host_tier``; none without one), as
+def host_figures(cache: WithParts) -> dict[str, int]:
+    """A host tier's pool and moves in tokens (``HostPart.stats``; none without one), as
     a coordinator's ``stats()`` reports them: since the cache was made, a reset included.
     ``host_hit_tokens`` (loaded back) are part of the prefix hits."""
-    tier = cache.host_tier()
-    if tier is None:
+    if cache.host is None:
         return {}
+    tier = cache.host.stats()
     s = tier.sizes
     return {
         "host_capacity": s.capacity,

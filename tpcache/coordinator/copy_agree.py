@@ -50,15 +50,18 @@ class CopyCompletion:
     def completion(self, mirror: Cache) -> list[tuple[Op, OpResult]]:
         """Apply a newly agreed count to ``mirror``; the ``CopiesDone`` op for the ranks
         (none when the mirror knows it already or has no host tier)."""
-        if not mirror.copies_pending() or self.agreed <= mirror.copies_completed():
+        host = mirror.host
+        if host is None or not host.copies_pending() or self.agreed <= host.copies_completed():
             return []
-        mirror.copies_done(self.agreed)
+        host.copies_done(self.agreed)
         return [(CopiesDone(self.agreed), OpResult())]
 
     @staticmethod
     def sync_op(mirror: Cache, ops: list[tuple[Op, OpResult]]) -> list[tuple[Op, OpResult]]:
         """The ``CopySync`` that ends a closing step whose mirror has copies pending."""
-        if not mirror.copies_pending() or (ops and isinstance(ops[-1][0], CopySync)):
+        if mirror.host is None or not mirror.host.copies_pending():
+            return []
+        if ops and isinstance(ops[-1][0], CopySync):
             return []
         return [(CopySync(), OpResult())]
 
@@ -66,8 +69,13 @@ class CopyCompletion:
 def unready(mirror: Cache, rids: list[Any]) -> int:
     """The copy count the first of ``rids`` that may not run its forward yet waits for
     (0: all may). Pure."""
-    done = mirror.copies_completed()
-    return next((k for k in map(mirror.ready_after, rids) if k > done), 0)
+    host = mirror.host
+    if host is None:  # nothing to wait for; a request that is not running is still refused
+        for rid in rids:
+            mirror.request_row(rid)
+        return 0
+    done = host.copies_completed()
+    return next((k for k in map(host.ready_after, rids) if k > done), 0)
 
 
 def wait_ready(steps: Any, rids: list, timeout: float) -> None:

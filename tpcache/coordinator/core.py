@@ -159,7 +159,11 @@ class Coordinator:
         ``abort``) and raise ``CopiesNotDone``; else raises as ``wait_ready``."""
         with self.lock:
             rid = check_request_id(request_id)
-            if self.mirror.request_ready(rid):
+            host = self.mirror.host
+            if host is None:  # no copies to wait for: only a running request is asked for
+                self.mirror.request_row(rid)
+                return
+            if host.request_ready(rid):
                 return
             try:
                 wait_ready(self.steps, [rid], self.config.step_timeout_s)

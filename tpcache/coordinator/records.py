@@ -80,20 +80,21 @@ class Cached:
 def swa_window(mirror: Cache, rid: RequestId, start: int) -> SwaWindow | None:
     """The SWA slots for a forward of ``rid`` whose first new token is ``start``; None
     without an SWA pool. Pure."""
-    got = mirror.request_swa_slots(rid, start)
-    return None if got is None else SwaWindow(got[0], got[1])
+    if mirror.swa is None:
+        return None
+    return SwaWindow(*mirror.swa.request_slots(rid, start))
 
 
 def admission(mirror: Cache, rid: RequestId, got: AdmitResult) -> Admission:
     """The record of ``rid``'s admission, which gave ``got``. Pure."""
-    swa = None if mirror.window is None else swa_window(mirror, rid, got.prefix_len)
+    swa = swa_window(mirror, rid, got.prefix_len)
     host = (got.host_hit_length, got.ready_after) if isinstance(got, HostAdmitResult) else (0, 0)
     return Admission(got.prefix_len, got.pages, got.num_tokens, got.page_size, *host, swa)
 
 
 def extension(mirror: Cache, rid: RequestId, slots: np.ndarray) -> Extension:
     """The record of ``rid``'s extension by ``slots``. Pure."""
-    if mirror.window is None:
+    if mirror.swa is None:
         return Extension(slots)
     start = mirror.request_row(rid).num_tokens - slots.size
     return Extension(slots, swa_window(mirror, rid, start))

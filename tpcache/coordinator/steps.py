@@ -265,7 +265,8 @@ class StepPipeline:
         the ranks restarted with."""
         old = self.mirror
         # A host tier's copy log starts over on the ranks' new caches: so must the mirror's.
-        fresh_log = old.copies_completed() == 0 and not old.copies_pending()
+        host = old.host
+        fresh_log = host is None or (host.copies_completed() == 0 and not host.copies_pending())
         if capacity == old.sizes().capacity and fresh_log:
             old.reset()
         else:

@@ -146,9 +146,9 @@ class ModelEngine:
         c.hit_tokens += got.prefix_len
         c.prefix_lens.append(got.prefix_len)
         mirror = self.coord.mirror
-        if got.prefix_len:
+        if got.prefix_len and mirror.swa is not None:
             matched = got.slots[: got.prefix_len : mirror.page_size] // mirror.page_size
-            c.tombstoned_hit_pages += mirror.tombstoned_pages(matched)
+            c.tombstoned_hit_pages += mirror.swa.tombstoned_pages(matched)
         return got.prefix_len
 
     # ---- one request (a batch of one) --------------------------------------------------------

@@ -95,7 +95,7 @@ class CopySync(msgspec.Struct, tag=True, frozen=True):
 
 class CopiesDone(msgspec.Struct, tag=True, frozen=True):
     """The first ``n`` copies are done everywhere (a count a ``CopySync`` agreed): every
-    rank and the mirror apply ``cache.copies_done(n)`` at this point of the op log."""
+    rank and the mirror apply ``cache.host.copies_done(n)`` at this point of the op log."""
 
     n: int
 

@@ -53,10 +53,11 @@ def build_forward(cache, rid, tokens: TokenLike, all_logits: bool = True) -> For
         slots = row_slots(cache, rid)
     except CacheError as exc:
         raise ForwardError(f"request {rid!r}: {type(exc).__name__}: {exc}") from None
-    if not cache.request_ready(rid):  # a host tier's copies it waits for
+    host = cache.host
+    if host is not None and not host.request_ready(rid):  # the host copies it waits for
         raise ForwardError(
-            f"request {rid!r} waits for {cache.ready_after(rid)} host copies to be done, "
-            f"{cache.copies_completed()} are (wait_ready first)"
+            f"request {rid!r} waits for {host.ready_after(rid)} host copies to be done, "
+            f"{host.copies_completed()} are (wait_ready first)"
         )
     start = slots.size - toks.size
     if start < 0:
@@ -64,10 +65,9 @@ def build_forward(cache, rid, tokens: TokenLike, all_logits: bool = True) -> For
             f"{toks.size} new tokens for request {rid!r}, but it holds only {slots.size} slots"
         )
     packed = pack_tokens(toks)
-    window = cache.request_swa_slots(rid, start)
-    if window is None:
+    if cache.swa is None:
         return Forward(rid, packed, start, pack_slots(slots), all_logits=all_logits)
-    swa_start, swa = window
+    swa_start, swa = cache.swa.request_slots(rid, start)
     return Forward(rid, packed, start, pack_slots(slots), swa_start, pack_slots(swa), all_logits)
 
 

@@ -30,7 +30,7 @@ draining the in-flight steps and applying the agreed count at the ``CopySync`` o
 ranks and the mirror alike, would stall the pipeline at every sync instead.
 
 What waits for the agreement is only a forward that reads pages a load is bringing
-back (``HostCache.ready_after``): the cache's own decisions never do, so a slow rank
+back (``cache.host.ready_after``): the cache's own decisions never do, so a slow rank
 holds back the group's forwards, never its state. A forward that writes pages a
 write-back still reads waits on each rank for that rank's own engine alone
 (``RankCopies.before_forward``, before the forward's agreed verdict): the copy and the
@@ -85,13 +85,13 @@ class RankCopies:
         """This rank's done count, or -1 if a copy failed here."""
         return self.engine.done_ok()
 
-    def before_forward(self, cache, rids: list, timeout: float) -> None:
+    def before_forward(self, host, rids: list, timeout: float) -> None:
         """Wait (up to ``timeout`` seconds) until this rank's engine has done the copies
-        that the forward of ``rids`` must not overtake here (``HostCache.local_after``:
-        write-backs still reading pages the rows were given). A local wait: no rank
-        waits for another. Raises ``ForwardError`` (for the forward's agreed verdict)
-        if they are not done in time."""
-        want = max(map(cache.local_after, rids), default=0)
+        that the forward of ``rids`` must not overtake here (``host``: the cache's host
+        part; its ``local_after``: write-backs still reading pages the rows were given).
+        A local wait: no rank waits for another. Raises ``ForwardError`` (for the
+        forward's agreed verdict) if they are not done in time."""
+        want = max(map(host.local_after, rids), default=0)
         if want and not self.engine.wait(want, timeout):
             raise ForwardError(
                 f"this rank's copies reached {self.engine.done()} of the {want} the forward "
@@ -100,7 +100,8 @@ class RankCopies:
 
     def state(self, cache) -> list[int]:
         """Copies started (``cache``'s log), agreed done, and done by this engine."""
-        return [cache.host_counts()["copies_started"], cache.copies_completed(), self.engine.done()]
+        host = cache.host
+        return [host.counts()["copies_started"], host.copies_completed(), self.engine.done()]
 
     def drill(self, delay_s: float, fail: list[int]) -> None:
         """Fault drill: every later copy takes ``delay_s`` more; copies ``fail`` fail."""

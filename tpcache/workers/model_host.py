@@ -145,7 +145,7 @@ class ModelHost:
         cache, pool = state()
         check_forward_batch(cache, cmd)
         if self.copies is not None:  # bounded below the peers' collective timeout
-            self.copies.before_forward(cache, [item.rid for item in cmd.items], _COPY_WAIT_S)
+            self.copies.before_forward(cache.host, [i.rid for i in cmd.items], _COPY_WAIT_S)
         batch = to_batch(cmd, self.device, after_step)
         self.runner.check_batch(batch)
         placement = self.layout.placement(cache.num_pools > 1)

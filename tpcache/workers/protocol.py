@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from tpcache.cache.errors import CacheError
 from tpcache.errors import TpcacheError
 from tpcache.group.spec import i64_to_u64, u64_to_i64
 from tpcache.lockstep.errors import DivergenceError, LockstepError, RankFailure, UnknownOp
@@ -169,7 +170,10 @@ def apply_op(cache, op: Op, evict_fn: EvictFn) -> OpResult:
             cache.reset()
             return OpResult()
         case CopiesDone():
-            cache.copies_done(op.n)
+            if cache.host is not None:
+                cache.host.copies_done(op.n)
+            elif op.n:
+                raise CacheError(f"this cache starts no copies: {op.n!r} cannot be done")
             return OpResult()
     raise UnknownOp(f"unknown op {op!r}")
 
@@ -230,7 +234,7 @@ def apply_step(
             try:
                 results.append(apply_op(cache, tamper(op) if tamper else op, agreed_evict))
                 if copies is not None:
-                    copies.submit(cache.take_copies())
+                    copies.submit(cache.host.take_copies())
             except _PeerFailed:  # stop here: a peer failed before this agreement
                 peer_failed_at = i
                 results.append(OpResult())

@@ -1,7 +1,7 @@
 """``HostCache``: the one-pool cache with a host (CPU) tier behind its device pool.
 
 It is ``PrefixCache`` (``prefix.py``) over a device ``PageAllocator``, a host one and
-the tiered tree (``host_tree.py``), so a cache without the tier is ``RadixCache``
+the tiered tree (``host/tree.py``), so a cache without the tier is ``RadixCache``
 untouched and pays nothing for it. What changes with the tier:
 
 - A match is the device prefix and, beyond it, the host prefix: ``match_prefix``
@@ -15,7 +15,8 @@ untouched and pays nothing for it. What changes with the tier:
   closed under parents; the rest is the base insert.
 
 Copies and their completion. Every move between the tiers starts a copy in the copy
-log (``take_copies`` hands them to whoever runs them, in id order); the cache's own
+log (``cache.host.take_copies`` hands them to whoever runs them, in id order; the
+calls on copies are the cache's host part, ``host/tier.py``); the cache's own
 decisions never wait for one, so its state, hit rates and slot ids are the same however
 fast copies run. What waits is the KV data's reader: a request's forward. A page can be
 touched by a copy that is not done in two ways: a write-back still reads the device
@@ -24,7 +25,7 @@ load still writes the device pages of the prefix it brings back. Copies run one 
 time in id order (``kv/host_copy.py``), so copy-after-copy hazards (a host page
 freed and written again, a load of a node still being written) are ordered by the ids
 alone; copy-versus-forward hazards are closed by readiness, per request and only for
-the copies that touch its own row's device pages (``host_waits.py``), recorded by an
+the copies that touch its own row's device pages (``host/waits.py``), recorded by an
 admit, extend or ``cache_unfinished``. A load into them (the forward reads them) must be
 done on every rank: ``ready_after``, agreed through ``copies_done`` (``request_ready``;
 the ranks refuse the forward before, the coordinator and a frontend wait for it). A
@@ -41,10 +42,10 @@ nothing ever waits (a replay).
 
 Namespaces (LoRA adapters, cache salts) are the base tree's anchors: a match, an insert
 and a load walk from the request's anchor, and an anchor goes when its last child does,
-from either tier (``host_moves.py``).
+from either tier (``host/moves.py``).
 
 The hybrid (SWA) cache has no host tier: ``HostConfig`` is a one-pool configuration.
-The contracts of every method: ``protocol.Cache``.
+The contracts of every method: ``protocol.Cache``, and ``parts.HostPart`` for its part.
 """
 
 from __future__ import annotations
@@ -54,13 +55,13 @@ from typing import Any
 import numpy as np
 
 from tpcache.cache.allocator import HELD, LENT, PageAllocator
-from tpcache.cache.errors import HostTierError, IntegrityError, OutOfCapacity
-from tpcache.cache.host.config import HostAdmitResult, HostConfig, HostCopy, HostMatchResult
+from tpcache.cache.errors import HostTierError, OutOfCapacity
+from tpcache.cache.host.config import HostAdmitResult, HostConfig, HostMatchResult
 from tpcache.cache.host.inserts import check_lent, revive
 from tpcache.cache.host.moves import load
 from tpcache.cache.host.pool import HostPool
+from tpcache.cache.host.tier import HostTier
 from tpcache.cache.host.tree import HostTree
-from tpcache.cache.host.waits import CopyWaits
 from tpcache.cache.keys import (
     TokenLike,
     as_tokens,
@@ -70,7 +71,7 @@ from tpcache.cache.keys import (
 from tpcache.cache.policy.policies import policy_key
 from tpcache.cache.protocol import Evictor
 from tpcache.cache.radix import OnePoolCache
-from tpcache.cache.records import CacheSizes, HostTierStats, RequestId
+from tpcache.cache.records import RequestId
 from tpcache.cache.reqtable import Beyond, Locked, Taken
 from tpcache.cache.tree.anchors import insert_start, match_in
 from tpcache.cache.tree.check import check_cache
@@ -83,9 +84,11 @@ __all__ = ["HostCache", "HostConfig"]
 class HostCache(OnePoolCache):
     """A paged radix prefix cache over a device pool with a host pool behind it.
 
-    Owned as in ``PrefixCache``; the tree owns the host allocator and the copy log."""
+    Owned as in ``PrefixCache``; the tree owns the host allocator and the copy log,
+    ``host`` (its ``HostTier``, made here) the waits on it. No sliding window."""
 
     tree: HostTree
+    host: HostTier
 
     def __init__(self, config: HostConfig) -> None:
         if not isinstance(config, HostConfig):
@@ -104,7 +107,7 @@ class HostCache(OnePoolCache):
             medium=config.medium,
         )
         super().__init__(config, alloc, tree)
-        self._waits = CopyWaits(tree.copies)  # owned here: whose forward waits for copies
+        self.host = HostTier(self)  # its part: the copy log's completion and the waits on it
 
     # ---- matches --------------------------------------------------------------------------
     def admit_prefix_len(self, tokens: TokenLike, namespace: Any = None) -> int:
@@ -157,7 +160,7 @@ class HostCache(OnePoolCache):
 
     def _admit_result(self, rid: RequestId, taken: Taken, total: int) -> HostAdmitResult:
         c = self.tree.copies  # (a new request waits for nothing unless copies are pending)
-        wait = self._waits.record(rid, taken.row) if c.started != c.completed else 0
+        wait = self.host.waits.record(rid, taken.row) if c.started != c.completed else 0
         ps = self.page_size
         return HostAdmitResult(taken.pos, taken.row, total, ps, taken.loaded, wait)
 
@@ -186,7 +189,7 @@ class HostCache(OnePoolCache):
             if not h.children:
                 self.tree.host_leaves.push(h)
 
-    # ---- inserts (over host-only nodes: ``host_inserts.py``) -----------------------------
+    # ---- inserts (over host-only nodes: ``host/inserts.py``) -----------------------------
     def insert(
         self, tokens: TokenLike, slots: TokenLike, priority: int = 0, namespace: Any = None
     ) -> int:
@@ -215,97 +218,18 @@ class HostCache(OnePoolCache):
     def _row_changed(self, req: Any) -> None:
         c = self.tree.copies  # its new pages may be ones a write-back still reads
         if c.started != c.completed:
-            self._waits.record(req.rid, req.pages)
+            self.host.waits.record(req.rid, req.pages)
 
     def _release(self, req: Any) -> None:
         super()._release(req)
-        if self._waits.local:  # (``waits`` is empty when ``local`` is: loads are copies)
-            self._waits.forget(req.rid)
+        if self.host.waits.local:  # (``waits`` is empty when ``local`` is: loads are copies)
+            self.host.waits.forget(req.rid)
 
     def reset(self) -> None:
         super().reset()
-        self._waits.waits.clear()
-        self._waits.local.clear()
-
-    # ---- copy completion --------------------------------------------------------------------
-    def copies_pending(self) -> int:
-        """Copies started and not yet known done (always 0 without ``defer_copies``). Pure."""
-        c = self.tree.copies
-        return c.started - c.completed
-
-    def copies_completed(self) -> int:
-        """How many copies of the copy log are known done. Pure."""
-        return self.tree.copies.completed
-
-    def copies_done(self, n: int) -> None:
-        """The first ``n`` copies of the copy log are done (in a lockstep: on every rank,
-        as agreed by MIN). Requests whose ``ready_after`` is reached may run their
-        forward. ``n`` at or below the known count changes nothing. Raises
-        ``HostTierError`` (nothing changed) for an ``n`` that is not an int >= 0 or is
-        more than the copies started."""
-        self._waits.done(n)
-
-    def local_after(self, rid: RequestId) -> int:
-        """How many copies of the copy log a rank's own engine must have done before
-        request ``rid``'s forward writes its row there (0: none): the copies still
-        reading pages it was given, and its loads. Raises ``UnknownRequest``. Pure."""
-        self.reqs.get(rid)
-        return self._waits.local.get(rid, 0)
-
-    def ready_after(self, rid: RequestId) -> int:
-        """How many copies must be done on every rank (agreed) before request ``rid``'s
-        forward may run (0: none): the loads into its row's pages, which the forward
-        reads. Raises ``UnknownRequest``. Pure."""
-        self.reqs.get(rid)
-        return self._waits.waits.get(rid, 0)
-
-    def request_ready(self, rid: RequestId) -> bool:
-        return self.ready_after(rid) <= self.copies_completed()
-
-    # ---- the host pool ----------------------------------------------------------------------
-    def host_sizes(self) -> CacheSizes:
-        """Token counts of the host pool: host-only pages are evictable, copies of
-        device-resident nodes protected (they go with their node), nothing held. Pure."""
-        t, ps = self.tree, self.page_size
-        a = t.host_alloc
-        return CacheSizes(
-            a.num_pages * ps, a.num_free * ps, t.host_only_pages() * ps, t.copy_pages * ps, 0
-        )
-
-    def host_counts(self) -> dict[str, int]:
-        """Pages written to the host, loaded back and dropped by host eviction since
-        creation, and copies started and completed. Statistics, never a decision. Pure."""
-        t = self.tree
-        return {
-            "written_pages": t.written_pages,
-            "loaded_pages": t.loaded_pages,
-            "host_evicted_pages": t.host_evicted_pages,
-            "copies_started": t.copies.started,
-            "copies_completed": t.copies.completed,
-        }
-
-    def host_tier(self) -> HostTierStats:
-        t, ps = self.tree, self.page_size
-        return HostTierStats(
-            self.host_sizes(),
-            t.written_pages * ps,
-            t.loaded_pages * ps,
-            t.host_evicted_pages * ps,
-            self.copies_pending(),
-        )
-
-    def take_copies(self) -> list[HostCopy]:
-        """The copies started since the last call, in id order (empty unless
-        ``record_copies``): what a rank runs between its pools."""
-        return self.tree.copies.take()
+        self.host.waits.waits.clear()
+        self.host.waits.local.clear()
 
     def check_integrity(self) -> None:
         check_cache(self)
-        s = self.host_sizes()
-        total = s.free + s.evictable + s.protected + s.held
-        if total != s.capacity:
-            raise IntegrityError(
-                f"host pool: free {s.free} + evictable {s.evictable} + protected {s.protected}"
-                f" + held {s.held} = {total} != capacity {s.capacity}"
-            )
-        self._waits.check(self.reqs)
+        self.host.check()

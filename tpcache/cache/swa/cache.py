@@ -2,9 +2,10 @@
 
 It is ``PrefixCache`` (``prefix.py``: the same request lifecycle and tree-level calls as
 ``RadixCache``) over two pools, full and SWA, joined by a paired allocator
-(``swa_allocator.py``), and the windowed tree (``swa_tree.py``: tombstones, window-aware
+(``swa/allocator.py``), and the windowed tree (``swa/tree.py``: tombstones, window-aware
 matches, the boundary lock, the SWA eviction order). Per-pool figures come as (full,
-SWA) tuples; results also carry SWA pages. The contracts: ``protocol.Cache``.
+SWA) tuples; results also carry SWA pages. Its SWA calls are its part ``cache.swa``
+(``swa/slots.py``). The contracts: ``protocol.Cache`` and ``parts.SwaPart``.
 
 Decisions:
 - A running request holds full and SWA slots for all its own tokens until it ends: no
@@ -29,9 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from tpcache.cache.device_only import DeviceOnly
-from tpcache.cache.errors import AllocatorError, InvalidSlots, StaleBoundary
-from tpcache.cache.keys import TokenLike, as_slots, join_pages, pages_to_slots
+from tpcache.cache.errors import StaleBoundary
+from tpcache.cache.keys import join_pages
 from tpcache.cache.policy.policies import policy_key
 from tpcache.cache.prefix import PrefixCache
 from tpcache.cache.protocol import Evictor
@@ -46,6 +46,7 @@ from tpcache.cache.swa.config import (
     SwaMatchResult,
 )
 from tpcache.cache.swa.evict import swa_policy_key
+from tpcache.cache.swa.slots import SwaSlots
 from tpcache.cache.swa.tree import SwaTree
 from tpcache.cache.tree.node import pages_of
 from tpcache.cache.tree.shapes import Freed
@@ -55,12 +56,13 @@ __all__ = ["HybridCache", "HybridEvictor", "StaleBoundary"]
 HybridEvictor = Evictor  # called with the local shortfalls (full, SWA) in pages
 
 
-class HybridCache(DeviceOnly, PrefixCache):
+class HybridCache(PrefixCache):
     """A paged radix prefix cache over a full and an SWA pool, with its request table.
 
     Owned as in ``PrefixCache``: ``alloc`` is the paired allocator, ``tree`` the
-    windowed tree. Logical clock, per-cache ids and marks and the two FIFOs make every
-    decision the same in every process.
+    windowed tree; ``swa`` (its ``SwaPart``, made here) reads them. Logical clock,
+    per-cache ids and marks and the two FIFOs make every decision the same in every
+    process. It has no host tier (``host`` is None).
     """
 
     pool_names = ("full", "SWA")
@@ -76,30 +78,7 @@ class HybridCache(DeviceOnly, PrefixCache):
             medium=config.medium,
         )
         super().__init__(config, alloc, tree)
-
-    # ---- SWA slots ----------------------------------------------------------------------
-    def swa_slots(self, slots: TokenLike) -> np.ndarray:
-        slot_ids = as_slots(slots, None, self.alloc.num_pages * self.page_size)
-        ps = self.page_size
-        try:
-            swa = self.alloc.swa_of(slot_ids // ps)
-        except AllocatorError as exc:
-            raise InvalidSlots(str(exc)) from None
-        return swa.astype(np.int64) * ps + slot_ids % ps
-
-    def request_swa_slots(self, rid: RequestId, start: int) -> tuple[int, np.ndarray] | None:
-        req = self.reqs.get(rid)
-        if not isinstance(start, int) or not 0 <= start <= req.num_tokens:
-            raise InvalidSlots(
-                f"start {start!r} is outside request {req.rid!r}'s 0..{req.num_tokens}"
-            )
-        swa_start = max(0, start - self.tree.window)
-        slots = pages_to_slots(req.pages, self.page_size, req.num_tokens)
-        return swa_start, self.swa_slots(slots[swa_start:])
-
-    def tombstoned_pages(self, pages: TokenLike) -> int:
-        full = as_slots(pages, None, self.alloc.num_pages)
-        return int((~self.alloc.has_swa(full)).sum())
+        self.swa = SwaSlots(self)
 
     # ---- results with SWA pages ---------------------------------------------------------
     def _match_result(self, path: list[Any], n: int) -> SwaMatchResult:
