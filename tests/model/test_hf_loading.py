@@ -261,16 +261,17 @@ def test_half_precision_checkpoints_load_as_stored(tmp_path, dtype):
     assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
 
 
-def test_heads_that_do_not_split_over_the_ranks_are_refused_with_the_numbers(llama, tmp_path):
-    model, _ = llama
-    cfg = json.loads((write_checkpoint(model, tmp_path / "m") / "config.json").read_text())
-    for kv, tp, match in ((1, 2, "kv_heads=1 does not divide by tp=2"), (2, 3, "divide by tp=3")):
-        d = tmp_path / f"kv{kv}-tp{tp}"
-        d.mkdir()
-        (d / "config.json").write_text(json.dumps({**cfg, "num_key_value_heads": kv}))
-        config = group_config(tp, LLAMA, {"config": str(d / "config.json")}, base_cache(), 64)
-        with pytest.raises(RunnerConfigError, match=match):
-            config.pool_spec()  # what starting the group asks first
+def test_heads_that_do_not_split_over_the_ranks_are_refused_with_the_numbers(tmp_path):
+    cfg = _cfg(num_attention_heads=6, num_key_value_heads=3, intermediate_size=96)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    args = {"config": str(tmp_path / "config.json")}  # weights drawn: the shape is the point
+    with pytest.raises(RunnerConfigError, match="kv_heads=3 does not divide by tp=2"):
+        group_config(2, LLAMA, args, base_cache(), 64).pool_spec()  # before any rank starts
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_key_value_heads": 2}))
+    with pytest.raises(RunnerConfigError, match="heads=6 and ffn=96 must divide by tp=4"):
+        runner_engine(4, LLAMA, args, base_cache(), 64)  # refused as each rank loads
+    with pytest.raises(RunnerConfigError, match="heads=6 and ffn=96 must divide by tp=4"):
+        LlamaRunner(**args).load(RankShard(0, 4, torch.device("cpu")))
 
 
 def test_a_model_directory_named_with_runner_options_serves_in_bfloat16(llama):

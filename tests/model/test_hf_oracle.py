@@ -56,16 +56,31 @@ def _check(got: np.ndarray, want, what: str) -> float:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_through_the_cache_equals_transformers(checkpoints, family, tp):
     model, path = checkpoints[family]
+    # the sliding layers of qwen2_swa keep their window in the hybrid cache's SWA pool
+    cache = hybrid_cache(8) if family == "qwen2_swa" else base_cache()
+    _serve_like_transformers(model, path, tp, cache, f"{family} tp={tp}")
+
+
+def test_fewer_kv_heads_than_ranks_are_copied_to_each_rank(checkpoints, tmp_path):
+    """Llama 3.2 style (8 query heads, 2 KV heads) at TP=4, and one KV head (multi-query)
+    at TP=2: each rank holds a copy of the KV head its query heads use."""
+    model, path = checkpoints["llama32"]
+    _serve_like_transformers(model, path, 4, base_cache(), "llama32 tp=4")
+    mqa = hf_model("llama2", SEED + 99, num_key_value_heads=1)
+    _serve_like_transformers(mqa, write_checkpoint(mqa, tmp_path), 2, base_cache(), "mqa tp=2")
+
+
+def _serve_like_transformers(model, path, tp: int, cache, what: str) -> None:
+    """Chunked prefill and greedy decode of one request, then a second one that hits its
+    prefix, through ``LlamaRunner(model=path)`` on ``tp`` ranks: every logit within
+    REL_TOL of transformers', every greedy token transformers' own."""
     rng = np.random.default_rng(SEED)
     prompt = [int(t) for t in rng.integers(0, 256, 22)]
     other = prompt[:16] + [int(t) for t in rng.integers(0, 256, 6)]
-    # the sliding layers of qwen2_swa keep their window in the hybrid cache's SWA pool
-    cache = hybrid_cache(8) if family == "qwen2_swa" else base_cache()
     eng = runner_engine(tp, LLAMA, {"model": str(path)}, cache, 256)
     start = time.perf_counter()
     try:
         errs = []
-        # chunked prefill, then greedy decode: every position's logits against transformers
         _, logits = eng.prefill("a", prompt, chunk=8)
         gen = [int(logits[-1].argmax())]
         rows = [logits]
@@ -74,9 +89,9 @@ def test_family_through_the_cache_equals_transformers(checkpoints, family, tp):
             rows.append(out.logits)
             gen.append(int(out.logits[-1].argmax()))
         want = hf_logits(model, prompt + gen[:-1])
-        errs.append(_check(np.concatenate(rows), want, f"{family} tp={tp} prefill+decode"))
+        errs.append(_check(np.concatenate(rows), want, f"{what} prefill+decode"))
         # greedy: each token is transformers' argmax over the same prefix
-        assert gen == [int(t) for t in want[len(prompt) - 1 :].argmax(-1)], (family, tp)
+        assert gen == [int(t) for t in want[len(prompt) - 1 :].argmax(-1)], what
         eng.finish("a", gen[:-1])
         # a second request sharing the first 16 prompt tokens: a prefix-cache hit
         hit, out = eng.admit("b", other)
@@ -88,14 +103,12 @@ def test_family_through_the_cache_equals_transformers(checkpoints, family, tp):
             rows_b.append(out.logits)
             gen_b.append(int(out.logits[-1].argmax()))
         want_b = hf_logits(model, other + gen_b[:-1])[hit:]
-        errs.append(_check(np.concatenate(rows_b), want_b, f"{family} tp={tp} after a hit"))
-        assert gen_b == [int(t) for t in want_b[len(other) - hit - 1 :].argmax(-1)]
+        errs.append(_check(np.concatenate(rows_b), want_b, f"{what} after a hit"))
+        assert gen_b == [int(t) for t in want_b[len(other) - hit - 1 :].argmax(-1)], what
         eng.finish("b", gen_b[:-1])
     finally:
         eng.coord.close()
-    print(
-        f"{family} tp={tp}: max abs logit error {max(errs):.2e} ({time.perf_counter() - start:.2f}s)"
-    )
+    print(f"{what}: max abs logit error {max(errs):.2e} ({time.perf_counter() - start:.2f}s)")
 
 
 def _as_transformers4(config: dict) -> dict:

@@ -93,11 +93,11 @@ def test_group_config_refuses_a_bad_runner_before_anything_starts():
 
 
 def test_layouts_that_do_not_fit_tp_or_the_cache_are_refused():
-    with pytest.raises(RunnerConfigError, match="kv_heads=2 does not divide by tp=4"):
-        group_config(4, LLAMA, {}, base_cache(), 128).worker_spec()
+    with pytest.raises(RunnerConfigError, match="kv_heads=3 does not divide by tp=2"):
+        group_config(2, LLAMA, {"heads": 6, "kv_heads": 3}, base_cache(), 128).worker_spec()
     odd_ffn = group_config(4, LLAMA, {"kv_heads": 4, "heads": 4, "ffn": 66}, base_cache(), 128)
     assert odd_ffn.worker_spec().pool.kv_heads == 4  # the KV fits; the MLP does not split
-    with pytest.raises(RunnerConfigError, match="must all divide by tp=4"):
+    with pytest.raises(RunnerConfigError, match="ffn=66 must divide by tp=4"):
         start_local_group(odd_ffn)  # refused as the first rank loads its shard
     hybrid_model = {"num_layers": 2, "swa_layers": [1], "window": 4}
     with pytest.raises(RunnerConfigError, match="window is 4, the hybrid cache's 8"):
@@ -141,7 +141,7 @@ def test_a_rank_refuses_a_pool_its_runner_does_not_fit_and_keeps_its_runner():
 
 def test_build_runner_constructs_without_loading_weights():
     runner = build_runner(RunnerSpec.of(LLAMA, {"heads": 4, "kv_heads": 1}))
-    assert runner.kv_layout() == KVLayout(2, 1, 8, "float32")
+    assert runner.kv_layout() == KVLayout(2, 1, 8, "float32", replicate_kv=True)
     assert runner.w == {}  # load() is the rank's, not the coordinator's
     torch.manual_seed(0)  # building twice gives the same layout, whatever the global RNG
     assert (

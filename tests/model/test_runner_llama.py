@@ -54,8 +54,13 @@ def test_megatron_shards_of_grouped_query_weights_reassemble():
     )
     for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
         assert all(torch.equal(s[name], full[name]) for s in shards)
-    with pytest.raises(RunnerConfigError, match="divide by tp=4"):
-        load_shard(spec, 0, 4)
+    with pytest.raises(RunnerConfigError, match="divide by tp=3"):
+        load_shard(spec, 0, 3)
+    # fewer KV heads than ranks: rank r holds a copy of KV head r * kv_heads // tp
+    k = p + "self_attn.k_proj.weight"
+    for rank in range(4):
+        got = load_shard(spec, rank, 4)[k]
+        assert torch.equal(got, full[k][rank // 2 * 8 : rank // 2 * 8 + 8]), rank
 
 
 def test_grouped_query_attention_uses_each_query_heads_own_kv_head():

@@ -2,7 +2,8 @@
 attention with fewer KV heads than query heads, SwiGLU MLP), Megatron tensor-parallel.
 
 Rank r of tp holds ``heads // tp`` query heads and ``kv_heads // tp`` KV heads (the
-pool's shard is exactly its KV heads), ``ffn // tp`` MLP units, and the matching columns
+pool's shard is exactly its KV heads; with fewer KV heads than ranks, a copy of the one
+its query heads use), ``ffn // tp`` MLP units, and the matching columns
 of o_proj and down_proj, whose products are summed over the group (two all-reduces per
 layer). Weights come from a seed, or from a Hugging Face checkpoint: ``model=DIR`` (its
 config.json and safetensors, sharded or not), or ``config=`` and ``weights=`` apart.
@@ -123,7 +124,7 @@ class LlamaRunner(ShardRunner):
     def load(self, shard: RankShard) -> None:
         spec = self.spec
         spec.check_tp(shard.tp)
-        self.q_heads, self.kv_heads = spec.heads // shard.tp, spec.kv_heads // shard.tp
+        self.q_heads, self.kv_heads = spec.heads // shard.tp, spec.kv_heads_per_rank(shard.tp)
         self.w = _prepare(load_shard(spec, shard.rank, shard.tp), self.dtype, shard.device)
         self.inv_freq = self.inv_freq.to(shard.device)
 

@@ -99,17 +99,28 @@ class LlamaSpec:
 
     def layout(self, dtype: str) -> KVLayout:
         return KVLayout(
-            self.num_layers, self.kv_heads, self.head_dim, dtype, self.swa_layers, self.window
+            self.num_layers,
+            self.kv_heads,
+            self.head_dim,
+            dtype,
+            self.swa_layers,
+            self.window,
+            replicate_kv=True,
         )
 
     def check_tp(self, tp: int) -> None:
         """Raises RunnerConfigError unless query heads, KV heads and MLP units split evenly
-        (a rank holds whole KV heads: fewer KV heads than ranks is refused)."""
-        if self.heads % tp or self.kv_heads % tp or self.ffn % tp:
+        over ``tp`` ranks. Fewer KV heads than ranks split too when tp is a multiple of
+        them: each rank then holds a copy of the KV head its query heads use."""
+        kv_split = self.kv_heads % tp == 0 or tp % self.kv_heads == 0
+        if self.heads % tp or not kv_split or self.ffn % tp:
             raise RunnerConfigError(
-                f"heads={self.heads}, kv_heads={self.kv_heads} and ffn={self.ffn} must all "
-                f"divide by tp={tp}"
+                f"heads={self.heads} and ffn={self.ffn} must divide by tp={tp}, and "
+                f"kv_heads={self.kv_heads} divide it or be divided by it"
             )
+
+    def kv_heads_per_rank(self, tp: int) -> int:
+        return max(self.kv_heads // tp, 1)
 
 
 def weight_shapes(spec: LlamaSpec) -> dict[str, tuple[int, ...]]:
@@ -164,11 +175,14 @@ def shard_slices(spec: LlamaSpec, rank: int, tp: int) -> Callable[[str], Slice]:
     heads' and KV heads' rows of q/k/v, its MLP units' rows of gate/up (column-parallel
     products), the matching columns of o and down (row-parallel, summed over ranks);
     the rest whole. A query head's KV head stays on its rank: heads and kv_heads both
-    divide by tp, so rank r's query heads use exactly rank r's KV heads."""
+    divide by tp, so rank r's query heads use exactly rank r's KV heads; with fewer KV
+    heads than ranks, rank r's query heads all use KV head ``r * kv_heads // tp``, which
+    it holds a copy of."""
     spec.check_tp(tp)
     hd = spec.head_dim
     q = slice(rank * spec.heads // tp * hd, (rank + 1) * spec.heads // tp * hd)
-    kv = slice(rank * spec.kv_heads // tp * hd, (rank + 1) * spec.kv_heads // tp * hd)
+    first_kv = rank * spec.kv_heads // tp  # with fewer KV heads than ranks: rank's copy
+    kv = slice(first_kv * hd, (first_kv + spec.kv_heads_per_rank(tp)) * hd)
     units = slice(rank * spec.ffn // tp, (rank + 1) * spec.ffn // tp)
     by_part: dict[str, Slice] = {
         "q_proj": (q, None),

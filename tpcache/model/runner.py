@@ -52,7 +52,9 @@ class LayerKV:
 class KVLayout:
     """The KV a model keeps per token: ``num_layers`` layers of ``kv_heads`` heads of
     ``head_dim`` (totals over the TP group) in ``dtype``. ``swa_layers``: the layers that
-    attend over a sliding ``window`` (the tokens before the current one they see)."""
+    attend over a sliding ``window`` (the tokens before the current one they see).
+    ``replicate_kv``: with fewer KV heads than ranks (tp a multiple of ``kv_heads``), each
+    rank keeps a copy of the one KV head its query heads use, as engines do."""
 
     num_layers: int
     kv_heads: int
@@ -60,6 +62,7 @@ class KVLayout:
     dtype: str = "float32"
     swa_layers: tuple[int, ...] = ()
     window: int | None = None
+    replicate_kv: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_heads", "head_dim"):
@@ -103,12 +106,17 @@ class KVLayout:
     def pool_spec(self, tp: int, window: int | None) -> PoolSpec:
         """The full pool of a TP group of ``tp`` ranks whose cache has the sliding
         ``window`` (None: no SWA pool). Raises RunnerConfigError unless ``kv_heads``
-        divides by ``tp``, the cache's window is the model's, and the full pool keeps
+        divides by ``tp`` (or, with ``replicate_kv``, tp by ``kv_heads``: then one head a
+        rank, ``tp`` in all), the cache's window is the model's, and the full pool keeps
         at least one layer."""
         check_positive_int("tp", tp, RunnerConfigError)
-        if self.kv_heads % tp:
+        heads = self.kv_heads
+        if heads % tp and self.replicate_kv and tp % heads == 0:
+            heads = tp  # each rank a copy of one KV head
+        elif heads % tp:
             raise RunnerConfigError(
                 f"kv_heads={self.kv_heads} does not divide by tp={tp}: each rank keeps whole heads"
+                + (f" (or copies of one: tp a multiple of {heads})" if self.replicate_kv else "")
             )
         hybrid = window is not None
         if hybrid and self.swa_layers and window != self.window:
@@ -118,7 +126,7 @@ class KVLayout:
         full, _swa = self.pool_layers(hybrid)
         if full == 0:
             raise RunnerConfigError("the hybrid cache needs a full-attention layer in the model")
-        return PoolSpec(full, self.kv_heads, self.head_dim, tp, self.dtype)
+        return PoolSpec(full, heads, self.head_dim, tp, self.dtype)
 
 
 @dataclass(frozen=True)
