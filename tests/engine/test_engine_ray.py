@@ -29,7 +29,7 @@ def test_a_rank_killed_mid_generation_changes_no_token(ray_cluster):
         pids = coord.ranks.call("pid")
         engine = Engine(coord, EngineConfig(step_tokens=32, timeout_s=30.0, recovery_wait_s=90.0))
         ps = prompts(51, 3, 14, shared=4)
-        n = 48
+        n = 32
         sink = Collector()
         five = threading.Event()
 
