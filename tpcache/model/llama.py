@@ -3,15 +3,15 @@ attention with fewer KV heads than query heads, SwiGLU MLP), Megatron tensor-par
 
 Rank r of tp holds ``heads // tp`` query heads and ``kv_heads // tp`` KV heads (the
 pool's shard is exactly its KV heads; with fewer KV heads than ranks, a copy of the one
-its query heads use), ``ffn // tp`` MLP units, and the matching columns
-of o_proj and down_proj, whose products are summed over the group (two all-reduces per
-layer). Weights come from a seed, or from a Hugging Face checkpoint: ``model=DIR`` (its
+its query heads use), ``ffn // tp`` MLP units, and the matching columns of o_proj and
+down_proj, whose products are summed over the group (two all-reduces per layer).
+Weights come from a seed, or from a Hugging Face checkpoint: ``model=DIR`` (its
 config.json and safetensors, sharded or not), or ``config=`` and ``weights=`` apart.
-Llama (2, 3.x with llama3 RoPE scaling and tied embeddings), Mistral without a sliding
-window, Qwen2 (q/k/v biases) and Qwen3 (per-head q/k RMSNorm) load exactly; anything
-else is refused by name (``llama_weights``, ``hf_config``). ``llama_reference_logits`` is
-the same model over a whole sequence at once, without any pool: what the cached path is
-checked against (tests also check both against transformers).
+Llama (2, 3.x with llama3 RoPE scaling and tied embeddings), Mistral (with or without
+its sliding window), Qwen2 (q/k/v biases) and Qwen3 (per-head q/k RMSNorm) load
+exactly; anything else is refused by name (``llama_weights``, ``hf_config``).
+``llama_reference_logits`` is the same model over a whole sequence at once, without any
+pool: what the cached path is checked against (tests check both against transformers).
 
     GroupConfig(tp=2, **runner_options("tpcache.model.llama:LlamaRunner", [
         "model=/models/x", "dtype=bfloat16"]))

@@ -4,7 +4,8 @@ shard (rows or columns of each split weight) through ``safetensors``' slices.
 
 What loads: ``model_type`` llama, mistral, qwen2 and qwen3, configs of transformers 4.x
 or 5.x (``hf_config`` reads them strictly), RoPE default, linear or llama3, tied or own
-LM head, q/k/v (and o) biases, Qwen3's per-head q/k RMSNorm, safetensors in float32,
+LM head, q/k/v (and o) biases, Qwen3's per-head q/k RMSNorm, Mistral's and Qwen's
+sliding windows, fewer KV heads than ranks (copied), safetensors in float32,
 float16 or bfloat16, one file or sharded with an index (``checkpoint``). Weights use
 Hugging Face's names and ``[out, in]`` layout; rotary positions use the rotate-half
 layout those checkpoints are stored for. Anything else is refused by name, before any
@@ -37,8 +38,7 @@ class LlamaSpec:
     query heads sharing ``kv_heads`` KV heads of ``head_dim``) with RoPE, RMSNorm and a
     SwiGLU MLP of ``ffn`` units. ``weights``: a safetensors file, or a directory of them
     (None: random weights drawn from ``seed``). ``swa_layers`` attend over a sliding
-    ``window`` of tokens before the current one (drawn weights only: no checkpoint's
-    sliding window loads)."""
+    ``window`` of tokens before the current one (a checkpoint's, from its config)."""
 
     vocab: int = 128
     hidden: int = 64
