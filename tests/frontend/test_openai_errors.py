@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import resource
 import socket
 import time
 
@@ -190,6 +192,24 @@ def test_unread_bodies_end_the_connection(served) -> None:
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 99999\r\n\r\n")  # fmt: skip
     assert read_until(s, b"}}").startswith(b"HTTP/1.1 413")
     s.close()
+
+
+def test_a_connection_past_descriptor_1023_is_served(served) -> None:
+    """select.select refuses descriptors over 1023: a server that looked for its client
+    leaving with it would take every such connection for gone."""
+    _, _, server = served
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if max(soft, hard) < 1200:
+        pytest.skip(f"the descriptor limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        out = client(server).completions.create(model="tiny", prompt=[1, 2], max_tokens=3)
+        assert len(out.choices[0].token_ids) == 3
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_api_key_and_bind_rules(served) -> None:

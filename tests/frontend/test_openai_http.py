@@ -109,6 +109,8 @@ def test_token_prompt_equals_the_engines_greedy_output(served) -> None:
     assert choice.token_ids == want  # the extension: the tokens, without a tokenizer
     assert choice.logprobs is None
     assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (7, 9, 16)  # fmt: skip
+    # the same prompt ran just before: its whole pages (4 tokens) came from the cache
+    assert out.usage.prompt_tokens_details.cached_tokens == 4
 
 
 def test_stream_gives_the_same_tokens_and_usage(served) -> None:

@@ -27,6 +27,7 @@ from tpcache.frontend.openai_records import (
     ApiError,
     choice_body,
     completion_body,
+    error_body,
     models_body,
     parse_completion,
     usage_body,
@@ -85,7 +86,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _route(self, method: str) -> None:
         path = self.path.split("?", 1)[0]
-        self.body_read = False
+        self.body_read = self.streaming = False
         try:
             if path not in PATHS:
                 raise ApiError(404, f"no such path: {method} {path}", code="unknown_url")
@@ -106,6 +107,10 @@ class Handler(BaseHTTPRequestHandler):
             if unread and not self.body_read:
                 self.close_connection = True
             self._send_json(exc.status, exc.body())
+        except Exception as exc:  # a fault of this server: answered, the connection ends
+            self.close_connection = True
+            if not self.streaming:  # else the stream just ends without its [DONE]
+                self._send_json(500, error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error", None, None))  # fmt: skip
 
     def handle_expect_100(self) -> bool:
         """Refuse a body over the limit before the client sends it."""
@@ -192,6 +197,7 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
+        self.streaming = True
         model = self.app.model_name
         since = [time.monotonic()]
         try:
@@ -223,11 +229,14 @@ class Handler(BaseHTTPRequestHandler):
     def _client_gone(self) -> bool:
         """Whether the client closed its side (end-of-file is readable). Bytes of a next
         request waiting on the connection do not count."""
-        sock = self.connection
-        with contextlib.suppress(OSError, ValueError):
-            readable, _, _ = select.select([sock], [], [], 0)
-            return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
-        return True
+        poller = select.poll()  # not select.select: that fails for descriptors over 1023
+        poller.register(self.connection, select.POLLIN)
+        if not poller.poll(0):
+            return False
+        try:
+            return self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:  # reset
+            return True
 
     def _send_json(self, status: int, body: dict[str, Any]) -> None:
         data = json.dumps(body).encode()
