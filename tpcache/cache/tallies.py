@@ -69,12 +69,9 @@ def host_figures(cache: WithParts) -> dict[str, int]:
     if cache.host is None:
         return {}
     tier = cache.host.stats()
-    s = tier.sizes
+    pool = ("capacity", "free", "evictable", "protected")  # the host pool's sizes
     return {
-        "host_capacity": s.capacity,
-        "host_free": s.free,
-        "host_evictable": s.evictable,
-        "host_protected": s.protected,
+        **{f"host_{k}": getattr(tier.sizes, k) for k in pool},
         "host_hit_tokens": tier.loaded_tokens,
         "written_back_tokens": tier.written_tokens,
         "host_evicted_tokens": tier.host_evicted_tokens,
