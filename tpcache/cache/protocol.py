@@ -53,8 +53,6 @@ class Cache(Protocol):
 
     config: Any  # the frozen configuration it was built from (``CacheConfig``, ``HybridConfig``)
     page_size: int
-    swa: SwaPart | None  # the sliding window it was built with; None: no SWA pool
-    host: HostPart | None  # the host tier it was built with; None: none
 
     # ---- what kind ----------------------------------------------------------------------
     @property
@@ -65,6 +63,17 @@ class Cache(Protocol):
 
     @property
     def num_pools(self) -> int: ...
+
+    # ---- the parts it was built with (``parts.py``) ---------------------------------------
+    @property
+    def swa(self) -> SwaPart | None:
+        """The sliding window's calls (an SWA pool beside the full one); ``None``: none."""
+        ...
+
+    @property
+    def host(self) -> HostPart | None:
+        """The host tier's calls (a host pool and its copy log); ``None``: none."""
+        ...
 
     # ---- requests -----------------------------------------------------------------------
     def admit(
