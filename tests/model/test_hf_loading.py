@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pickle
 from pathlib import Path
 
 import pytest
@@ -292,3 +293,51 @@ def test_a_model_directory_named_with_runner_options_serves_in_bfloat16(llama):
         eng.coord.close()
     with pytest.raises(RunnerConfigError, match="drop config=/weights="):
         LlamaRunner(model=str(path), weights=str(path))
+
+
+def test_a_tied_checkpoint_that_also_stores_its_head_loads_only_if_they_agree(tmp_path):
+    """Some exports of tied models keep ``lm_head.weight``; transformers computes with the
+    embeddings, so a head equal to them loads and one that differs is refused."""
+    model = hf_model("qwen2", SEED + 1)  # tied
+    src = write_checkpoint(model, tmp_path / "src")
+    w = load_file(src / "model.safetensors")
+    assert "lm_head.weight" not in w
+    embed = w["model.embed_tokens.weight"]
+    same = LlamaRunner(
+        model=_variant(src, tmp_path / "same", {**w, "lm_head.weight": embed.clone()})
+    )
+    same.load(RankShard(0, 1, torch.device("cpu")))
+    tokens = list(range(2, 100, 3))
+    want = hf_logits(model, tokens)
+    got = llama_reference_logits(same.spec, tokens)
+    assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
+    other = {**w, "lm_head.weight": embed + 1.0}
+    runner = LlamaRunner(model=_variant(src, tmp_path / "other", other))  # headers agree
+    with pytest.raises(UnexpectedTensor, match="differs from the embeddings") as got_err:
+        runner.load(RankShard(1, 2, torch.device("cpu")))
+    assert got_err.value.tensor == "lm_head.weight"
+
+
+def test_linear_rope_scaling_equals_transformers(tmp_path):
+    model = hf_model("llama2", SEED + 2, rope_scaling={"rope_type": "linear", "factor": 4.0})
+    path = write_checkpoint(model, tmp_path)
+    spec = LlamaSpec.from_args(model=str(path))
+    assert spec.rope_scaling is not None and spec.rope_scaling.factor == 4.0
+    tokens = list(range(9, 250, 4))
+    want = hf_logits(model, tokens)
+    got = llama_reference_logits(spec, tokens)
+    assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
+    unscaled = llama_reference_logits(dataclasses.replace(spec, rope_scaling=None), tokens)
+    assert float((unscaled - want).abs().max()) > 1e-2
+
+
+def test_refusals_cross_processes_whole():
+    """A rank's refusal reaches the driver as itself (Ray and process pools pickle it)."""
+    for err in (
+        UnknownConfigKey("/m/config.json", "num_experts", "is unknown"),
+        MissingTensor("/m", "model.norm.weight", "is needed"),
+    ):
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is type(err) and str(back) == str(err)
+        assert getattr(back, "key", None) == getattr(err, "key", None)
+        assert getattr(back, "tensor", None) == getattr(err, "tensor", None)

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from tpcache.kv.pool import check_positive_int
-from tpcache.model.checkpoint import Slice, check_tensors, read_tensors, scan
+from tpcache.model.checkpoint import Slice, TensorInfo, check_tensors, read_tensors, scan
+from tpcache.model.errors import UnexpectedTensor
 from tpcache.model.hf_config import HFConfig, read_hf_config
 from tpcache.model.rope import RopeScaling
 from tpcache.model.runner import KVLayout, RunnerConfigError
@@ -202,27 +203,49 @@ def shard_slices(spec: LlamaSpec, rank: int, tp: int) -> Callable[[str], Slice]:
     return cut
 
 
+_HEAD = "lm_head.weight"
+
+
+def _stored_shapes(spec: LlamaSpec, found: dict[str, TensorInfo]) -> dict[str, tuple[int, ...]]:
+    """The tensors the checkpoint must hold: the model's, and with tied embeddings an
+    ``lm_head.weight`` if the file has one (some exports keep it; ``load_shard`` then
+    requires it to equal the embeddings, which is what transformers computes with)."""
+    shapes = weight_shapes(spec)
+    if spec.tie_embeddings and _HEAD in found:
+        shapes[_HEAD] = (spec.vocab, spec.hidden)
+    return shapes
+
+
 def check_checkpoint(spec: LlamaSpec) -> None:
     """Raise unless ``spec.weights`` holds exactly the model's tensors, with its shapes,
     in files whose headers are whole (headers only: cheap). RunnerConfigError kinds
     (UnreadableCheckpoint, MissingTensor, UnexpectedTensor, TensorShapeError,
     TensorDtypeError) name the file and the tensor."""
     if spec.weights is not None:
-        check_tensors(spec.weights, scan(spec.weights), weight_shapes(spec), _HARMLESS)
+        found = scan(spec.weights)
+        check_tensors(spec.weights, found, _stored_shapes(spec, found), _HARMLESS)
 
 
 def load_shard(spec: LlamaSpec, rank: int, tp: int) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s shard of every weight (stored dtype for files, float32 drawn).
     Every file's header is checked before any tensor is read (``check_checkpoint``'s
-    errors); not a collective, so a refusal reaches every rank alike."""
+    errors); not a collective, so a refusal reaches every rank alike. Raises
+    UnexpectedTensor for a stored LM head that differs from tied embeddings."""
     cut = shard_slices(spec, rank, tp)
     shapes = weight_shapes(spec)
     if spec.weights is None:
         full = random_weights(spec)
         return {n: _take(full[n], *cut(n)).contiguous() for n in shapes}
     found = scan(spec.weights)
-    check_tensors(spec.weights, found, shapes, _HARMLESS)
-    return read_tensors(found, shapes, cut)
+    stored = _stored_shapes(spec, found)
+    check_tensors(spec.weights, found, stored, _HARMLESS)
+    out = read_tensors(found, stored, cut)
+    head = out.pop(_HEAD, None) if spec.tie_embeddings else None
+    if head is not None and not torch.equal(head, out["model.embed_tokens.weight"]):
+        raise UnexpectedTensor(
+            str(found[_HEAD].file), _HEAD, "differs from the embeddings it is tied to"
+        )
+    return out
 
 
 def _take(t: torch.Tensor, rows: slice | None, cols: slice | None) -> torch.Tensor:
