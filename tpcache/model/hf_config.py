@@ -219,7 +219,9 @@ def _sliding(
             raise UnsupportedConfig(where, "layer_types", "is not a Mistral key: it is ambiguous")
         layers = tuple(range(num_layers)) if window is not None else ()
     elif cfg.get("use_sliding_window") is True and window is not None:
-        first = cfg.get("max_window_layers", 28)
+        first = cfg.get("max_window_layers", 28)  # transformers' default
+        if types is None and (isinstance(first, bool) or not isinstance(first, int)):
+            raise UnsupportedConfig(where, "max_window_layers", f"is {first!r}; a count is needed")
         layers = tuple(
             i
             for i in range(num_layers)
