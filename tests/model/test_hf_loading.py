@@ -73,6 +73,9 @@ def _cfg(**changes) -> dict:
         (_cfg(attention_bias="yes"), UnsupportedConfig, "attention_bias"),
         (_cfg(hidden_size=WITHOUT), MissingConfigKey, "hidden_size"),
         (_cfg(num_key_value_heads=0), UnsupportedConfig, "num_key_value_heads"),
+        (_cfg(num_key_value_heads=3), UnsupportedConfig, "num_key_value_heads"),
+        (_cfg(rms_norm_eps="tiny"), UnsupportedConfig, "rms_norm_eps"),
+        (_cfg(eos_token_id=[2, "end"]), UnsupportedConfig, "eos_token_id"),
         (
             _cfg(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
             UnsupportedConfig,

@@ -139,6 +139,10 @@ def read_hf_config(path: str | Path) -> HFConfig:
     swa_layers, window = _sliding(cfg, kind, num_layers, where)
     heads, hidden = get.positive("num_attention_heads"), get.positive("hidden_size")
     kv_heads = get.positive("num_key_value_heads") if _given(cfg, "num_key_value_heads") else heads
+    if heads % kv_heads:
+        raise UnsupportedConfig(
+            where, "num_key_value_heads", f"is {kv_heads}; it must divide the {heads} query heads"
+        )
     if _given(cfg, "head_dim"):
         head_dim = get.positive("head_dim")
     else:  # transformers' own defaults
@@ -154,7 +158,7 @@ def read_hf_config(path: str | Path) -> HFConfig:
         head_dim=head_dim,
         ffn=get.positive("intermediate_size"),
         num_layers=num_layers,
-        eps=float(get.value("rms_norm_eps", 1e-6)),
+        eps=get.number("rms_norm_eps", 1e-6),
         tie_embeddings=get.flag("tie_word_embeddings"),
         rope_theta=theta,
         rope_scaling=scaling,
@@ -163,7 +167,7 @@ def read_hf_config(path: str | Path) -> HFConfig:
         qk_norm=kind == "qwen3",
         swa_layers=swa_layers,
         window=window,
-        eos_token_ids=_eos_ids(cfg, p.parent / "generation_config.json"),
+        eos_token_ids=_eos_ids(cfg, p),
         max_positions=cfg.get("max_position_embeddings"),
     )
 
@@ -189,6 +193,12 @@ class _Getter:
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise UnsupportedConfig(self.where, key, f"is {v!r}; a positive integer is needed")
         return v
+
+    def number(self, key: str, default: float) -> float:
+        v = self.value(key, default)
+        if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
+            raise UnsupportedConfig(self.where, key, f"is {v!r}; a positive number is needed")
+        return float(v)
 
     def flag(self, key: str) -> bool:
         v = self.value(key, False)
@@ -242,16 +252,19 @@ def _sliding(
     return layers, window - 1
 
 
-def _eos_ids(cfg: dict[str, Any], generation: Path) -> tuple[int, ...]:
+def _eos_ids(cfg: dict[str, Any], config: Path) -> tuple[int, ...]:
     """End-of-sequence ids of config.json, then of generation_config.json (if there)."""
     found: list[int] = []
-    sources = [cfg.get("eos_token_id")]
+    sources = [(config, cfg.get("eos_token_id"))]
+    generation = config.parent / "generation_config.json"
     if generation.is_file():
-        sources.append(_read_json(generation).get("eos_token_id"))
-    for v in sources:
+        sources.append((generation, _read_json(generation).get("eos_token_id")))
+    for path, v in sources:
         for i in v if isinstance(v, list) else [] if v is None else [v]:
+            if isinstance(i, bool) or not isinstance(i, int):
+                raise UnsupportedConfig(str(path), "eos_token_id", f"holds {i!r}")
             if i not in found:
-                found.append(int(i))
+                found.append(i)
     return tuple(found)
 
 
