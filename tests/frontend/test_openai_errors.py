@@ -212,6 +212,25 @@ def test_a_connection_past_descriptor_1023_is_served(served) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+def test_connections_past_the_bound_are_busy(served) -> None:
+    _, engine, _ = served
+    server = OpenAIServer(engine, model_name="tiny", max_connections=2)
+    server.start()
+    try:
+        idle = [socket.create_connection(("127.0.0.1", server.port), timeout=30) for _ in range(2)]
+        wait_until(lambda: server.httpd.active == 2)  # both taken by handler threads
+        with pytest.raises(openai.InternalServerError) as exc:
+            client(server).completions.create(model="tiny", prompt=[1, 2], max_tokens=2)
+        assert exc.value.status_code == 503 and exc.value.body["code"] == "busy"
+        for s in idle:
+            s.close()
+        wait_until(lambda: server.httpd.active == 0)
+        out = client(server).completions.create(model="tiny", prompt=[1, 2], max_tokens=2)
+        assert len(out.choices[0].token_ids) == 2
+    finally:
+        server.close()
+
+
 def test_api_key_and_bind_rules(served) -> None:
     _, engine, _ = served
     with pytest.raises(OpenAIConfigError, match="not loopback: give an api_key"):

@@ -223,6 +223,10 @@ def test_models_and_health(served) -> None:
     _, plain, _, _ = served
     models_ = client(plain).models.list()
     assert [m.id for m in models_.data] == ["tiny"]
+    assert client(plain).models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError) as exc:
+        client(plain).models.retrieve("other")
+    assert exc.value.body["code"] == "model_not_found"
     import json
     import urllib.request
 

@@ -18,6 +18,7 @@ import select
 import socket
 import threading
 import time
+import urllib.parse
 import uuid
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
@@ -25,9 +26,11 @@ from typing import Any
 
 from tpcache.frontend.openai_records import (
     ApiError,
+    check_model,
     choice_body,
     completion_body,
     error_body,
+    model_body,
     models_body,
     parse_completion,
     usage_body,
@@ -37,7 +40,7 @@ from tpcache.frontend.openai_text import TextCodec
 
 POLL_S = 0.25  # how often a waiting request looks for its client leaving or a close
 CONNECTION_TIMEOUT_S = 60.0
-PATHS = {"/v1/completions": "POST", "/v1/models": "GET", "/health": "GET"}
+PATHS = {"/v1/completions": "POST", "/v1/models": "GET", "/v1/models/{id}": "GET", "/health": "GET"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -85,13 +88,15 @@ class Handler(BaseHTTPRequestHandler):
     do_POST = do_PUT = do_DELETE = do_PATCH = do_GET
 
     def _route(self, method: str) -> None:
-        path = self.path.split("?", 1)[0]
+        path = urllib.parse.unquote(self.path.split("?", 1)[0])
+        model = path.removeprefix("/v1/models/") if path.startswith("/v1/models/") else None
+        route = path if model is None else "/v1/models/{id}"
         self.body_read = self.streaming = False
         try:
-            if path not in PATHS:
+            if route not in PATHS:
                 raise ApiError(404, f"no such path: {method} {path}", code="unknown_url")
-            if PATHS[path] != method:
-                raise ApiError(405, f"{path} takes {PATHS[path]}, not {method}", code="method_not_allowed")  # fmt: skip
+            if PATHS[route] != method:
+                raise ApiError(405, f"{path} takes {PATHS[route]}, not {method}", code="method_not_allowed")  # fmt: skip
             if path != "/health" and not self.app.authorized(self.headers.get("Authorization")):
                 raise ApiError(401, "a valid API key is required (Authorization: Bearer ...)", code="invalid_api_key")  # fmt: skip
             if path == "/health":
@@ -99,6 +104,9 @@ class Handler(BaseHTTPRequestHandler):
                 self._send_json(503 if closed else 200, {"status": "closed" if closed else "ok"})
             elif path == "/v1/models":
                 self._send_json(200, models_body(self.app.model_name, self.app.created))
+            elif model is not None:
+                check_model(model, self.app.model_name)
+                self._send_json(200, model_body(self.app.model_name, self.app.created))
             else:
                 self._complete()
         except ApiError as exc:

@@ -17,6 +17,8 @@ slots come back at once. How a connection is served: ``openai_handler``.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import socket
 import sys
 import threading
@@ -26,10 +28,16 @@ from typing import Any
 
 from tpcache.errors import TpcacheError
 from tpcache.frontend.openai_handler import Handler, Served
+from tpcache.frontend.openai_records import error_body
 from tpcache.frontend.openai_text import TextCodec
 from tpcache.transport.netsec import is_loopback
 
 MAX_BODY_BYTES = 16 << 20
+_BUSY_BODY = json.dumps(error_body("the server has all the connections it takes; try again", "server_error", None, "busy")).encode()  # fmt: skip
+BUSY = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+    b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY)
+)
 
 
 class OpenAIConfigError(TpcacheError, ValueError):
@@ -37,10 +45,35 @@ class OpenAIConfigError(TpcacheError, ValueError):
 
 
 class HttpServer(ThreadingHTTPServer):
-    """The threading server, quiet about clients that reset their connection (a pool
-    closing a kept-alive one): nothing went wrong here."""
+    """The threading server with a bound on connections served at once (each holds a
+    thread): one more is answered 503 and closed at once. Quiet about clients that
+    reset their connection (a pool closing a kept-alive one): nothing went wrong here."""
 
     daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], max_connections: int) -> None:
+        super().__init__(address, Handler)
+        self.max_connections = max_connections
+        self.active = 0  # connections being served (under _lock)
+        self._lock = threading.Lock()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._lock:
+            busy = self.active >= self.max_connections
+            self.active += not busy
+        if busy:
+            with contextlib.suppress(OSError):
+                request.sendall(BUSY)
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._lock:
+                self.active -= 1
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         if not isinstance(sys.exc_info()[1], ConnectionError):
@@ -57,7 +90,9 @@ class OpenAIServer:
     then carry ``Authorization: Bearer <api_key>``; without one the constructor raises
     ``OpenAIConfigError``, as it does for a ``tokenizer.json`` that does not load. A
     request body over ``max_body_bytes`` is refused (413) before it is read. A request
-    whose engine sends nothing for ``idle_timeout_s`` is cancelled (504)."""
+    whose engine sends nothing for ``idle_timeout_s`` is cancelled (504). At most
+    ``max_connections`` connections are served at once (one thread each, a kept-alive
+    one until it has been idle a minute); one more is answered 503 ``busy``."""
 
     def __init__(
         self,
@@ -70,6 +105,7 @@ class OpenAIServer:
         api_key: str | None = None,
         max_body_bytes: int = MAX_BODY_BYTES,
         idle_timeout_s: float = 300.0,
+        max_connections: int = 256,
     ) -> None:
         if api_key is not None and (not isinstance(api_key, str) or not api_key):
             raise OpenAIConfigError("api_key must be a non-empty string")
@@ -77,8 +113,8 @@ class OpenAIServer:
             raise OpenAIConfigError(f"host {host!r} is not loopback: give an api_key, or bind 127.0.0.1")  # fmt: skip
         if not isinstance(model_name, str) or not model_name:
             raise OpenAIConfigError("model_name must be a non-empty string")
-        if max_body_bytes < 1024 or idle_timeout_s <= 0:
-            raise OpenAIConfigError("max_body_bytes must be >= 1024 and idle_timeout_s > 0")
+        if max_body_bytes < 1024 or idle_timeout_s <= 0 or max_connections < 1:
+            raise OpenAIConfigError("max_body_bytes must be >= 1024, idle_timeout_s > 0 and max_connections >= 1")  # fmt: skip
         try:
             codec = TextCodec.load(tokenizer_dir)
         except ValueError as exc:
@@ -88,6 +124,7 @@ class OpenAIServer:
             created=int(time.time()), closing=threading.Event(),
         )  # fmt: skip
         self.host, self.requested_port = host, port
+        self.max_connections = max_connections
         self.port = 0  # the bound port, set by start
         self.httpd: ThreadingHTTPServer | None = None  # set by start, cleared by close
 
@@ -97,7 +134,7 @@ class OpenAIServer:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         server_cls = type("HttpServer", (HttpServer,), {"address_family": family})
         try:
-            httpd = server_cls((self.host, self.requested_port), Handler)
+            httpd = server_cls((self.host, self.requested_port), self.max_connections)
         except OSError as exc:
             raise OpenAIConfigError(f"cannot bind {self.host}:{self.requested_port}: {exc.strerror}") from None  # fmt: skip
         httpd.served = self.served  # type: ignore[attr-defined]

@@ -212,6 +212,12 @@ def _sampling(body: dict[str, Any]) -> SamplingParams:
         raise sampling_error(exc) from None
 
 
+def check_model(model: str, model_name: str) -> None:
+    """Raise 404 ``model_not_found`` unless ``model`` is the one served."""
+    if model != model_name:
+        raise ApiError(404, f"The model '{model}' does not exist; this server serves '{model_name}'", param="model", code="model_not_found")  # fmt: skip
+
+
 def parse_completion(body: object, model_name: str, has_tokenizer: bool) -> CompletionAsk:
     """The completion request ``body`` (decoded JSON) as a ``CompletionAsk``; raises
     ``ApiError`` (400, or 404 for another model) naming the first field that is wrong.
@@ -221,8 +227,7 @@ def parse_completion(body: object, model_name: str, has_tokenizer: bool) -> Comp
     model = body.get("model")
     if not isinstance(model, str):
         raise bad("model is required: a string naming the model", "model")
-    if model != model_name:
-        raise ApiError(404, f"The model '{model}' does not exist; this server serves '{model_name}'", param="model", code="model_not_found")  # fmt: skip
+    check_model(model, model_name)
     for name in body:
         if name in UNSUPPORTED:
             if not _is_default(body[name], UNSUPPORTED[name]):
@@ -284,8 +289,9 @@ def completion_body(
     return out
 
 
+def model_body(model_name: str, created: int) -> dict[str, Any]:
+    return {"id": model_name, "object": "model", "created": created, "owned_by": "tpcache"}
+
+
 def models_body(model_name: str, created: int) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "tpcache"}],
-    }
+    return {"object": "list", "data": [model_body(model_name, created)]}
