@@ -133,6 +133,7 @@ def test_stream_gives_the_same_tokens_and_usage(served) -> None:
     assert len(ids) == 1 and ids.pop().startswith("cmpl-")
     reasons = [ch.finish_reason for c in token_chunks for ch in c.choices]
     assert reasons[-1] == "length" and set(reasons[:-1]) <= {None}
+    assert all(c.usage is None and "usage" in c.model_fields_set for c in token_chunks)
     assert last.choices == [] and last.usage.prompt_tokens == 11
     assert last.usage.completion_tokens == 12 and last.usage.total_tokens == 23
 

@@ -219,7 +219,10 @@ class Handler(BaseHTTPRequestHandler):
                     choices = [
                         choice_body(u.index, u.text, u.token_ids, u.finish_reason) for u in ups
                     ]
-                    self._event(completion_body(cid, created, model, choices, None))
+                    chunk = completion_body(cid, created, model, choices, None)
+                    if include_usage:
+                        chunk["usage"] = None  # as OpenAI: on every chunk but the last
+                    self._event(chunk)
             if include_usage and run.done:
                 self._event(completion_body(cid, created, model, [], usage_body(*run.usage())))
             self._chunk(b"data: [DONE]\n\n")
