@@ -231,8 +231,11 @@ def test_connections_past_the_bound_are_busy(served) -> None:
         server.close()
 
 
-def test_api_key_and_bind_rules(served) -> None:
+def test_api_key_and_bind_rules(served, tmp_path) -> None:
     _, engine, _ = served
+    (tmp_path / "tokenizer.json").write_text("{not a tokenizer")
+    with pytest.raises(OpenAIConfigError, match=r"cannot load .*tokenizer\.json"):
+        OpenAIServer(engine, tokenizer_dir=str(tmp_path))
     with pytest.raises(OpenAIConfigError, match="not loopback: give an api_key"):
         OpenAIServer(engine, host="0.0.0.0")
     with pytest.raises(OpenAIConfigError, match="api_key"):
