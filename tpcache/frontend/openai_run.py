@@ -32,7 +32,7 @@ def engine_error(exc: BaseException) -> ApiError:
     """What the client is told of an engine error (from ``submit`` or a ``Failed``)."""
     if isinstance(exc, BadSampling):
         return sampling_error(exc)
-    if getattr(exc, "retryable", False) or type(exc).__name__ in ("EngineClosed", "CoordinatorUnavailable"):  # fmt: skip
+    if getattr(exc, "retryable", False):  # EngineClosed, GenerationFailed, a recovering group
         return ApiError(503, f"the server cannot take this request now, try again: {exc}", code="unavailable", kind="server_error")  # fmt: skip
     if isinstance(exc, ValueError):  # too large for the cache, out of the vocabulary
         return ApiError(400, str(exc), param="prompt")
