@@ -9,9 +9,9 @@ with a tokenizer), ``stream``, ``stream_options.include_usage``, ``n`` (1 only),
 ``user`` (ignored), and vLLM's ``top_k`` (-1 or 0: all), ``ignore_eos``,
 ``stop_token_ids``. OpenAI fields this endpoint does not implement (``echo``,
 ``logprobs``, ``best_of``, ``suffix``, ``frequency_penalty``, ``presence_penalty``,
-``logit_bias``) are refused by name unless they carry their default; a field OpenAI does not define is refused as OpenAI refuses
-it ("Unrecognized request argument"), so a client never believes a setting applied
-that was silently dropped. A refusal is an ``ApiError`` carrying OpenAI's error body.
+``logit_bias``) are refused by name unless they carry their default; a field OpenAI
+does not define is refused as OpenAI refuses it ("Unrecognized request argument"), so
+a client never believes a setting applied that was silently dropped. A refusal is an ``ApiError`` carrying OpenAI's error body.
 """
 
 from __future__ import annotations
