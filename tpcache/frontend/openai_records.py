@@ -11,7 +11,8 @@ with a tokenizer), ``stream``, ``stream_options.include_usage``, ``n`` (1 only),
 ``logprobs``, ``best_of``, ``suffix``, ``frequency_penalty``, ``presence_penalty``,
 ``logit_bias``) are refused by name unless they carry their default; a field OpenAI
 does not define is refused as OpenAI refuses it ("Unrecognized request argument"), so
-a client never believes a setting applied that was silently dropped. A refusal is an ``ApiError`` carrying OpenAI's error body.
+a client never believes a setting applied that was silently dropped. A refusal is an
+``ApiError`` carrying OpenAI's error body.
 """
 
 from __future__ import annotations
