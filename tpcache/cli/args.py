@@ -235,8 +235,8 @@ def add_group_options(p: argparse.ArgumentParser) -> None:
         "authentication the token is read from ~/.ray/auth_token (or RAY_AUTH_TOKEN, "
         "RAY_AUTH_TOKEN_PATH)",
     )
-    add_count_option(p, "--layers", 1, "KV-pool layers")
-    add_count_option(p, "--head-dim", 4, "KV-pool head dim")
+    p.add_argument("--layers", type=positive_arg, help="KV-pool layers without a model (default 1)")
+    p.add_argument("--head-dim", type=positive_arg, help="KV-pool head dim, no model (default 4)")
     p.add_argument(
         "--timeout",
         type=seconds_arg,
@@ -312,7 +312,7 @@ def group_config(args: argparse.Namespace, capacity: int | None) -> GroupConfig:
     )
     # A thin pool (one KV head per rank, 4 dims, fp16) keeps a CPU demo's memory small;
     # the index and the lockstep are what the demo exercises.
-    bytes_per_slot = 2 * args.layers * 1 * args.head_dim * 2
+    bytes_per_slot = 2 * (args.layers or 1) * (args.head_dim or 4) * 2  # (None: not given)
     budget = (capacity or 1 << 20) * bytes_per_slot + (1 << 20)
     res = args.rank_resources
     if isinstance(res, list) and len(res) != args.tp:
@@ -324,9 +324,9 @@ def group_config(args: argparse.Namespace, capacity: int | None) -> GroupConfig:
         tp=args.tp,
         capacity_tokens=capacity,
         cache=cache,
-        num_layers=args.layers,
+        num_layers=args.layers or 1,
         kv_heads=args.tp,
-        head_dim=args.head_dim,
+        head_dim=args.head_dim or 4,
         dtype="float16",
         cpu_budget_bytes=budget,
         timeout_s=args.timeout,

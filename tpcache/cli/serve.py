@@ -10,6 +10,7 @@ import sys
 import time
 
 from tpcache.cli.args import add_cache_options, add_group_options, add_host_options
+from tpcache.cli.serve_model import ServeModelError, add_model_options, model_error
 from tpcache.cli.serve_options import (
     add_events_options,
     add_name_options,
@@ -20,15 +21,21 @@ from tpcache.cli.serve_options import (
 
 
 def add_serve_parser(sub) -> None:
-    p = sub.add_parser("serve", help="serve a TP group's coordinator as a named Ray actor")
+    p = sub.add_parser(
+        "serve",
+        help="serve a TP group's coordinator as a named Ray actor (with --model: and "
+        "generate from a checkpoint)",
+    )
     add_group_options(p)
     add_host_options(p)
     add_cache_options(
         p,
-        1 << 20,
-        "KV slots per rank (default 1,048,576)",
+        None,
+        "KV slots per rank (default 1,048,576; with a model, as many as 1 GiB holds on a "
+        "CPU rank, or a GPU's free memory fraction)",
         "eviction policy: lru (default), lfu, fifo, mru, filo, priority, resight",
     )
+    add_model_options(p)
     add_name_options(p)
     p.add_argument(
         "--detached",
@@ -70,15 +77,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tpcache.events.event_config import EventConfigError
     from tpcache.events.metrics import MetricsError
     from tpcache.events.publisher import EventPublisherError
+    from tpcache.frontend.netfront import FrontendConfigError
     from tpcache.frontend.service import AlreadyServing, find_served, serve, stop_served
+    from tpcache.model.runner import RunnerConfigError
 
-    if (alone := unpaired(args)) is not None:
+    if (alone := unpaired(args) or model_error(args)) is not None:
         print(f"tpcache serve: {alone}", file=sys.stderr)
         return 2
     try:
-        config = serve_config(args)
+        config, serving = serve_config(args)
+    except (ServeModelError, RunnerConfigError) as exc:  # a model it cannot serve as asked
+        print(f"tpcache serve: {exc}", file=sys.stderr)
+        return 2
     except (ValueError, CacheError) as exc:  # EventConfigError is one; an unknown policy
-        args.parser.error(str(exc))
+        args.parser.error(str(exc))  # (a model's config the runner refuses too)
     except OSError as exc:  # a key file
         print(f"tpcache serve: {exc}", file=sys.stderr)
         return 2
@@ -96,7 +108,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     where = f"--name {args.name} --namespace {args.namespace} --address {joined.address}"
     try:
-        actor = serve(config, args.name, args.namespace, args.detached, replace=args.replace)
+        actor = serve(
+            config, args.name, args.namespace, args.detached, replace=args.replace, serving=serving
+        )
     except AlreadyServing as exc:
         print(
             f"tpcache serve: {exc}.\n  Stop it with `tpcache stop {where}`, or add --replace "
@@ -104,8 +118,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    except (MetricsError, EventConfigError, EventPublisherError) as exc:
+    except (MetricsError, EventConfigError, EventPublisherError, FrontendConfigError) as exc:
         print(f"tpcache serve: {exc}", file=sys.stderr)
+        return 2
+    except CacheError as exc:  # the pool holds less than a page: the model does not fit
+        print(f"tpcache serve: the KV pool does not fit: {exc}", file=sys.stderr)
         return 2
     except TpcacheError as exc:  # a rank refused the group, or Ray could not place it
         print(
@@ -132,7 +149,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _print_serving(args: argparse.Namespace, actor, address: str, started: bool) -> None:
-    """Where the served coordinator is, and its events and metrics endpoints."""
+    """Where the served coordinator is, and its endpoints (network, HTTP, events,
+    metrics)."""
+    import ray
+
     from tpcache.frontend.service import describe
 
     print(
@@ -147,14 +167,21 @@ def _print_serving(args: argparse.Namespace, actor, address: str, started: bool)
         f"  frontends: tpcache.connect({args.name!r}, {args.namespace!r}, "
         f"address={address!r}) from any node of the cluster"
     )
+    ends = ray.get(actor.endpoints.remote())
+    if args.model or args.runner:
+        print(f"  model: {args.model or args.runner}; generate with Client.generate")
+    if ends["network"]:
+        print(
+            f"  network frontend on {ends['network']}: tpcache.client.Client({ends['network']!r})"
+        )
+    if ends["http"]:
+        print(f"  OpenAI-compatible endpoint on {ends['http']}/v1/completions")
     if args.events_endpoint:
         print(
             f"  KV events on {args.events_endpoint} (replay: {args.events_replay_endpoint}); "
             f"read them with `tpcache events --endpoint {args.events_endpoint}`"
         )
     if args.metrics_port is not None:
-        import ray
-
         port = ray.get(actor.stats.remote())["metrics_port"]
         print(f"  Prometheus metrics on http://{metrics_host(args)}:{port}/metrics")
 

@@ -8,6 +8,7 @@ import argparse
 from tpcache.cli.args import group_config, name_arg, picked, port_arg, positive_arg
 
 EVENTS_BUFFER = 10_000
+DEFAULT_CAPACITY = 1 << 20  # KV slots per rank of a group without a model
 METRICS_HOST = "127.0.0.1"
 # Options that do nothing without another: the one they need, them, and why they need it.
 _NEEDS = {
@@ -122,12 +123,21 @@ def add_name_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-def serve_config(args: argparse.Namespace):  # -> GroupConfig
+def serve_config(args: argparse.Namespace):  # -> (GroupConfig, ServeOptions)
+    """The group's config and what it serves beside its cache calls. Raises ValueError
+    (``ServeModelError``, ``EventConfigError``, ``FrontendConfigError``, a runner's
+    ``RunnerConfigError``) naming what is wrong, ``OSError`` for a key file."""
     import dataclasses
 
+    from tpcache.cli.serve_model import model_group, serve_options
     from tpcache.events.event_config import EventConfig
 
-    config = group_config(args, args.capacity)
+    with_model = args.model is not None or args.runner is not None
+    capacity = args.capacity if with_model or args.capacity is not None else DEFAULT_CAPACITY
+    config = group_config(args, capacity)
+    found: dict = {}
+    if with_model:
+        config, found = model_group(args, config)
     if args.events_endpoint:
         events = EventConfig(
             **picked(args, "endpoint", "replay_endpoint", "insecure", prefix="events_"),
@@ -142,7 +152,7 @@ def serve_config(args: argparse.Namespace):  # -> GroupConfig
         config = dataclasses.replace(
             config, metrics_port=args.metrics_port, metrics_host=metrics_host(args)
         )
-    return config
+    return config, serve_options(args, found)
 
 
 def metrics_host(args: argparse.Namespace) -> str:
