@@ -4,7 +4,9 @@ actor, a closed stream is cancelled, typed refusals, and a group without a model
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.request
 
 import pytest
 
@@ -34,18 +36,27 @@ def config(**kw) -> GroupConfig:
 
 def test_ray_generate_whole_streamed_and_cancelled(ray_cluster, tmp_path) -> None:
     endpoint = f"ipc://{tmp_path}/gen.sock"
-    options = ServeOptions(network=FrontendConfig(endpoint=endpoint))
+    options = ServeOptions(network=FrontendConfig(endpoint=endpoint), http_port=0, model_name="ref")
     cfg = config(runner="tpcache.model.reference:ReferenceRunner", runner_args=MODEL)
     actor = serve(cfg, "ray-gen", NS, serving=options)
     try:
         c = connect("ray-gen", NS)
-        assert c.endpoints() == {"network": endpoint, "http": None}
+        ends = c.endpoints()
+        assert ends["network"] == endpoint and ends["http"].startswith("http://127.0.0.1:")
         whole = c.generate([5, 6, 7, 8], 10, ignore_eos=True)
         assert isinstance(whole, api.GeneratedReply) and whole.finish_reason == "length"
         assert (whole.prompt_tokens, len(whole.tokens)) == (4, 10)
         assert list(c.generate([5, 6, 7, 8], 10, ignore_eos=True, stream=True)) == whole.tokens
         with NetClient(endpoint) as net:  # the same engine over the network
             assert net.generate([5, 6, 7, 8], 10, ignore_eos=True).tokens == whole.tokens
+        ask = {"model": "ref", "prompt": [5, 6, 7, 8], "max_tokens": 10, "temperature": 0}
+        req = urllib.request.Request(
+            ends["http"] + "/v1/completions",
+            json.dumps(ask).encode(),
+            {"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=60) as r:  # and over HTTP
+            assert json.load(r)["choices"][0]["token_ids"] == whole.tokens
         it = c.generate([1, 2, 3], 60, ignore_eos=True, stream=True, request_id="long")
         next(it)
         it.close()  # cancels
