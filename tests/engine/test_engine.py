@@ -136,3 +136,46 @@ def test_finished_requests_are_cached_for_later_ones(make_group):
     kv = 14 + 9 - 1  # the last output token never got KV
     assert e2["two"].cached_tokens == kv // PAGE * PAGE
     assert isinstance(e2["two"], Finished)
+
+
+def test_without_the_prefix_cache_nothing_is_cached(make_group):
+    (p,) = prompts(16, 1, 20)
+    coord = make_group()
+    engine = Engine(coord, EngineConfig(prefix_cache=False))
+    engine.start()
+    try:
+        _, e1 = run_all(engine, [GenerateRequest("a", p, SamplingParams(max_new_tokens=5))])
+        _, e2 = run_all(engine, [GenerateRequest("b", p, SamplingParams(max_new_tokens=5))])
+    finally:
+        engine.close()
+    assert e1["a"].tokens == e2["b"].tokens
+    assert e2["b"].cached_tokens == 0 and engine.stats()["prefill_tokens"] == 40
+    assert coord.mirror.sizes().evictable == 0
+    nothing_held(coord)
+
+
+def test_a_namespace_keeps_its_cache_apart(make_group):
+    from tpcache.cache.namespace import CacheNamespace
+
+    (p,) = prompts(17, 1, 20)
+    coord = make_group()
+    got = {}
+    for name, space in (
+        ("salted", CacheNamespace(salt="t1")),
+        ("plain", None),
+        ("again", CacheNamespace(salt="t1")),
+    ):
+        engine = Engine(coord, EngineConfig(namespace=space))
+        engine.start()
+        try:
+            got[name] = run_all(
+                engine, [GenerateRequest(name, p, SamplingParams(max_new_tokens=3))]
+            )[1][name]
+        finally:
+            engine.close()
+    assert (
+        got["salted"].cached_tokens,
+        got["plain"].cached_tokens,
+        got["again"].cached_tokens,
+    ) == (0, 0, 16)  # an admit matches at most len - 1 tokens, in whole pages
+    assert got["salted"].tokens == got["plain"].tokens == got["again"].tokens

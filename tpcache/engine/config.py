@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tpcache.cache.namespace import CacheNamespace
 from tpcache.engine.errors import EngineConfigError
 
 
@@ -31,7 +32,10 @@ class EngineConfig:
     (so prefill computed equals ``tpcache replay``'s prompt - matched, and nothing is
     preempted). ``recovery_wait_s``: how long live requests wait for a failed TP group to
     come back; ``max_recoveries``: how often one request is re-admitted after failures
-    before it fails."""
+    before it fails. ``prefix_cache`` False: nothing is cached (no chunk, prompt or
+    output is offered for matching; requests end aborted), so every admission misses
+    once the cache is empty. ``namespace``: the cache namespace of every request (a
+    tenant's salt, a LoRA id)."""
 
     step_tokens: int = 2048
     max_batch: int = 64
@@ -40,6 +44,8 @@ class EngineConfig:
     ordered_admission: bool = False
     recovery_wait_s: float = 120.0
     max_recoveries: int = 3
+    prefix_cache: bool = True  # False: nothing is cached (requests end aborted)
+    namespace: CacheNamespace | None = None  # every request's cache namespace
 
     def __post_init__(self) -> None:
         _int("step_tokens", self.step_tokens, 1)
@@ -54,6 +60,10 @@ class EngineConfig:
         if not isinstance(self.ordered_admission, bool):
             raise EngineConfigError("engine config: ordered_admission must be True or False")
         _int("max_recoveries", self.max_recoveries, 0)
+        if not isinstance(self.prefix_cache, bool):
+            raise EngineConfigError("engine config: prefix_cache must be True or False")
+        if self.namespace is not None and not isinstance(self.namespace, CacheNamespace):
+            raise EngineConfigError("engine config: namespace must be a CacheNamespace or None")
 
 
 __all__ = ["EngineConfig"]

@@ -109,7 +109,7 @@ class Scheduler:
         ``step``; returns its length (0 if ``live`` was preempted)."""
         n = min(live.context.size - live.done, budget)
         self.touched.add(live.rid)
-        if live.done:  # its KV so far, for others to match
+        if live.done and self.config.prefix_cache:  # its KV so far, for others to match
             coord.cache_unfinished(live.rid, live.context[: live.done])
         if not self._extend(coord, live, n, step):
             return 0
@@ -133,7 +133,7 @@ class Scheduler:
 
     def preempt(self, coord: Coordinator, live: Live, in_step: bool) -> None:
         """Give ``live``'s slots back and queue it again (it keeps its tokens)."""
-        if in_step or live.prefilling:
+        if in_step or live.prefilling or not self.config.prefix_cache:
             coord.abort(live.rid)  # slots without KV must not be cached
         else:
             coord.finish(live.rid, live.out[live.context.size - len(live.req.prompt) :])
@@ -160,13 +160,13 @@ class Scheduler:
                 continue
             context = live.resume_tokens()
             mirror = coord.mirror
-            cached = mirror.admit_prefix_len(context)
+            cached = mirror.admit_prefix_len(context, cfg.namespace)
             if not self._may_start(coord, live, context, cached):
                 break
             n = min(context.size - cached, budget)
             self.touched.add(live.rid)
             try:
-                got = coord.admit(live.rid, context[: cached + n])
+                got = coord.admit(live.rid, context[: cached + n], namespace=cfg.namespace)
             except OutOfCapacity:
                 break
             self.waiting.remove(live)
@@ -191,7 +191,8 @@ class Scheduler:
         room = (sizes.free + sizes.evictable) // ps
         if not self.config.ordered_admission:
             return pages(context.size, ps) - cached // ps + len(self.running) <= room
-        if would_match_more(self.running.values(), context, cached, ps):
+        cache = self.config.prefix_cache
+        if cache and would_match_more(self.running.values(), context, cached, ps):
             self.counters.waits += 1
             return False
         pending = sum(

@@ -128,8 +128,8 @@ class Stepper:
                 prefilled.append(live)
         for live, reason in ending:
             self.finish(live, reason)
-        for live in prefilled:  # its whole context, for the next admissions to match
-            self.coord.cache_unfinished(live.rid, live.context)
+        for live in prefilled if self.config.prefix_cache else ():
+            self.coord.cache_unfinished(live.rid, live.context)  # for the next admissions
 
     def _sample(self, live: Live, out: ForwardOut) -> int:
         if out.logits.size == 0:  # the runner sampled (greedily) itself
@@ -147,7 +147,12 @@ class Stepper:
         self.sched.remove(live)
         if running:
             with contextlib.suppress(TpcacheError):  # the next step finds the group failed
-                self.coord.finish(live.rid, live.out[live.context.size - len(live.req.prompt) :])
+                if self.config.prefix_cache:
+                    self.coord.finish(
+                        live.rid, live.out[live.context.size - len(live.req.prompt) :]
+                    )
+                else:
+                    self.coord.abort(live.rid)
         if reason == "cancelled":
             self.counters.cancelled += 1
         else:
