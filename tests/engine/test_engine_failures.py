@@ -11,6 +11,7 @@ from conftest import Collector, greedy_reference, group_config, nothing_held, pr
 from drill_worker import DrillWorker
 from poison_runner import POISON
 
+from tpcache.coordinator.core import CoordinatorConfig
 from tpcache.coordinator.local_ranks import start_local_group
 from tpcache.engine.errors import GenerationFailed
 from tpcache.engine.loop import Engine, EngineConfig
@@ -71,3 +72,41 @@ def test_a_group_that_stays_down_fails_its_requests():
     assert end.error.retryable and "recovery was stopped" in str(end.error)
     assert 2 <= len(sink.tokens("r")) < 200
     assert engine.stats()["failed"] == 1
+
+
+def test_a_hung_rank_pauses_the_streams_and_changes_no_token():
+    """Thread ranks, recovery on: rank 1 hangs in a step (longer than the collective
+    timeout); the group is rebuilt and every request ends with an undisturbed run's
+    tokens, each token sent once."""
+    cfg = dataclasses.replace(
+        group_config(),
+        timeout_s=2.0,
+        coordinator=CoordinatorConfig(step_timeout_s=10.0, probe_s=1.0),
+    )
+    coord = start_local_group(cfg, worker_cls=DrillWorker)
+    try:
+        engine = Engine(coord, EngineConfig(step_tokens=16, recovery_wait_s=60.0), vocab=64)
+        ps = prompts(62, 3, 10, shared=4)
+        sink = Collector()
+        three = threading.Event()
+
+        def watch(ev):
+            sink(ev)
+            if isinstance(ev, TokenOut) and ev.index == 2:
+                three.set()
+
+        for i, p in enumerate(ps):
+            engine.submit(GenerateRequest(i, p, SamplingParams(max_new_tokens=16)), watch)
+        engine.start()
+        assert three.wait(30)
+        coord.ranks.ranks[1].worker.inject_fault(coord.steps.next_step + 1, "sleep", 4.0)
+        ends = sink.wait(range(3))
+        engine.close()
+        for i, p in enumerate(ps):
+            assert isinstance(ends[i], Finished), ends[i]
+            assert sink.tokens(i) == list(ends[i].tokens) == greedy_reference(p, 16)
+        assert coord.stats()["recoveries"] == 1
+        assert engine.stats()["recoveries"] >= 1
+        nothing_held(coord)
+    finally:
+        coord.close()
