@@ -46,7 +46,7 @@ def model_group(tp: int = 2, capacity: int = 512, max_request: int = 128) -> Coo
 
 @contextlib.contextmanager
 def served_model(
-    capacity: int = 512, max_request: int = 128, max_batch: int = 8
+    capacity: int = 512, max_request: int = 128, max_batch: int = 8, max_queue: int = 4096
 ) -> Iterator[Served]:
     """The group, a started engine and the network frontend on a loopback port; all
     closed after (frontend first, so its streams are cancelled while the engine runs)."""
@@ -54,7 +54,8 @@ def served_model(
     engine = Engine(coord, EngineConfig(step_tokens=256, max_batch=max_batch), vocab=VOCAB)
     engine.start()
     lock = threading.Lock()
-    front = serve_network(coord, FrontendConfig(endpoint="tcp://127.0.0.1:*"), lock, engine)
+    config = FrontendConfig(endpoint="tcp://127.0.0.1:*", max_queue=max_queue)
+    front = serve_network(coord, config, lock, engine)
     try:
         yield Served(coord, engine, front, lock)
     finally:

@@ -157,3 +157,20 @@ def test_generate_on_a_server_without_a_model() -> None:
     finally:
         front.close()
         coord.close()
+
+
+def test_generate_calls_beyond_the_limit_are_busy() -> None:
+    from tpcache.frontend.frontend import handle
+
+    with served_model(max_queue=2) as s, Client(s.front.endpoint) as c:
+        open_ = [c.generate([1, 2, 3], 100, ignore_eos=True, stream=True) for _ in range(2)]
+        with pytest.raises(api.Busy, match="2 generate calls are running") as got:
+            c.generate([4, 5, 6], 4)
+        assert got.value.retryable
+        for it in open_:
+            it.close()
+        _idle(s)
+        assert len(c.generate([4, 5, 6], 4).tokens) == 4  # (the model has no eos ids)
+        # In-process and Ray cache calls do not take generate calls.
+        reply = api.decode_reply(handle(s.coord, api.encode(api.GenerateCall("x", [1]))))
+        assert isinstance(reply, api.ErrorReply) and reply.error == "BadRequest"

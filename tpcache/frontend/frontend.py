@@ -24,10 +24,12 @@ from tpcache.frontend.api import (
     CachedReply,
     CacheUnfinishedCall,
     Call,
+    CancelCall,
     CoordinatorUnavailable,
     ErrorReply,
     ExtendCall,
     FinishCall,
+    GenerateCall,
     OkReply,
     Reply,
     RequestLost,
@@ -95,6 +97,9 @@ def dispatch(
                 if owner is not None and figures is not None:
                     return StatsReply(client_stats(coord.stats(), figures.of(owner)))
                 return StatsReply(coord.stats())
+            case GenerateCall() | CancelCall():
+                why = "generate calls go to the network frontend or the Ray client's generate"
+                return ErrorReply("BadRequest", why)
     except REJECTED as exc:
         err = error_reply(exc)
     except Exception as exc:  # a bug: the frontend still gets a reply, and the type's name

@@ -110,7 +110,8 @@ class NetFrontend:
         self.endpoint: str = self._sock.get(zmq.LAST_ENDPOINT).decode()
         self._stop = threading.Event()
         self._replies = RecentReplies()  # the serving thread's only
-        self.generate = NetGenerate(engine, self._send)  # the serving thread's only
+        # The serving thread's only; as many generate calls run as calls may wait.
+        self.generate = NetGenerate(engine, self._send, config.max_queue)
         # Counters, written by the serving thread only.
         self.requests = 0
         self.steps = 0

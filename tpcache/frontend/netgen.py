@@ -1,5 +1,6 @@
 """Generate calls on the network frontend: handed to a serving engine, answered as the
-engine's events come.
+engine's events come. At most ``max_queue`` (``FrontendConfig``) run at once; more are
+answered ``Busy`` (retryable).
 
 The engine calls ``sink`` from its own thread; ZMQ sockets are not thread-safe, so the
 events wait in a queue and a byte written to a pipe wakes the frontend's thread (which
@@ -86,9 +87,10 @@ class NetGenerate:
     frontend's socket and says whether ZMQ took it. Every method but ``sink`` runs on the
     frontend's thread."""
 
-    def __init__(self, engine: GenerateEngine | None, send: Send) -> None:
+    def __init__(self, engine: GenerateEngine | None, send: Send, limit: int = 4096) -> None:
         self.engine = engine
         self._send = send
+        self.limit = limit  # generate calls running at once; more are answered Busy
         self._events: queue.SimpleQueue[GenEvent] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -134,6 +136,9 @@ class NetGenerate:
 
     def _start(self, owner: Owner, head: list[bytes], call: api.GenerateCall) -> api.Reply | None:
         assert self.engine is not None
+        if len(self._live) >= self.limit:
+            why = f"{self.limit} generate calls are running here; retry shortly"
+            return api.error_reply(api.Busy(why))
         rid: Any = call.request_id
         try:
             rid = scoped_id(owner, call.request_id)
