@@ -10,8 +10,8 @@ when it keeps up, several when it falls behind), then the ``GeneratedReply`` (or
 ``ErrorReply``); a whole call gets the last alone.
 
 A streaming client that is gone is cancelled: its connection closed (the ROUTER's
-mandatory routing refuses the send) or it stopped reading (ZMQ's send queue for it is
-full). The client also cancels a stream whose iterator it closes. A whole call's client
+mandatory routing refuses the send) or it stopped reading (ZMQ's queues for it are
+full: past its high-water marks, a thousand messages or more). The client also cancels a stream whose iterator it closes. A whole call's client
 that goes away is noticed when its answer is sent; the client cancels on its own
 timeout or interrupt.
 """
