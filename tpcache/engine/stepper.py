@@ -87,6 +87,8 @@ class Stepper:
         """Learn the vocabulary from a one-token forward; refuse the waiting requests
         whose prompts fall outside it."""
         coord = self.coord
+        if coord.mirror.is_running(PROBE_ID):  # left by a probe whose forward failed
+            coord.abort(PROBE_ID)
         coord.admit(PROBE_ID, [0])
         try:
             out = self.model.step([Compute(PROBE_ID, [0])])[0]
