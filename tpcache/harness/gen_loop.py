@@ -152,6 +152,7 @@ class GenLoop:
     def _serve(self, total: int, engine: Engine, sink, poller, wake_r: int) -> None:
         n = self.counters
         last = time.monotonic()
+        forwards = 0
         while n.finished + n.dropped + n.refused < total:
             ready = dict(poller.poll(50))
             if wake_r in ready:
@@ -159,8 +160,9 @@ class GenLoop:
             if self.sock in ready:
                 self._receive(total)
                 self._submit(engine, sink)
-            if self._answer(engine) or ready:
+            if self._answer(engine) or ready or engine.stats()["forwards"] != forwards:
                 last = time.monotonic()
+                forwards = engine.stats()["forwards"]  # a long prefill is progress too
             elif time.monotonic() - last > self.config.idle_timeout_s:
                 raise GenerateError(
                     f"request {self.next_seq} never arrived: nothing to do for "
