@@ -268,4 +268,3 @@ class Cache(Protocol):
         """Queue ``events`` (taken from this cache or another, e.g. the one it replaces)
         ahead of this cache's own: the next ``take_events`` returns them first."""
         ...
-

@@ -29,7 +29,7 @@ from tpcache.cache.records import (
     RequestId,
 )
 from tpcache.cache.reqtable import Taken
-from tpcache.cache.tree.node import pages_of
+from tpcache.cache.tree.node import Node, pages_of
 from tpcache.cache.tree.shapes import Freed
 from tpcache.cache.tree.tree import RadixTree
 
@@ -76,7 +76,7 @@ class RadixCache(OnePoolCache):
     def __init__(self, config: CacheConfig) -> None:
         alloc = PageAllocator(config.num_pages, config.page_size)
         key_fn, hooks = make_policy(config.policy, config.num_pages, config.policy_params)
-        tree = RadixTree(
+        tree: RadixTree[Node] = RadixTree(
             alloc, key_fn, record_events=config.record_events, medium=config.medium, hooks=hooks
         )
         super().__init__(config, alloc, tree)

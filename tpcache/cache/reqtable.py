@@ -21,6 +21,7 @@ from tpcache.cache.errors import (
     OutOfCapacity,
     UnknownRequest,
 )
+from tpcache.cache.host.node import HostNode
 from tpcache.cache.keys import joined_key, pages_to_slots, read_only
 from tpcache.cache.namespace import is_anchor
 from tpcache.cache.records import RequestId, RequestRow
@@ -46,7 +47,7 @@ class Asked(NamedTuple):
 
 # What an admit matched beyond its device prefix, to load (a host tier's): the nodes
 # matched whole, the node where the match stops part-way, and its common tokens.
-Beyond = tuple[list[Node], Node | None, int]
+Beyond = tuple[list[HostNode], HostNode | None, int]
 
 
 class Locked(NamedTuple):

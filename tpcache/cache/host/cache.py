@@ -143,7 +143,7 @@ class HostCache(OnePoolCache):
         if hpart is not None:
             hosts.append(tree.split(hpart, hcommon))
         for h in hosts:  # no host eviction may take what this admit loads
-            h.pinned = True  # type: ignore[attr-defined]
+            h.pinned = True
         try:
             pages = self._room.take(need, evict)
         except OutOfCapacity:

@@ -41,19 +41,19 @@ def check_host_tree(tree: HostTreeShape) -> None:
             continue
         check_node(tree, node)
         _check_tier(tree, node)
-        if node.dev:  # type: ignore[attr-defined]
+        if node.dev:
             cached += node.pages.size
             protected += node.pages.size if node.lock else 0
             dev_pages.append(node.pages)
-            if node.host.size:  # type: ignore[attr-defined]
-                copies += node.host.size  # type: ignore[attr-defined]
-                host_sum += copy_term(node.host, node.pages)  # type: ignore[attr-defined]
+            if node.host.size:
+                copies += node.host.size
+                host_sum += copy_term(node.host, node.pages)
             queued = not node.lock and not has_dev_child(node)
             _check_queued(tree.leaves, dev_live, node, queued, "device")
         else:
             _check_queued(tree.host_leaves, host_live, node, not node.children, "host")
-        host += node.host.size  # type: ignore[attr-defined]
-        host_pages.append(node.host)  # type: ignore[attr-defined]
+        host += node.host.size
+        host_pages.append(node.host)
         term = page_terms(node.states, node.pages)
         if term != node.term:
             raise IntegrityError(f"node {node.id}: digest term {node.term:#x} != {term:#x}")

@@ -34,24 +34,11 @@ from tpcache.cache.host.check import check_host_tree
 from tpcache.cache.host.copylog import CopyLog
 from tpcache.cache.host.evict import evict_device
 from tpcache.cache.host.moves import has_dev_child, write_to_host
+from tpcache.cache.host.node import HostNode
 from tpcache.cache.host.order import RunOrder
 from tpcache.cache.policy.policies import KeyFn
-from tpcache.cache.tree.node import EMPTY_PAGES, Node
 from tpcache.cache.tree.shapes import Freed
 from tpcache.cache.tree.tree import RadixTree
-
-
-class HostNode(Node):
-    """A node of the tiered tree: ``Node``'s fields and its tier. Owned and mutated only
-    by ``HostTree`` and ``host_moves``."""
-
-    __slots__ = ("dev", "host", "pinned")
-
-    def __init__(self, *args: Any) -> None:  # as Node's
-        Node.__init__(self, *args)
-        self.dev = True  # ``pages`` are device pages (else host ids + offset)
-        self.host = EMPTY_PAGES  # host pages holding a copy (all or none of them)
-        self.pinned = False  # being loaded by an admit: no host eviction takes it
 
 
 class TierCut(NamedTuple):
@@ -59,16 +46,16 @@ class TierCut(NamedTuple):
     then the host-only nodes beyond it, matched whole, and the host-only node where the
     match stops part-way with its common tokens."""
 
-    path: list[Node]
+    path: list[HostNode]
     pos: int
-    partial: Node | None
+    partial: HostNode | None
     common: int
-    hosts: list[Node]
-    host_partial: Node | None
+    hosts: list[HostNode]
+    host_partial: HostNode | None
     host_common: int
 
 
-class HostTree(RadixTree):
+class HostTree(RadixTree[HostNode]):
     """``RadixTree`` over a device pool (``alloc``) and a host pool (``host_alloc``).
 
     Owned here: the host allocator's tags (host pages are CACHED while a node holds
@@ -109,28 +96,28 @@ class HostTree(RadixTree):
         self.host_sum = 0  # digest of the copies: each host page with its device page
 
     # ---- the base tree's hooks and overrides --------------------------------------------
-    def split(self, child: Node, at: int) -> Node:
+    def split(self, child: HostNode, at: int) -> HostNode:
         upper = super().split(child, at)
-        upper.dev = child.dev  # type: ignore[attr-defined]
-        upper.pinned = child.pinned  # type: ignore[attr-defined]
-        host = child.host  # type: ignore[attr-defined]
-        if not child.dev:  # type: ignore[attr-defined]  # host-only: pages are host + offset
-            upper.host = upper.pages - self.offset  # type: ignore[attr-defined]
-            child.host = child.pages - self.offset  # type: ignore[attr-defined]
+        upper.dev = child.dev
+        upper.pinned = child.pinned
+        host = child.host
+        if not child.dev:  # host-only: pages are host + offset
+            upper.host = upper.pages - self.offset
+            child.host = child.pages - self.offset
         elif host.size:
             cut = at // self.ps
-            upper.host = host[:cut].copy()  # type: ignore[attr-defined]
-            child.host = host[cut:].copy()  # type: ignore[attr-defined]
+            upper.host = host[:cut].copy()
+            child.host = host[cut:].copy()
         return upper
 
-    def queue_candidate(self, node: Node) -> None:
+    def queue_candidate(self, node: HostNode) -> None:
         # A device candidate: no lock and no child on the device (host children do not
         # hold it: they go down with it or stay below it on the host).
-        dev = node.dev  # type: ignore[attr-defined]
+        dev = node.dev
         if dev and not node.lock and node.alive and not (node.children and has_dev_child(node)):
             self.leaves.push(node)
 
-    def unlock(self, node: Node, top: Node | None = None) -> None:
+    def unlock(self, node: HostNode, top: HostNode | None = None) -> None:
         if node is self.root:
             return
         if node.lock <= 0:
@@ -150,16 +137,16 @@ class HostTree(RadixTree):
                 self.protected_pages -= node.pages.size
             node = node.parent  # type: ignore[assignment]
 
-    def check_lockable(self, node: Node, top: Node | None) -> None:
-        if not node.dev:  # type: ignore[attr-defined]
+    def check_lockable(self, node: HostNode, top: HostNode | None) -> None:
+        if not node.dev:
             raise LockError(f"node {node.id} moved to the host since the match; match again")
 
-    def touch(self, path: list[Node], queue: bool = True) -> None:
+    def touch(self, path: list[HostNode], queue: bool = True) -> None:
         super().touch(path, queue)
         hits = self.through
         if hits is not None:
             for node in path:
-                if node.hits >= hits and not node.host.size:  # type: ignore[attr-defined]
+                if node.hits >= hits and not node.host.size:
                     write_to_host(self, node)
 
     def evict(self, num_pages: int, swa_pages: int = 0) -> Freed:
@@ -176,13 +163,15 @@ class HostTree(RadixTree):
         check_host_tree(self)
 
     # ---- the host walk ------------------------------------------------------------------
-    def tier_cut(self, path: list[Node], pos: int, partial: Node | None, common: int) -> TierCut:
+    def tier_cut(
+        self, path: list[HostNode], pos: int, partial: HostNode | None, common: int
+    ) -> TierCut:
         """A ``descend`` result cut where the device prefix ends."""
         if path and not path[-1].dev:  # (else all are: the device tier is closed under parents)
-            i = next(i for i, node in enumerate(path) if not node.dev)  # type: ignore[attr-defined]
+            i = next(i for i, node in enumerate(path) if not node.dev)
             dpos = pos - sum(len(n.kb) for n in path[i:]) // 4
             return TierCut(path[:i], dpos, None, 0, path[i:], partial, common)
-        if partial is not None and not partial.dev:  # type: ignore[attr-defined]
+        if partial is not None and not partial.dev:
             return TierCut(path, pos, None, 0, [], partial, common)
         return TierCut(path, pos, partial, common, [], None, 0)
 

@@ -40,7 +40,7 @@ from tpcache.cache.tree.tree import Match, RadixTree
 ROOT_MARK = 1  # the root's boundary mark: an SWA lock that runs up the whole path
 
 
-class SwaTree(RadixTree):
+class SwaTree(RadixTree[SwaNode]):
     """``RadixTree`` with SWA pages, tombstones, the boundary lock, window-aware matches
     and a second eviction order.
 
@@ -83,13 +83,13 @@ class SwaTree(RadixTree):
         self.swa_order = EvictionOrder(self.swa_key_fn)  # nodes with SWA KV, not SWA-locked
 
     # ---- matches ------------------------------------------------------------------------
-    def match_walk(self, key: np.ndarray, n: int, start: SwaNode | None = None) -> Match:  # type: ignore[override]
+    def match_walk(self, key: np.ndarray, n: int, start: SwaNode | None = None) -> Match:
         """The longest *window-valid* cached prefix of ``key[:n]`` (``node.window_cut``)
         from the root or an anchor ``start``, changing nothing."""
         found = self.descend(key, n, start)
         return window_cut(*found, self.window) if self.tombstones else found
 
-    def valid_end(self, node: SwaNode, acc: int = 0) -> bool:  # type: ignore[override]
+    def valid_end(self, node: SwaNode, acc: int = 0) -> bool:
         """May a match end at ``node``'s end (its last window, or whole path, has SWA KV)?
 
         ``acc``: tokens with SWA KV already known to follow ``node``'s end.
@@ -106,11 +106,11 @@ class SwaTree(RadixTree):
             node = node.parent  # type: ignore[assignment]
         return True
 
-    def split(self, child: SwaNode, at: int) -> SwaNode:  # type: ignore[override]
+    def split(self, child: SwaNode, at: int) -> SwaNode:
         """``RadixTree.split``; the upper half also takes the SWA use, the SWA lock, the
         tombstone state and the boundary mark (an SWA lock that stopped at the whole node
         stops at its top)."""
-        upper: SwaNode = super().split(child, at)  # type: ignore[assignment]
+        upper: SwaNode = super().split(child, at)
         upper.swa_access = child.swa_access
         upper.swa_hits = child.swa_hits
         upper.swa_lock = child.swa_lock
@@ -122,7 +122,7 @@ class SwaTree(RadixTree):
         self.queue_swa(upper)
         return upper
 
-    def touch(self, path: list[SwaNode], queue: bool = True) -> None:  # type: ignore[override]
+    def touch(self, path: list[SwaNode], queue: bool = True) -> None:
         """``RadixTree.touch``; a hit on the SWA KV of the path's last window too."""
         super().touch(path, queue)
         if path:
@@ -143,15 +143,15 @@ class SwaTree(RadixTree):
 
     # ---- inserts: revival and the new leaf's window --------------------------------------
     # An insert over tombstones (``swa_inserts.py``): the functions take the tree first.
-    revivable = revivable  # type: ignore[assignment]
-    check_new_leaf = check_new_leaf  # type: ignore[assignment]
-    revive = revive_tombstones  # type: ignore[assignment]
+    revivable = revivable
+    check_new_leaf = check_new_leaf
+    revive = revive_tombstones
 
-    def reprioritised(self, node: SwaNode) -> None:  # type: ignore[override]
+    def reprioritised(self, node: SwaNode) -> None:
         if not node.swa_lock and not node.tombstone:
             self.queue_swa(node)
 
-    def inserted(self, end: SwaNode, tick: int, new_pages: int) -> None:  # type: ignore[override]
+    def inserted(self, end: SwaNode, tick: int, new_pages: int) -> None:
         if new_pages:  # a new leaf, with the SWA pages of its own
             self.swa_pages += new_pages
             self.swa_order.push(end)  # alive, no tombstone, not locked
@@ -159,7 +159,7 @@ class SwaTree(RadixTree):
             self._touch_window(end, tick, hit=False)
 
     # ---- the boundary lock --------------------------------------------------------------
-    def boundary(self, node: SwaNode) -> SwaNode:  # type: ignore[override]
+    def boundary(self, node: SwaNode) -> SwaNode:
         """The node where the last ``window`` tokens ending at ``node`` begin (the path's
         top node if it is shorter; the root for the root)."""
         root, w = self.root, self.window
@@ -178,7 +178,7 @@ class SwaTree(RadixTree):
             self._next_mark += 1
         return top.mark
 
-    def find_top(self, node: SwaNode, mark: int) -> SwaNode:  # type: ignore[override]
+    def find_top(self, node: SwaNode, mark: int) -> SwaNode:
         """The node with ``mark`` on the path from ``node`` up; ``StaleBoundary`` if none.
         Marks given out start at 1: 0 is an unmarked node's, never a boundary."""
         if mark < 1:
@@ -187,17 +187,17 @@ class SwaTree(RadixTree):
         while cur is not None:
             if cur.mark == mark:
                 return cur
-            cur = cur.parent  # type: ignore[assignment]
+            cur = cur.parent
         raise StaleBoundary(f"boundary mark {mark} is not on the path of node {node.id}")
 
-    def lock(self, node: SwaNode, top: SwaNode | None = None) -> None:  # type: ignore[override]
+    def lock(self, node: SwaNode, top: SwaNode | None = None) -> None:
         """``RadixTree.lock``, and with ``top`` (a ``boundary``) the SWA lock of the lock's
         last window: ``node`` up to ``top``, inclusive (two-level locks)."""
         super().lock(node)
         if top is not None:
             self._lock_window(node, top, 1)
 
-    def unlock(self, node: SwaNode, top: SwaNode | None = None) -> None:  # type: ignore[override]
+    def unlock(self, node: SwaNode, top: SwaNode | None = None) -> None:
         """Undo one ``lock(node, top)``; raises as ``RadixTree.unlock``, changing nothing."""
         super().unlock(node)
         if top is not None:
@@ -218,7 +218,7 @@ class SwaTree(RadixTree):
     def new_anchor(self, key: bytes) -> SwaNode:
         """``RadixTree.new_anchor``; an anchor has no tokens and its base SWA lock, so it is
         never in the SWA order."""
-        anchor: SwaNode = super().new_anchor(key)  # type: ignore[assignment]
+        anchor: SwaNode = super().new_anchor(key)
         anchor.ntok = 0
         anchor.swa_lock = BASE_LOCK
         return anchor
@@ -252,7 +252,7 @@ class SwaTree(RadixTree):
     def evict_window(self, num_pages: int, out: Freed) -> None:
         evict_window(self, num_pages, out)
 
-    def deleted(self, node: SwaNode, out: Freed) -> None:  # type: ignore[override]
+    def deleted(self, node: SwaNode, out: Freed) -> None:
         self.leaves.live.pop(node, None)  # .forget(node), without the call
         self.swa_order.live.pop(node, None)
         size = node.pages.size
@@ -281,7 +281,7 @@ class SwaTree(RadixTree):
     def evicted(self) -> tuple[int, ...]:
         return self.evicted_pages, self.evicted_swa_pages
 
-    def evictable_after_lock(  # type: ignore[override]
+    def evictable_after_lock(
         self, path: list[SwaNode], partial: SwaNode | None, common: int
     ) -> tuple[int, ...]:
         """The full pool's as the base tree's; SWA: the match's last window is pinned."""
@@ -297,7 +297,7 @@ class SwaTree(RadixTree):
             pinned += p.pages.size if p.swa_lock == 0 else 0
         return full, self.swa_pages - self.swa_protected - pinned
 
-    def locks_of(self, node: SwaNode) -> tuple[int, ...]:  # type: ignore[override]
+    def locks_of(self, node: SwaNode) -> tuple[int, ...]:
         return node.lock, node.swa_lock
 
     def check_window(self) -> WindowCheck:

@@ -92,7 +92,7 @@ def insert_key(
         if priority > node.priority:
             node.priority = priority
             tree.reprioritised(node)
-        node = node.parent  # type: ignore[assignment]
+        node = node.parent
     if dups.size:
         tree.alloc.free(dups, owner, checked=False)
     if have < n:

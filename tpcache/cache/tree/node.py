@@ -1,6 +1,7 @@
 """The radix-tree nodes and the walks every tree shares.
 
-``Node`` is one run of cached pages; ``SwaNode`` adds the sliding window's fields.
+``Node`` is one run of cached pages; ``SwaNode`` adds the sliding window's fields
+(``host/node.py``'s ``HostNode`` the host tier's).
 ``descend`` is the lookup, ``window_cut`` cuts it back where a window forbids a match
 end; ``split_node`` cuts a node in two; ``page_terms`` and the ``*_hash`` helpers compute the block-hash chain states and
 digest terms, lazily (a replay that never asks for a digest never hashes).
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from typing import Any, NamedTuple
+from typing import Any, Generic, NamedTuple, Self, TypeVar
 
 import numpy as np
 
@@ -38,15 +39,18 @@ def seed_of(tree, node) -> int:
     return ROOT_STATE if node is tree.root else tree.spaces[node.kb][1]
 
 
-class Match(NamedTuple):
+NodeT = TypeVar("NodeT", bound="Node")  # a tree's node class: ``Node`` or a kind's
+
+
+class Match(NamedTuple, Generic[NodeT]):
     """Where a walk of a key stopped (``descend``; ``RadixTree.match_walk``): the nodes
     matched whole (``path``), the tokens up to the end of the last of them (``pos``), the
     node where the walk stops part-way (``partial``, ``None`` if none) and how many of
     its tokens match (``common``, whole pages)."""
 
-    path: list[Node]
+    path: list[NodeT]
     pos: int
-    partial: Node | None
+    partial: NodeT | None
     common: int
 
     @property
@@ -245,7 +249,7 @@ class Node:
     def __init__(
         self,
         node_id: int,
-        parent: Node | None,
+        parent: Self | None,  # None: the root
         key: bytes,
         pages: np.ndarray,
         states: np.ndarray | None,  # None until hashed (RadixTree.ensure_hashed)
@@ -253,7 +257,7 @@ class Node:
     ) -> None:
         self.id = node_id
         self.parent = parent
-        self.children: dict[bytes, Node] = {}
+        self.children: dict[bytes, Self] = {}
         self.kb = key  # the int32 tokens, as bytes
         self.pages = pages
         self.states = states
@@ -292,7 +296,7 @@ class SwaNode(Node):
         self.swa_hits = 0
 
 
-def split_node(tree: Any, child: Node, at: int) -> Node:
+def split_node(tree: Any, child: NodeT, at: int) -> NodeT:
     """Cut ``child`` of ``tree`` after ``at`` tokens (whole pages); returns the new upper
     node, registered in the tree.
 

@@ -19,7 +19,7 @@ internal: the caches are the public face and hand out opaque handles, never node
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -46,8 +46,10 @@ from tpcache.cache.tree.shapes import Freed
 
 __all__ = ["Freed", "Node", "RadixTree"]
 
+N = TypeVar("N", bound=Node)  # a tree's node class: ``Node``, or a kind's that adds fields
 
-class RadixTree:
+
+class RadixTree(Generic[N]):
     """Radix tree over whole pages, with locks, a policy-ordered eviction queue and events.
 
     The tree owns its nodes and counters; the allocator owns page tags. Pages enter the
@@ -55,7 +57,7 @@ class RadixTree:
     ``tick`` is the logical clock.
     """
 
-    node_type: type[Node] = Node
+    node_type: type[Any] = Node  # the class of its nodes (``N``; a kind's tree sets its own)
     window: int | None = None  # tokens a lock keeps SWA KV for; None: no SWA pool
     tombstoned_nodes = 0  # nodes that lost their SWA KV (none without a window)
 
@@ -90,9 +92,9 @@ class RadixTree:
         self.clear()
 
     def clear(self) -> None:
-        self.root = self.node_type(0, None, b"", EMPTY_PAGES, EMPTY_STATES, 0)
+        self.root: N = self.node_type(0, None, b"", EMPTY_PAGES, EMPTY_STATES, 0)
         self.root.lock = 1  # the root is never evicted
-        self.nodes: dict[int, Node] = {0: self.root}
+        self.nodes: dict[int, N] = {0: self.root}
         self.tick = 0
         self.cached_pages = 0  # pages in the tree
         self.protected_pages = 0  # pages of nodes with lock > 0
@@ -102,7 +104,7 @@ class RadixTree:
         self.spaces: dict[bytes, tuple[CacheNamespace, int]] = {}
         # Nodes whose block hashes are not computed yet (see ``ensure_hashed``): the
         # tree's, appended and drained by the hashing walks of ``node.py``.
-        self.unhashed: list[Node] = []
+        self.unhashed: list[N] = []
         self.leaves = EvictionOrder(self.key_fn)  # the unlocked leaves
         if self.hooks is not None:
             self.hooks.reset()
@@ -119,7 +121,7 @@ class RadixTree:
         return self._next_id
 
     # ---- lookup -------------------------------------------------------------------------
-    def descend(self, key: np.ndarray, n: int, node: Node | None = None, pos: int = 0) -> Match:
+    def descend(self, key: np.ndarray, n: int, node: N | None = None, pos: int = 0) -> Match:
         """Walk ``key[:n]`` (page-aligned) without changing anything.
 
         Starts at the root, or at ``node`` that is known to end at ``key[:pos]``.
@@ -129,27 +131,27 @@ class RadixTree:
         """
         return descend(self.root if node is None else node, self.ps, key, n, pos)
 
-    def match_walk(self, key: np.ndarray, n: int, start: Node | None = None) -> Match:
+    def match_walk(self, key: np.ndarray, n: int, start: N | None = None) -> Match:
         """``descend`` from the root (or a namespace's anchor ``start``), cut back to where
         a match may end (hook: every point here; a window needs SWA KV before the end).
         Changes nothing."""
         return descend(start or self.root, self.ps, key, n, 0)
 
-    def split(self, child: Node, at: int) -> Node:
+    def split(self, child: N, at: int) -> N:
         """Cut ``child`` after ``at`` tokens (whole pages); returns the new upper node
         (``node.split_node``)."""
         return split_node(self, child, at)
 
     def split_match(
-        self, path: list[Node], pos: int, partial: Node | None, common: int
-    ) -> tuple[list[Node], int]:
+        self, path: list[N], pos: int, partial: N | None, common: int
+    ) -> tuple[list[N], int]:
         """Make a ``descend`` result a match: split the partial node, append its upper half."""
         if partial is not None:
             path.append(self.split(partial, common))
             pos += common
         return path, pos
 
-    def touch(self, path: list[Node], queue: bool = True) -> None:
+    def touch(self, path: list[N], queue: bool = True) -> None:
         """A match used ``path``: advance the clock, count a hit on each node, requeue its
         end (``queue=False``: a lock was just taken on it, so it is no candidate)."""
         self.tick += 1
@@ -172,7 +174,7 @@ class RadixTree:
         hash_pending(self)
 
     # ---- locks --------------------------------------------------------------------------
-    def lock(self, node: Node, top: Node | None = None) -> None:
+    def lock(self, node: N, top: N | None = None) -> None:
         """Protect ``node`` and its ancestors from eviction (counts nest). ``top`` (a
         ``boundary``) is the window's: ``SwaTree`` locks its SWA KV too; none here."""
         root = self.root
@@ -182,7 +184,7 @@ class RadixTree:
             node.lock += 1
             node = node.parent  # type: ignore[assignment]
 
-    def unlock(self, node: Node, top: Node | None = None) -> None:
+    def unlock(self, node: N, top: N | None = None) -> None:
         """Undo one ``lock(node, top)``; raises ``LockError`` (changing nothing) if
         ``node`` is not locked."""
         if node is self.root:
@@ -198,7 +200,7 @@ class RadixTree:
                     self.leaves.push(node)  # now an unlocked leaf (alive: it was locked)
             node = node.parent  # type: ignore[assignment]
 
-    def new_anchor(self, key: bytes) -> Node:
+    def new_anchor(self, key: bytes) -> N:
         """A namespace's anchor under the root, registered (``anchors.anchor_of``): no
         pages, only its base lock."""
         node = self.node_type(
@@ -211,34 +213,34 @@ class RadixTree:
 
     # ---- hooks of the sliding window (SwaTree); without one they do nothing, and the hot
     # paths (locks, inserts, evictions) skip them unless ``window`` (or a ``top``) is set.
-    def boundary(self, node: Node) -> Node | None:
+    def boundary(self, node: N) -> N | None:
         """Where a lock ending at ``node`` stops keeping SWA KV."""
         return None
 
-    def mark_of(self, top: Node | None) -> int:
+    def mark_of(self, top: N | None) -> int:
         """The boundary mark a handle or request keeps for ``top`` (0: none)."""
         return 0
 
-    def find_top(self, node: Node, mark: int) -> Node | None:
+    def find_top(self, node: N, mark: int) -> N | None:
         """The boundary named by ``mark`` on ``node``'s path."""
         return None
 
-    def check_lockable(self, node: Node, top: Node | None) -> None:
+    def check_lockable(self, node: N, top: N | None) -> None:
         """Raise ``LockError`` if ``lock(node, top)`` would lock KV that is gone."""
 
-    def valid_end(self, node: Node) -> bool:
+    def valid_end(self, node: N) -> bool:
         """May a match end at ``node``'s end?"""
         return True
 
-    def revivable(self, path: list[Node], partial: Node | None, differ: np.ndarray) -> Any:
+    def revivable(self, path: list[N], partial: N | None, differ: np.ndarray) -> Any:
         """What an insert over ``path`` revives (``None``: nothing)."""
         return None
 
     def check_new_leaf(
         self,
-        top: Node,
-        path: list[Node],
-        partial: Node | None,
+        top: N,
+        path: list[N],
+        partial: N | None,
         common: int,
         revive: Any,
         tail: int,
@@ -246,19 +248,19 @@ class RadixTree:
         """Raise ``InvalidSlots`` if an insert's new leaf of ``tail`` tokens after ``top``,
         ``path`` and ``common`` tokens of ``partial`` could never be matched."""
 
-    def revive(self, revive: Any, path: list[Node], given: np.ndarray) -> None:
+    def revive(self, revive: Any, path: list[N], given: np.ndarray) -> None:
         """Revive what ``revivable`` found, with the given pages of the walked part."""
 
-    def reprioritised(self, node: Node) -> None:
+    def reprioritised(self, node: N) -> None:
         """``node``'s priority was raised by an insert."""
 
-    def inserted(self, end: Node, tick: int, new_pages: int) -> None:
+    def inserted(self, end: N, tick: int, new_pages: int) -> None:
         """An insert ended at ``end`` at ``tick``, adding ``new_pages`` (a new leaf's)."""
 
     def evict_window(self, num_pages: int, out: Freed) -> None:
         """The second eviction order (SWA KV) frees ``num_pages`` more."""
 
-    def deleted(self, node: Node, out: Freed) -> None:
+    def deleted(self, node: N, out: Freed) -> None:
         """``node`` was deleted by an eviction."""
 
     def free_evicted(self, pages: np.ndarray, out: Freed) -> None:
@@ -266,7 +268,7 @@ class RadixTree:
         and what the window's order freed)."""
 
     # ---- eviction -----------------------------------------------------------------------
-    def queue_candidate(self, node: Node) -> None:
+    def queue_candidate(self, node: N) -> None:
         if not (node.lock or node.children) and node.alive:  # an unlocked leaf
             self.leaves.push(node)
 
@@ -286,7 +288,7 @@ class RadixTree:
         return ((self.cached_pages, self.protected_pages),)
 
     def evictable_after_lock(
-        self, path: list[Node], partial: Node | None, common: int
+        self, path: list[N], partial: N | None, common: int
     ) -> tuple[int, ...]:
         """Pages per pool eviction could free once the match ``path`` (and ``common``
         tokens of ``partial``) is locked: its pages are not evictable then."""
@@ -306,7 +308,7 @@ class RadixTree:
     def stats(self) -> CacheStats:
         return CacheStats(self.evict_calls, self.evicted(), self.tombstoned_nodes)
 
-    def locks_of(self, node: Node) -> tuple[int, ...]:
+    def locks_of(self, node: N) -> tuple[int, ...]:
         """A node's lock counts per pool."""
         return (node.lock,)
 
@@ -315,9 +317,9 @@ class RadixTree:
         return None
 
     # ---- whole-tree views -----------------------------------------------------------------
-    def walk(self) -> list[Node]:
+    def walk(self) -> list[N]:
         """Every node but the root, parents before children, children in key order."""
-        out: list[Node] = []
+        out: list[N] = []
         stack = [self.root]
         while stack:
             node = stack.pop()
