@@ -153,8 +153,8 @@ class RankWorker(RankSetup):
 
     def model_times(self) -> dict[str, float]:
         """This rank's forwards since its runner was installed: how many, the tokens they
-        computed, the CPU and wall seconds inside the runner's ``run``, and this process's
-        CPU seconds so far (so a caller can tell the model's cost from the rest). Reads
+        computed, the CPU and wall seconds inside the runner's ``run``, this process's
+        CPU seconds so far and its torch threads (so a caller can tell the model's cost from the rest). Reads
         only."""
         m = self.models
         return {
@@ -163,6 +163,7 @@ class RankWorker(RankSetup):
             "run_cpu_s": m.run_cpu_s,
             "run_wall_s": m.run_wall_s,
             "process_cpu_s": time.process_time(),
+            "torch_threads": torch.get_num_threads(),
         }
 
     def load_model(self, spec: ModelSpec) -> dict[str, Any]:
