@@ -12,6 +12,8 @@ import os
 import time
 from typing import Any
 
+import torch
+
 from tpcache.cache.protocol import Cache
 from tpcache.group.spec import GroupError
 from tpcache.kv.pool import KVPool
