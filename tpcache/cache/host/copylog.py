@@ -30,12 +30,13 @@ class CopyLog:
     def start(self, to_host: bool, device: np.ndarray, host: np.ndarray) -> int:
         cid = self.started
         self.started = cid + 1
-        if self.touch is None:
+        touch, loads = self.touch, self.loads  # both arrays, or both None
+        if touch is None or loads is None:
             self.completed = cid + 1
         else:
-            self.touch[device] = cid + 1
+            touch[device] = cid + 1
             if not to_host:
-                self.loads[device] = cid + 1  # type: ignore[index]
+                loads[device] = cid + 1
         if self.keep:
             self.records.append(HostCopy(cid, to_host, device.copy(), host.copy()))
         return cid

@@ -121,6 +121,9 @@ def make_policy(
         raise CacheError(f"unknown policy {name!r}; known: {', '.join(CACHE_POLICIES)}")
     check_policy_params(name, params)
     if name == RESIGHT:
-        policy = ResightPolicy(capacity_pages, params)  # type: ignore[arg-type]
+        # ``params`` is a ResightParams or None now (``check_policy_params``).
+        policy = ResightPolicy(
+            capacity_pages, params if isinstance(params, ResightParams) else None
+        )
         return policy.key, policy
     return POLICY_KEYS[name], None

@@ -87,7 +87,7 @@ class HandleLocks:
         if (
             type(handle) is not (SwaHandle if self.windowed else Handle)
             or type(handle.node_id) is not int
-            or (self.windowed and type(handle.swa_boundary) is not int)  # type: ignore[attr-defined]
+            or (isinstance(handle, SwaHandle) and type(handle.swa_boundary) is not int)
             or type(handle.tag) is not bytes
         ):
             raise UnknownHandle(f"not a handle of this cache: {handle!r}")
@@ -104,7 +104,8 @@ class HandleLocks:
             raise UnknownHandle(
                 f"handle {node.id} names a namespace anchor, which no handle may lock"
             )
-        mark = handle.swa_boundary if self.windowed else 0  # type: ignore[attr-defined]
+        # Past the check above, a handle is a SwaHandle exactly when the cache is windowed.
+        mark = handle.swa_boundary if isinstance(handle, SwaHandle) else 0
         # The mark is looked up before the tag is checked: one that is not on the path
         # is stale whoever made the handle, and saying so is the more useful refusal.
         top = self.tree.find_top(node, mark)
