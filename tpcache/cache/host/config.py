@@ -93,7 +93,7 @@ class HostAdmitResult(AdmitResult):
     and ``host_hit_length``: how many of them (the last ones of the prefix) were loaded
     from the host (their copies are in the cache's copy log), and ``ready_after``: how
     many copies of the copy log must be done before the request's forward may read or
-    write its row (0: at once; see ``HostCache.request_ready``)."""
+    write its row (0: at once; see ``HostPart.request_ready``)."""
 
     host_hit_length: int = 0
     ready_after: int = 0
