@@ -1,5 +1,5 @@
-"""``Cache``: what every cache kind offers, and all that the layers above may ask of one;
-``SwaPart`` and ``HostPart``: the parts a cache may be built with, and what they add.
+"""``Cache``: what every cache kind offers, and all that the layers above may ask of one
+besides its parts (``parts.py``: ``SwaPart``, ``HostPart``).
 
 ``RadixCache`` (one pool), ``HybridCache`` (a full and a sliding-window pool) and
 ``HostCache`` (one pool and a host tier) implement ``Cache``, through one
