@@ -46,6 +46,7 @@ from tpcache.frontend.calls import (
     GenerateCalls,
     Pending,
     RequestCalls,
+    TokenStream,
     UnexpectedReply,
     checked,
 )
@@ -193,4 +194,4 @@ def _check_session(session: object) -> bytes:
     return session
 
 
-__all__ = ["Batch", "Client", "Pending"]
+__all__ = ["Batch", "Client", "Pending", "TokenStream"]

@@ -42,8 +42,10 @@ def test_streamed_and_whole_answers_agree_with_the_engine() -> None:
                 8,
                 12,
             )
-            streamed = list(c.generate(prompt, 12, ignore_eos=True, stream=True))
-            assert streamed == whole.tokens
+            stream = c.generate(prompt, 12, ignore_eos=True, stream=True)
+            assert list(stream) == whole.tokens and stream.result is not None
+            assert (stream.result.tokens, stream.result.finish_reason) == (whole.tokens, "length")
+            stream.close()  # after the end: nothing to cancel
             # The second run found the first's prompt in the cache.
             again = c.generate(prompt, 12, ignore_eos=True)
             assert again.tokens == whole.tokens and again.cached_tokens >= 4
@@ -107,12 +109,16 @@ def test_a_client_that_goes_away_mid_stream_is_cancelled() -> None:
         _idle(s)
         assert s.front.generate.dropped == 1
         assert s.engine.stats()["live"] == 0
-        # Closing the iterator cancels explicitly.
+        # Closing the iterator (or leaving its block) cancels explicitly.
         with Client(s.front.endpoint) as c2:
-            it = c2.generate([1, 2, 3, 4], 100, ignore_eos=True, stream=True)
+            it = c2.generate([1, 2, 3, 4], 100, ignore_eos=True, stream=True, request_id=7)
             next(it)
             it.close()
             _idle(s)
+            with c2.generate([1, 2, 3, 4], 100, ignore_eos=True, stream=True) as it:
+                next(it)
+            _idle(s)
+            assert it.result is None and list(it) == []
             assert s.front.generate.dropped == 1  # cancelled by the client, not dropped
             assert c2.cancel("nothing-running") is False
 

@@ -156,9 +156,9 @@ class GenerateCalls:
     ) -> Any:
         """Generate after ``prompt_token_ids`` on a server that serves a model
         (``engine.requests.SamplingParams`` says what the sampling arguments do).
-        ``stream``: an iterator of the token ids as they are sampled (closing it early
-        cancels the request); else the ``api.GeneratedReply`` once all are (tokens,
-        finish_reason, prompt_tokens, cached_tokens). ``request_id``: this client's id
+        ``stream``: a ``TokenStream`` of the token ids as they are sampled (closing it
+        early cancels the request); else the ``api.GeneratedReply`` once all are
+        (tokens, finish_reason, prompt_tokens, cached_tokens). ``request_id``: this client's id
         for it (default: a random one), which ``cancel`` takes.
 
         Raises ``BadSampling`` here for an argument out of range, before anything is
@@ -181,27 +181,13 @@ class GenerateCalls:
         call.as_request(rid)  # BadSampling before anything is sent
         replies = self._open(call)
         if stream:
-            return self._tokens(rid, replies)
+            return TokenStream(self, rid, replies)
         done = False
         try:
             for reply in replies:
                 if not isinstance(reply, api.TokensReply):
                     done = True
                     return checked(reply, api.GeneratedReply)
-            raise UnexpectedReply("the server ended a generate call without its answer")
-        finally:
-            self._close(rid, replies, done)
-
-    def _tokens(self, rid: Any, replies: Iterator[api.Reply]) -> Iterator[int]:
-        done = False
-        try:
-            for reply in replies:
-                if isinstance(reply, api.TokensReply):
-                    yield from reply.tokens
-                    continue
-                done = True
-                checked(reply, api.GeneratedReply)
-                return
             raise UnexpectedReply("the server ended a generate call without its answer")
         finally:
             self._close(rid, replies, done)
@@ -220,3 +206,57 @@ class GenerateCalls:
         """Stop a running generate call of this client; its slots come back and its
         answer ends with finish reason ``cancelled``. False if it was not running."""
         return self._send(api.CancelCall(request_id), api.CancelReply).cancelled
+
+
+class TokenStream:
+    """The token ids of a streamed generate call, as they are sampled; ``result`` holds
+    its ``api.GeneratedReply`` once read to the end (which raises the call's typed
+    error instead if it failed). ``close()`` (or leaving a ``with`` block) before the
+    end cancels the request; so does an error while reading (a ``GenerateTimeout``).
+    Close it or read it to the end: one dropped unread keeps running on the server
+    until it ends."""
+
+    def __init__(self, client: GenerateCalls, request_id: Any, replies: Iterator[api.Reply]):
+        self.request_id = request_id
+        self.result: api.GeneratedReply | None = None  # set when the last reply is read
+        self._client = client
+        self._replies = replies
+        self._waiting: list[int] = []  # tokens of the last reply not yielded yet
+        self._done = False  # the last reply was read, or the stream was closed
+
+    def __iter__(self) -> TokenStream:
+        return self
+
+    def __next__(self) -> int:
+        while not self._waiting:
+            if self._done:
+                raise StopIteration
+            try:
+                reply = next(self._replies)
+            except StopIteration:
+                self._done = True
+                raise UnexpectedReply(
+                    "the server ended a generate call without its answer"
+                ) from None
+            except BaseException:
+                self.close()
+                raise
+            if isinstance(reply, api.TokensReply):
+                self._waiting = list(reversed(reply.tokens))
+                continue
+            self._done = True
+            self.result = checked(reply, api.GeneratedReply)
+        return self._waiting.pop()
+
+    def close(self) -> None:
+        """Stop reading; cancel the request unless its answer came. Idempotent."""
+        if self._done and self.result is not None:
+            return
+        done, self._done = self._done, True
+        self._client._close(self.request_id, self._replies, done)
+
+    def __enter__(self) -> TokenStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
