@@ -74,6 +74,13 @@ def test_model_options_make_the_group_and_the_engine(tiny_model) -> None:
     assert (eng.step_tokens, eng.max_batch, eng.eos_token_ids) == (64, 3, (2,))
     assert (serving.vocab, serving.model_name, serving.http_port) == (128, "tiny", None)
     assert serving.network.endpoint == f"ipc://{root}/x.sock"
+    (root / "token").write_text("a-token-of-16-chars-or-more\n")
+    tcp = ["--network-endpoint", "tcp://0.0.0.0:5999", "--network-token-file", str(root / "token")]
+    _, guarded = serve_config(build_parser().parse_args(["serve", "--model", model, *tcp]))
+    assert (guarded.network.token, guarded.network.insecure) == (
+        "a-token-of-16-chars-or-more",
+        False,
+    )
     # Without a model: the index service, as before.
     plain, none = serve_config(build_parser().parse_args(["serve"]))
     assert (plain.runner, plain.capacity_tokens, none.network) == (None, 1 << 20, None)

@@ -16,6 +16,7 @@ import os
 from typing import Any
 
 from tpcache.cli.args import port_arg, positive_arg
+from tpcache.cli.key_files import read_key
 from tpcache.errors import TpcacheError
 
 LLAMA = "tpcache.model.llama:LlamaRunner"
@@ -173,7 +174,6 @@ def checkpoint_facts(model_dir: str) -> dict[str, Any]:
 def serve_options(args: argparse.Namespace, found: dict[str, Any]) -> Any:
     """The service's ``ServeOptions``: the engine's schedule, the endpoints. Raises
     ``ServeModelError`` for a network endpoint that needs keys it was not given."""
-    from tpcache.cli.serve_options import read_key
     from tpcache.engine.config import EngineConfig
     from tpcache.frontend.netfront import FrontendConfig, FrontendConfigError
     from tpcache.frontend.serving import ServeOptions

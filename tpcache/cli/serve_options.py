@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from tpcache.cli.args import group_config, name_arg, picked, port_arg, positive_arg
+from tpcache.cli.key_files import read_key, read_keys
 
 EVENTS_BUFFER = 10_000
 DEFAULT_CAPACITY = 1 << 20  # KV slots per rank of a group without a model
@@ -157,20 +158,3 @@ def serve_config(args: argparse.Namespace):  # -> (GroupConfig, ServeOptions)
 
 def metrics_host(args: argparse.Namespace) -> str:
     return METRICS_HOST if args.metrics_host is None else args.metrics_host
-
-
-def read_key(path: str | None) -> str | None:
-    """A CURVE key kept in a file (its first line)."""
-    if path is None:
-        return None
-    with open(path) as f:
-        return f.readline().strip()
-
-
-def read_keys(path: str | None) -> tuple[str, ...]:
-    """CURVE public keys, one per line (blank lines and # comments skipped)."""
-    if path is None:
-        return ()
-    with open(path) as f:
-        lines = (line.split("#", 1)[0].strip() for line in f)
-        return tuple(line for line in lines if line)
