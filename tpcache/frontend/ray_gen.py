@@ -38,10 +38,11 @@ class Polled:
 
 
 class RayGenerate:
-    """The Ray service's generate calls over ``engine``. Thread-safe: Ray's threads
-    call ``start``, ``poll`` and ``cancel``; the engine's thread calls ``sink``."""
+    """The Ray service's generate calls over ``engine`` (None: the group runs no model,
+    and a generate call is answered ``NoModel``). Thread-safe: Ray's threads call
+    ``start``, ``poll`` and ``cancel``; the engine's thread calls ``sink``."""
 
-    def __init__(self, engine: GenerateEngine, abandon_s: float = 60.0) -> None:
+    def __init__(self, engine: GenerateEngine | None, abandon_s: float = 60.0) -> None:
         self.engine = engine
         self.abandon_s = abandon_s
         self._cv = threading.Condition()
@@ -57,6 +58,9 @@ class RayGenerate:
                 raise api.BadRequest(f"expected a generate call, got {type(call).__name__}")
         except api.BadRequest as exc:
             return api.encode(api.error_reply(exc))
+        if self.engine is None:
+            why = "this coordinator serves no model (serve one with `tpcache serve --model`)"
+            return api.encode(api.error_reply(api.NoModel(why)))
         self.sweep()
         rid: Any = call.request_id
         try:
@@ -131,7 +135,8 @@ class RayGenerate:
             return api.encode(api.error_reply(exc))
         with self._cv:
             known = rid in self._polled
-        return api.encode(api.CancelReply(known and self.engine.cancel(rid)))
+        stopped = known and self.engine is not None and self.engine.cancel(rid)
+        return api.encode(api.CancelReply(stopped))
 
     def sweep(self) -> None:
         """Cancel the requests no one polled for ``abandon_s``, and forget them."""
@@ -142,7 +147,8 @@ class RayGenerate:
                 del self._polled[rid]
         for rid in gone:
             self.abandoned += 1
-            self.engine.cancel(rid)
+            if self.engine is not None:
+                self.engine.cancel(rid)
 
     @property
     def running(self) -> int:

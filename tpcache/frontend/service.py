@@ -27,6 +27,7 @@ from tpcache.frontend import api
 from tpcache.frontend.frontend import REJECTED, handle, handle_many
 from tpcache.frontend.owners import Owner
 from tpcache.frontend.ray_client import DEFAULT_NAMESPACE, Client, connect
+from tpcache.frontend.ray_gen import RayGenerate
 from tpcache.frontend.served import describe, find_served, stop_served
 from tpcache.frontend.serving import ModelServing, ServeOptions
 from tpcache.workers.rank import RankWorker
@@ -109,6 +110,7 @@ class CoordinatorService:
     ) -> None:
         self.config = config
         self.serving: ModelServing | None = None
+        self.generate = RayGenerate(None)  # its engine's once the group runs a model
         self._stop = threading.Event()
         restarted = False
         with contextlib.suppress(Exception):  # not inside an actor: no restart to detect
@@ -123,6 +125,7 @@ class CoordinatorService:
             try:
                 has_model = config.runner is not None
                 self.serving = ModelServing(self.coord, serving or ServeOptions(), has_model)
+                self.generate = self.serving.generate
             except BaseException:
                 self.coord.close()
                 raise
@@ -153,29 +156,19 @@ class CoordinatorService:
         while not self._stop.wait(interval):
             with contextlib.suppress(Exception):  # errors reach frontends
                 self.coord.check_health()
-            if self.serving is not None and self.serving.generate is not None:
-                self.serving.generate.sweep()
+            self.generate.sweep()
 
     # ---- generate (a model served; polled: ``ray_gen``) ---------------------------------
     def generate_start(self, data: bytes, session: bytes) -> bytes:
         """Submit an encoded ``GenerateCall``: an encoded ``OkReply`` or ``ErrorReply``
-        (``NoModel`` when the group runs no model)."""
-        gen = None if self.serving is None else self.serving.generate
-        if gen is None:
-            why = "this coordinator serves no model (serve one with `tpcache serve --model`)"
-            return api.encode(api.error_reply(api.NoModel(why)))
-        return gen.start(data, _owner(session) or Owner(b""))
+        (``NoModel`` when the group runs no model). Then ``generate_poll``."""
+        return self.generate.start(data, _owner(session) or Owner(b""))
 
     def generate_poll(self, session: bytes, request_id: Any, wait_s: float) -> list[bytes]:
-        """The encoded replies of a generate call waiting now (``RayGenerate.poll``)."""
-        assert self.serving is not None and self.serving.generate is not None
-        return self.serving.generate.poll(_owner(session) or Owner(b""), request_id, wait_s)
+        return self.generate.poll(_owner(session) or Owner(b""), request_id, wait_s)
 
     def generate_cancel(self, session: bytes, request_id: Any) -> bytes:
-        gen = None if self.serving is None else self.serving.generate
-        if gen is None:
-            return api.encode(api.CancelReply(False))
-        return gen.cancel(_owner(session) or Owner(b""), request_id)
+        return self.generate.cancel(_owner(session) or Owner(b""), request_id)
 
     def endpoints(self) -> dict[str, str | None]:
         """Where this service's network frontend and HTTP endpoint listen (None: not)."""

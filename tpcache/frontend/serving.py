@@ -52,7 +52,7 @@ class ModelServing:
         if options.http_port is not None and not has_model:
             raise ServingConfigError("an HTTP endpoint needs a model to serve")
         self.engine: Engine | None = None
-        self.generate: RayGenerate | None = None
+        self.generate = RayGenerate(None)  # NoModel until an engine runs
         self.front: NetFrontend | None = None
         self.http: Any = None  # an OpenAIServer
         try:
