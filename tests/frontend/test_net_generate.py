@@ -180,3 +180,26 @@ def test_generate_calls_beyond_the_limit_are_busy() -> None:
         # In-process and Ray cache calls do not take generate calls.
         reply = api.decode_reply(handle(s.coord, api.encode(api.GenerateCall("x", [1]))))
         assert isinstance(reply, api.ErrorReply) and reply.error == "BadRequest"
+
+
+def test_ray_generate_cancels_a_request_no_one_polls() -> None:
+    """``RayGenerate`` (the Ray service's generate, here over thread ranks): a request
+    whose client stops polling is cancelled after ``abandon_s`` and forgotten."""
+    from tpcache.frontend.owners import Owner
+    from tpcache.frontend.ray_gen import RayGenerate
+
+    with served_model() as s:
+        gen = RayGenerate(s.engine, abandon_s=0.3)
+        who = Owner(b"ray:test-session")
+        call = api.GenerateCall("r1", [1, 2, 3], 100, ignore_eos=True, stream=True)
+        assert isinstance(api.decode_reply(gen.start(api.encode(call), who)), api.OkReply)
+        first = [api.decode_reply(b) for b in gen.poll(who, "r1", 5.0)]
+        assert isinstance(first[0], api.TokensReply) and first[0].start == 0
+        again = api.decode_reply(gen.start(api.encode(call), who))
+        assert isinstance(again, api.ErrorReply) and "'r1'" in again.message
+        time.sleep(0.5)
+        gen.sweep()
+        assert (gen.abandoned, gen.running) == (1, 0)
+        (gone,) = [api.decode_reply(b) for b in gen.poll(who, "r1", 0.0)]
+        assert isinstance(gone, api.ErrorReply) and gone.error == "UnknownRequest"
+        _idle(s)
