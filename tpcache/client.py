@@ -38,6 +38,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import msgspec
 import zmq
 
 from tpcache.frontend import api
@@ -56,8 +57,8 @@ from tpcache.transport.netsec import make_client
 class Client(RequestCalls[api.AdmitReply, api.SlotsReply, api.CachedReply, None], GenerateCalls):
     """A DEALER socket to the network frontend at ``endpoint``. Not thread-safe: one per
     thread (they are cheap). ``timeout_s`` bounds each round trip: no reply in time is
-    ``OutcomeUnknown`` (see ``resend``); for a generate call, each wait for the next part
-    of its answer (``GenerateTimeout``, and the call is cancelled).
+    ``OutcomeUnknown`` (see ``resend``); for a generate call, each wait for its next
+    token (``GenerateTimeout``, and the call is cancelled).
 
     Its request ids are scoped to its ``session`` (its routing id; random unless given):
     another ``Client`` does not reach its requests. A router that restarts and must
@@ -147,7 +148,11 @@ class Client(RequestCalls[api.AdmitReply, api.SlotsReply, api.CachedReply, None]
 
     def _open(self, call: api.GenerateCall) -> Iterator[api.Reply]:
         rid = (next(self._ids) % (1 << 64)).to_bytes(8, "big")
-        self._sock.send_multipart([rid, self._token, api.encode_calls([call])])
+        # Streamed on the wire even for a whole answer: ``timeout_s`` then bounds the wait
+        # for the next token, not the whole generation, and the server finds a client
+        # that left while it generates.
+        wire = msgspec.structs.replace(call, stream=True)
+        self._sock.send_multipart([rid, self._token, api.encode_calls([wire])])
         self._streams[rid] = collections.deque()
         return self._stream_replies(rid)
 

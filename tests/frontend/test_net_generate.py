@@ -5,6 +5,8 @@ requests that can never fit, bad sampling, and a server that serves no model."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -46,6 +48,9 @@ def test_streamed_and_whole_answers_agree_with_the_engine() -> None:
             assert list(stream) == whole.tokens and stream.result is not None
             assert (stream.result.tokens, stream.result.finish_reason) == (whole.tokens, "length")
             stream.close()  # after the end: nothing to cancel
+            # The wire's whole form (the client streams even a whole answer): one reply.
+            (raw,) = c.send([api.GenerateCall("raw", prompt, 12, ignore_eos=True)])
+            assert isinstance(raw, api.GeneratedReply) and raw.tokens == whole.tokens
             # The second run found the first's prompt in the cache.
             again = c.generate(prompt, 12, ignore_eos=True)
             assert again.tokens == whole.tokens and again.cached_tokens >= 4
@@ -109,6 +114,19 @@ def test_a_client_that_goes_away_mid_stream_is_cancelled() -> None:
         _idle(s)
         assert s.front.generate.dropped == 1
         assert s.engine.stats()["live"] == 0
+        # A process waiting for a whole answer, killed: found as its tokens are sent.
+        code = (
+            "import sys; from tpcache.client import Client\n"
+            "Client(sys.argv[1]).generate([4, 3, 2, 1], 120, ignore_eos=True)\n"
+        )
+        proc = subprocess.Popen([sys.executable, "-c", code, s.front.endpoint])
+        deadline = time.monotonic() + 60
+        while s.front.generate.running == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        proc.kill()
+        proc.wait()
+        _idle(s)
+        assert s.front.generate.dropped == 2
         # Closing the iterator (or leaving its block) cancels explicitly.
         with Client(s.front.endpoint) as c2:
             it = c2.generate([1, 2, 3, 4], 100, ignore_eos=True, stream=True, request_id=7)
@@ -119,7 +137,7 @@ def test_a_client_that_goes_away_mid_stream_is_cancelled() -> None:
                 next(it)
             _idle(s)
             assert it.result is None and list(it) == []
-            assert s.front.generate.dropped == 1  # cancelled by the client, not dropped
+            assert s.front.generate.dropped == 2  # cancelled by the client, not dropped
             assert c2.cancel("nothing-running") is False
 
 
