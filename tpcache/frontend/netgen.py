@@ -11,9 +11,10 @@ when it keeps up, several when it falls behind), then the ``GeneratedReply`` (or
 
 A streaming client that is gone is cancelled: its connection closed (the ROUTER's
 mandatory routing refuses the send) or it stopped reading (ZMQ's queues for it are
-full: past its high-water marks, a thousand messages or more). The client also cancels a stream whose iterator it closes, and asks for a stream even
-for a whole answer; a client of the wire's whole form that goes away is noticed only
-when its answer is sent.
+full: past its high-water marks, a thousand messages or more). ``tpcache.client``
+cancels a stream whose iterator it closes, and asks for a stream even for a whole
+answer; a client of the wire's whole form that goes away is noticed only when its
+answer is sent.
 """
 
 from __future__ import annotations
