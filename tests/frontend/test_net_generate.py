@@ -221,3 +221,14 @@ def test_ray_generate_cancels_a_request_no_one_polls() -> None:
         (gone,) = [api.decode_reply(b) for b in gen.poll(who, "r1", 0.0)]
         assert isinstance(gone, api.ErrorReply) and gone.error == "UnknownRequest"
         _idle(s)
+
+
+def test_request_ids_are_each_clients_own() -> None:
+    with served_model() as s, Client(s.front.endpoint) as a, Client(s.front.endpoint) as b:
+        mine = a.generate([1, 2, 3], 30, ignore_eos=True, stream=True, request_id="same")
+        first = next(mine)
+        assert b.cancel("same") is False  # another client's id: unknown to it
+        theirs = b.generate([1, 2, 3], 30, ignore_eos=True, request_id="same")
+        rest = list(mine)
+        assert [first, *rest] == theirs.tokens and mine.result.finish_reason == "length"
+        _idle(s)
