@@ -119,6 +119,7 @@ def test_model_refusals_are_one_line(tiny_model, capsys, extra, said) -> None:
         (["--http-port", "0"], "--http-port needs --model or --runner"),
         (["--runner-arg", "a=1"], "--runner-arg needs --runner"),
         (["--network-insecure"], "--network-insecure needs --network-endpoint"),
+        (["--model", "m", "--http-host", "::1"], "--http-host needs --http-port"),
     ],
 )
 def test_options_without_what_they_need(capsys, args, said) -> None:

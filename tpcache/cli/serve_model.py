@@ -77,7 +77,7 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="serve a network address with no authentication (anyone who reaches it)",
     )
-    n.add_argument("--http-host", default="127.0.0.1", help="OpenAI endpoint host (loopback)")
+    n.add_argument("--http-host", default=None, help="OpenAI endpoint host (default 127.0.0.1)")
     n.add_argument(
         "--http-port",
         type=port_arg,
@@ -108,6 +108,9 @@ def model_error(args: argparse.Namespace) -> str | None:
     alone = [flag for flag in _NETWORK_ONLY if _given(args, flag)]
     if alone and args.network_endpoint is None:
         return _need(alone, "--network-endpoint")
+    alone = [flag for flag in ("--http-host", "--http-api-key-file") if _given(args, flag)]
+    if alone and args.http_port is None:
+        return _need(alone, "--http-port")
     return None
 
 
@@ -201,7 +204,7 @@ def serve_options(args: argparse.Namespace, found: dict[str, Any]) -> Any:
         engine=engine,
         vocab=found.get("vocab"),
         network=network,
-        http_host=args.http_host,
+        http_host=args.http_host or "127.0.0.1",
         http_port=args.http_port,
         http_api_key=read_key(args.http_api_key_file),
         model_name=found.get("model_name", "tpcache"),
