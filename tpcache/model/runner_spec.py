@@ -4,7 +4,8 @@ keyword arguments of plain data (a Ray rank builds its runner in its own process
 ``runner_options`` turns a runner's name and ``k=v`` arguments (``"module:Class"``,
 ``["k=v", ...]``) into ``GroupConfig`` fields; ``build_runner`` imports and constructs; ``runner_pool``
 is the pool a runner's layout asks for. Every error is a ``RunnerSpecError`` raised
-before any rank starts.
+before any rank starts. ``tpcache serve --runner module:Class --runner-arg k=v`` serves
+such a runner (``--model DIR`` is ``LlamaRunner`` with ``model=DIR``).
 """
 
 from __future__ import annotations
