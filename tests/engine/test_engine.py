@@ -63,6 +63,7 @@ def test_a_cached_prefix_is_not_computed_again(make_group):
     assert first["a"].cached_tokens == 0
     assert second["b"].cached_tokens == 24  # the whole pages a shares with b
     assert computed == 30 - 24
+    assert (first["a"].computed_tokens, second["b"].computed_tokens) == (30, 6)
     assert list(second["b"].tokens) == greedy_reference(b, 4)
     nothing_held(engine.coord)
 

@@ -66,6 +66,11 @@ def test_hits_chunks_and_preemption_give_transformers_tokens(tmp_path, family):
             stats = engine.stats()
             assert stats["cached_tokens"] >= 12  # the shared stem, at least once
             assert (stats["preemptions"] > 0) == pressed, stats
+            # Each request's own count of prefill computed adds up to the engine's; a
+            # preempted one computes more than its prompt minus its cached prefix.
+            assert sum(e.computed_tokens for e in ends.values()) == stats["prefill_tokens"]
+            over = [e.computed_tokens > e.prompt_tokens - e.cached_tokens for e in ends.values()]
+            assert any(over) == pressed
             engine.close()
             nothing_held(coord)
         finally:

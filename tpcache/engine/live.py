@@ -34,6 +34,7 @@ class Live:
     prompt_cached: int = 0  # the same, at its first admission (Finished reports it)
     preemptions: int = 0
     recoveries: int = 0
+    prefilled: int = 0  # prefill tokens the ranks computed for it, over all admissions
     ended: bool = False  # its Finished or Failed is queued
     # Its prefill runs in steps of its own: it was in two failed steps in a row, and may
     # be what fails them (a prompt the ranks refuse), so it must not take others along.

@@ -128,8 +128,10 @@ class TokenOut:
 @dataclass(frozen=True)
 class Finished:
     """``rid`` is done: every token it generated, why it stopped (``FINISH_REASONS``),
-    its prompt's length and how many of those tokens came from the cache at its (last)
-    admission, and how often it was preempted or re-prefilled after a group recovery."""
+    its prompt's length and how many of those tokens came from the cache at its first
+    admission, how often it was preempted or re-prefilled after a group recovery, and
+    the prefill tokens the ranks computed for it over all its admissions (a request
+    never preempted or re-run computes ``prompt_tokens - cached_tokens``)."""
 
     rid: str | int
     tokens: tuple[int, ...]
@@ -138,6 +140,7 @@ class Finished:
     cached_tokens: int
     preemptions: int = 0
     recoveries: int = 0
+    computed_tokens: int = 0
 
 
 @dataclass(frozen=True)

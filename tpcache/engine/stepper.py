@@ -115,6 +115,7 @@ class Stepper:
                 c.decode_tokens += out.computed
             else:
                 c.prefill_tokens += out.computed
+                live.prefilled += out.computed
                 live.done += out.computed
                 if live.prefilling:
                     continue
@@ -167,6 +168,7 @@ class Stepper:
             live.prompt_cached,
             live.preemptions,
             live.recoveries,
+            live.prefilled,
         )
         self._end(live, ev)
 
