@@ -232,3 +232,17 @@ def test_request_ids_are_each_clients_own() -> None:
         rest = list(mine)
         assert [first, *rest] == theirs.tokens and mine.result.finish_reason == "length"
         _idle(s)
+
+
+def test_no_token_in_time_is_a_timeout_and_cancels() -> None:
+    with served_model() as s, Client(s.front.endpoint, timeout_s=0.001) as c:
+        with pytest.raises(api.GenerateTimeout, match="cancelled") as got:
+            c.generate([1, 2, 3], 100, ignore_eos=True)
+        assert got.value.retryable
+        it = c.generate([1, 2, 3], 100, ignore_eos=True, stream=True)
+        with pytest.raises(api.GenerateTimeout):
+            list(it)
+        assert it.result is None and list(it) == []
+        c.timeout_s = 30.0
+        _idle(s)  # both cancelled, their slots back
+        assert s.engine.stats()["live"] == 0
