@@ -1,7 +1,9 @@
 """The API served to routers: its msgspec records (``api``, importable without torch or
-Ray), the call handler, the network frontend, the Ray service and its Ray client. The
-torch-free client is ``tpcache.client``.
+Ray), the call handler, the network frontend, the Ray service and its Ray client, and
+generate over them (``netgen``, ``ray_gen``, ``serving``: a served model's engine and
+endpoints). The torch-free client is ``tpcache.client``.
 
-May import ``tpcache.coordinator`` and what it may; ``api`` only ``tpcache.cache`` and
-the driver's errors (``coordinator.errors``).
+May import ``tpcache.coordinator``, ``tpcache.engine`` and what they may; ``api`` only
+``tpcache.cache``, the driver's errors (``coordinator.errors``) and the engine's
+torch-free records and errors (``engine.requests``, ``engine.errors``).
 """
