@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -96,6 +97,7 @@ class NetGenerate:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
+        self._pipe_lock = threading.Lock()  # the write end against close; -1 once closed
         self._live: dict[Any, Stream] = {}  # by the engine's request id
         self.dropped = 0  # streams cancelled because their client was gone
 
@@ -111,8 +113,11 @@ class NetGenerate:
     def sink(self, event: GenEvent) -> None:
         """Take one of the engine's events (any thread)."""
         self._events.put(event)
-        with contextlib.suppress(BlockingIOError):  # a full pipe wakes the thread anyway
-            os.write(self._wake_w, b"\0")
+        with self._pipe_lock:  # never a write to a closed (and perhaps reused) fd
+            if self._wake_w < 0:
+                return
+            with contextlib.suppress(BlockingIOError):  # a full pipe wakes the thread anyway
+                os.write(self._wake_w, b"\0")
 
     def take(self, owner: Owner, head: list[bytes], calls: list[api.Call]) -> list[api.Reply]:
         """Start or cancel what ``calls`` ask: the replies to send now (none for a
@@ -219,9 +224,11 @@ class NetGenerate:
                 with contextlib.suppress(Exception):
                     self.engine.cancel(rid)
         self._live.clear()
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        with self._pipe_lock:
+            if self._wake_w >= 0:
+                os.close(self._wake_r)
+                os.close(self._wake_w)
+                self._wake_w = -1
 
 
 __all__ = ["GenerateEngine", "NetGenerate", "engine_calls", "final_reply"]
