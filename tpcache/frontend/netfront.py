@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -142,14 +143,18 @@ class NetFrontend:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self.generate.fd, zmq.POLLIN)
+        quiet_since = time.monotonic()  # the last request, or the last idle call
         while not self._stop.is_set():
             ready = dict(poller.poll(50))
             if self.generate.fd in ready:
                 self.generate.drain()
             if self._sock not in ready:
-                if not ready:
+                # Every 50 ms without a request, however often the engine's events come.
+                if time.monotonic() - quiet_since >= 0.05:
                     self._idle()
+                    quiet_since = time.monotonic()
                 continue
+            quiet_since = time.monotonic()
             batch: list[_Request] = []
             again: list[tuple[list[bytes], bytes]] = []  # repeats of a request in ``batch``
             keys: dict[bytes, int] = {}
