@@ -73,6 +73,13 @@ def test_model_options_make_the_group_and_the_engine(tiny_model) -> None:
     eng = serving.engine
     assert (eng.step_tokens, eng.max_batch, eng.eos_token_ids) == (64, 3, (2,))
     assert (serving.vocab, serving.model_name, serving.http_port) == (128, "tiny", None)
+    assert (eng.prefix_cache, eng.ordered_admission) == (True, False)
+    _, baseline = serve_config(
+        build_parser().parse_args(
+            ["serve", "--model", model, "--no-prefix-cache", "--ordered-admission"]
+        )
+    )
+    assert (baseline.engine.prefix_cache, baseline.engine.ordered_admission) == (False, True)
     assert serving.network.endpoint == f"ipc://{root}/x.sock"
     (root / "token").write_text("a-token-of-16-chars-or-more\n")
     tcp = ["--network-endpoint", "tcp://0.0.0.0:5999", "--network-token-file", str(root / "token")]
@@ -116,6 +123,7 @@ def test_model_refusals_are_one_line(tiny_model, capsys, extra, said) -> None:
     [
         (["--model", "/nonexistent/x"], "is not a directory"),
         (["--dtype", "float16"], "--dtype needs --model or --runner"),
+        (["--no-prefix-cache"], "--no-prefix-cache needs --model or --runner"),
         (["--http-port", "0"], "--http-port needs --model or --runner"),
         (["--runner-arg", "a=1"], "--runner-arg needs --runner"),
         (["--network-insecure"], "--network-insecure needs --network-endpoint"),

@@ -54,6 +54,9 @@ def test_streamed_and_whole_answers_agree_with_the_engine() -> None:
             # The second run found the first's prompt in the cache.
             again = c.generate(prompt, 12, ignore_eos=True)
             assert again.tokens == whole.tokens and again.cached_tokens >= 4
+            # What each computed: the whole prompt first, then only what was not cached.
+            assert whole.computed_tokens == len(prompt)
+            assert again.computed_tokens == len(prompt) - again.cached_tokens
         _idle(s)
         assert whole.tokens == undisturbed(s.coord, prompt, 12)
 

@@ -25,7 +25,15 @@ DTYPES = ("float32", "float16", "bfloat16")
 MIN_CAPACITY_PAGES = 4
 CPU_BUDGET = 1 << 30  # a CPU rank's KV budget with a model and no --capacity
 # Options that only a served model uses, and the network frontend's own.
-_MODEL_ONLY = ("--dtype", "--step-tokens", "--max-batch", "--http-port", "--http-api-key-file")
+_MODEL_ONLY = (
+    "--dtype",
+    "--step-tokens",
+    "--max-batch",
+    "--no-prefix-cache",
+    "--ordered-admission",
+    "--http-port",
+    "--http-api-key-file",
+)
 _NETWORK_ONLY = ("--network-token-file", "--network-curve-secret-file", "--network-insecure")
 
 
@@ -59,6 +67,17 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     )
     m.add_argument("--step-tokens", type=positive_arg, help="tokens per step (default 2048)")
     m.add_argument("--max-batch", type=positive_arg, help="requests per step (default 64)")
+    m.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="cache nothing for later requests (every prompt computed whole: a baseline)",
+    )
+    m.add_argument(
+        "--ordered-admission",
+        action="store_true",
+        help="admit in arrival order, each once the cache holds what it would match from "
+        "the prefills before it, and only with room for its whole output (no preemption)",
+    )
     n = p.add_argument_group("generate and cache calls over the network")
     n.add_argument(
         "--network-endpoint",
@@ -185,6 +204,8 @@ def serve_options(args: argparse.Namespace, found: dict[str, Any]) -> Any:
         step_tokens=args.step_tokens or 2048,
         max_batch=args.max_batch or 64,
         eos_token_ids=found.get("eos_token_ids", ()),
+        prefix_cache=not args.no_prefix_cache,
+        ordered_admission=args.ordered_admission,
     )
     network = None
     if args.network_endpoint is not None:

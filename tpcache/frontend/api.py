@@ -188,7 +188,8 @@ class TokensReply(_Reply, tag="tokens"):
 class GeneratedReply(_Reply, tag="generated"):
     """A generate call's answer: every output token, why it stopped (``length``,
     ``stop``, ``cancelled``), the prompt's length and how many of its tokens came from
-    the cache, and how often it was preempted or re-run after a group recovery."""
+    the cache, how often it was preempted or re-run after a group recovery, and the
+    prefill tokens computed for it over all its admissions."""
 
     tokens: list[int]
     finish_reason: str
@@ -196,6 +197,7 @@ class GeneratedReply(_Reply, tag="generated"):
     cached_tokens: int
     preemptions: int = 0
     recoveries: int = 0
+    computed_tokens: int = 0
 
 
 class CancelReply(_Reply, tag="cancel"):

@@ -65,6 +65,7 @@ def final_reply(event: Finished | Failed) -> api.Reply:
         event.cached_tokens,
         event.preemptions,
         event.recoveries,
+        event.computed_tokens,
     )
 
 
