@@ -91,6 +91,10 @@ def test_bad_requests_are_refused_before_anything_is_held(make_group):
     ):
         with pytest.raises(EngineConfigError):
             EngineConfig(**bad)
+    with pytest.raises(TypeError, match="config must be an EngineConfig, got dict"):
+        Engine(coord, {"step_tokens": 8})  # type: ignore[arg-type]
+    with pytest.raises(EngineConfigError):
+        Engine(coord, {"step_tokens": 8})  # type: ignore[arg-type]
 
 
 def test_a_prompt_outside_a_vocabulary_learned_from_the_model_fails(make_group):

@@ -168,6 +168,6 @@ def test_last_position_logits_are_the_last_rows_of_all_logits():
         # Each rank counted both forwards, their 14 + 1 + 4 tokens, and time inside run.
         for times in eng.coord.ranks.call("model_times"):
             assert (times["forwards"], times["tokens"]) == (2, 19)
-            assert 0 < times["run_wall_s"] and 0 < times["run_cpu_s"] <= times["process_cpu_s"]
+            assert times["run_wall_s"] > 0 and 0 < times["run_cpu_s"] <= times["process_cpu_s"]
     finally:
         eng.coord.close()

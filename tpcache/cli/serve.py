@@ -23,8 +23,7 @@ from tpcache.cli.serve_options import (
 def add_serve_parser(sub) -> None:
     p = sub.add_parser(
         "serve",
-        help="serve a TP group's coordinator as a named Ray actor (with --model: and "
-        "generate from a checkpoint)",
+        help="serve a TP group's coordinator as a named Ray actor (--model: and generate)",
     )
     add_group_options(p)
     add_host_options(p)

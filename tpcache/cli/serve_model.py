@@ -81,7 +81,6 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     n = p.add_argument_group("generate and cache calls over the network")
     n.add_argument(
         "--network-endpoint",
-        default=None,
         metavar="ENDPOINT",
         help="serve the network frontend (tpcache.client.Client) here, e.g. "
         "ipc:///tmp/tpcache.sock or tcp://127.0.0.1:5560; a network address needs "

@@ -12,6 +12,10 @@ class EngineConfigError(TpcacheError, ValueError):
     """A field of ``EngineConfig`` is invalid; the message names it."""
 
 
+class NotAnEngineConfig(EngineConfigError, TypeError):
+    """An engine was given something other than an ``EngineConfig`` as its config."""
+
+
 class DuplicateRequest(CacheDuplicate):
     """A request id that is live in the engine already (queued or generating)."""
 
@@ -45,5 +49,6 @@ __all__ = [
     "EngineClosed",
     "EngineConfigError",
     "GenerationFailed",
+    "NotAnEngineConfig",
     "RequestTooLarge",
 ]

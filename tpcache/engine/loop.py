@@ -33,6 +33,7 @@ from tpcache.engine.errors import (
     DuplicateRequest,
     EngineClosed,
     GenerationFailed,
+    NotAnEngineConfig,
     RequestTooLarge,
 )
 from tpcache.engine.forward import ModelEngine
@@ -57,7 +58,7 @@ class Engine:
         self, coord: Coordinator, config: EngineConfig = DEFAULT_CONFIG, *, vocab: int | None = None
     ) -> None:
         if not isinstance(config, EngineConfig):
-            raise TypeError("config must be an EngineConfig")
+            raise NotAnEngineConfig(f"config must be an EngineConfig, got {type(config).__name__}")
         self.coord = coord
         self.config = config
         self.stepper = Stepper(coord, config, ModelEngine(coord, timeout_s=config.timeout_s), vocab)

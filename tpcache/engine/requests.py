@@ -129,18 +129,18 @@ class TokenOut:
 class Finished:
     """``rid`` is done: every token it generated, why it stopped (``FINISH_REASONS``),
     its prompt's length and how many of those tokens came from the cache at its first
-    admission, how often it was preempted or re-prefilled after a group recovery, and
-    the prefill tokens the ranks computed for it over all its admissions (a request
-    never preempted or re-run computes ``prompt_tokens - cached_tokens``)."""
+    admission, the prefill tokens the ranks computed for it over all its admissions (a
+    request never preempted or re-run computes ``prompt_tokens - cached_tokens``), and
+    how often it was preempted or re-prefilled after a group recovery."""
 
     rid: str | int
     tokens: tuple[int, ...]
     reason: str
     prompt_tokens: int
     cached_tokens: int
+    computed_tokens: int
     preemptions: int = 0
     recoveries: int = 0
-    computed_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -166,9 +166,9 @@ class Stepper:
             reason,
             len(live.req.prompt),
             live.prompt_cached,
+            live.prefilled,
             live.preemptions,
             live.recoveries,
-            live.prefilled,
         )
         self._end(live, ev)
 

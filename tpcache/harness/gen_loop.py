@@ -29,16 +29,9 @@ import numpy as np
 import zmq
 
 from tpcache.cache.namespace import CacheNamespace
+from tpcache.engine import requests as rq
 from tpcache.engine.forward import ModelEngine
 from tpcache.engine.loop import Engine, EngineConfig
-from tpcache.engine.requests import (
-    Failed,
-    Finished,
-    GenerateRequest,
-    GenEvent,
-    SamplingParams,
-    TokenOut,
-)
 from tpcache.errors import TpcacheError
 from tpcache.harness.gen_wire import (
     Done,
@@ -114,7 +107,7 @@ class GenLoop:
         self.gone: set[int] = set()  # seqs whose client left: cancelled
         self.next_seq = 0
         self.total = 0
-        self.events: queue.SimpleQueue[GenEvent] = queue.SimpleQueue()
+        self.events: queue.SimpleQueue[rq.GenEvent] = queue.SimpleQueue()
 
     # ---- the loop ---------------------------------------------------------------------
     def serve(self, total: int) -> LoopCounters:
@@ -132,7 +125,7 @@ class GenLoop:
         )
         wake_r, wake_w = os.pipe()  # the engine's thread wakes this one per event
 
-        def sink(ev: GenEvent) -> None:
+        def sink(ev: rq.GenEvent) -> None:
             self.events.put(ev)
             os.write(wake_w, b"\0")
 
@@ -206,9 +199,9 @@ class GenLoop:
             seq = self.next_seq
             ident, sub = self.arrived.pop(seq)
             prompt = tuple(int(t) for t in unpack(sub.prompt))
-            sampling = SamplingParams(max_new_tokens=sub.max_new, ignore_eos=True)
+            sampling = rq.SamplingParams(max_new_tokens=sub.max_new, ignore_eos=True)
             try:
-                engine.submit(GenerateRequest(seq, prompt, sampling), sink)
+                engine.submit(rq.GenerateRequest(seq, prompt, sampling), sink)
             except TpcacheError as exc:
                 raise GenerateError(f"request {seq} cannot be served: {exc}") from exc
             self.clients[seq] = ident
@@ -225,7 +218,7 @@ class GenLoop:
             got = True
             seq = int(ev.rid)
             match ev:
-                case TokenOut(index=index, token=token):
+                case rq.TokenOut(index=index, token=token):
                     self.counters.generated += 1
                     sent = seq in self.gone or self._send(
                         self.clients[seq], Token(seq, index, token)
@@ -233,12 +226,12 @@ class GenLoop:
                     if not sent:
                         self.gone.add(seq)
                         engine.cancel(seq)
-                case Finished():
+                case rq.Finished():
                     self._finished(seq, ev)
-                case Failed(error=err):
+                case rq.Failed(error=err):
                     raise GenerateError(f"request {seq} failed: {err}")
 
-    def _finished(self, seq: int, ev: Finished) -> None:
+    def _finished(self, seq: int, ev: rq.Finished) -> None:
         c = self.counters
         ident = self.clients.pop(seq)
         c.prompt_tokens += ev.prompt_tokens

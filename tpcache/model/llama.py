@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from tpcache.model.attention import attend, rms_norm, rotary_freqs
 from tpcache.model.batch import RunnerBatch, paged_attention
+from tpcache.model.errors import RunnerConfigError
 from tpcache.model.hf_config import HFConfig, read_hf_config
 from tpcache.model.llama_weights import LlamaSpec, check_checkpoint, load_shard
 from tpcache.model.rope import rope_inv_freq
@@ -34,7 +35,6 @@ from tpcache.model.runner import (
     Collectives,
     KVShard,
     RankShard,
-    RunnerConfigError,
     RunnerOutput,
     ShardRunner,
     check_vocab,
