@@ -110,7 +110,9 @@ class GenerateRequest:
 
     def __post_init__(self) -> None:
         if isinstance(self.rid, bool) or not isinstance(self.rid, str | int):
-            raise BadSampling(f"a request id must be a str or an int, got {type(self.rid).__name__}")
+            raise BadSampling(
+                f"a request id must be a str or an int, got {type(self.rid).__name__}"
+            )
         object.__setattr__(self, "prompt", check_prompt(self.prompt))
         if not isinstance(self.sampling, SamplingParams):
             raise BadSampling("sampling must be SamplingParams")
