@@ -65,8 +65,9 @@ def ttft_part(a: argparse.Namespace, model: Path, shape: ModelShape) -> dict[str
             base = rng.integers(0, shape.vocab, n).tolist()
             cold.append(timed_stream(c, base, 1).ttft_s)  # cold, then cached whole
             other = base[:shared] + rng.integers(0, shape.vocab, n - shared).tolist()
-            warm.append(timed_stream(c, other, 1).ttft_s)
-            cached.append(c.generate(other, 1).cached_tokens)
+            got = timed_stream(c, other, 1)
+            warm.append(got.ttft_s)
+            cached.append(got.cached_tokens)
     ratio = median(warm) / median(cold)
     return {
         "prompt_tokens": n,

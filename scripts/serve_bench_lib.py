@@ -153,6 +153,7 @@ class Timed:
     ttft_s: float
     e2e_s: float
     tokens: list[int]
+    cached_tokens: int  # the server's count of prompt tokens the cache held
 
 
 def timed_stream(client: Any, prompt: list[int], max_new: int) -> Timed:
@@ -161,11 +162,12 @@ def timed_stream(client: Any, prompt: list[int], max_new: int) -> Timed:
     t0 = time.perf_counter()
     first = 0.0
     tokens: list[int] = []
-    for tok in client.generate(prompt, max_new, ignore_eos=True, stream=True):
+    stream = client.generate(prompt, max_new, ignore_eos=True, stream=True)
+    for tok in stream:
         if not tokens:
             first = time.perf_counter() - t0
         tokens.append(tok)
-    return Timed(first, time.perf_counter() - t0, tokens)
+    return Timed(first, time.perf_counter() - t0, tokens, stream.result.cached_tokens)
 
 
 def median(values: list[float]) -> float:
