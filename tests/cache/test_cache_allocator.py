@@ -14,8 +14,7 @@ def _pages(*ids: int) -> np.ndarray:
 
 
 def _fifo(a: PageAllocator) -> list[int]:
-    n = a.num_free
-    return a._fifo[(a._head + np.arange(n)) % a.num_pages].tolist()
+    return a.free_order()
 
 
 def test_alloc_takes_lowest_first_then_frees_in_fifo_of_sorted_groups() -> None:

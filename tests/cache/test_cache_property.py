@@ -330,7 +330,7 @@ class CacheMachine(RuleBasedStateMachine):
         tree = cached_prefixes(c)
         assert {p: pages[-1] for p, pages in tree.items()} == self.content
         a = c.alloc
-        assert [int(a._fifo[(a._head + i) % a.num_pages]) for i in range(a.num_free)] == self.fifo
+        assert a.free_order() == self.fifo
         locked = len(self._locked() & self.content.keys())
         held = sum(len(r.pages) - r.cached for r in self.reqs.values())
         s = c.sizes()

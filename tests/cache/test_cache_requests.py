@@ -201,16 +201,26 @@ def test_out_of_capacity_on_admit_changes_nothing_even_with_a_partial_match() ->
     c.admit("a", [1, 2, 3, 4, 5, 6])
     c.finish("a")
     assert _sizes(c) == (0, 6, 0, 2)
-    before = (snapshot(c), tree_nodes(c), c.alloc._fifo.copy(), c.tree.tick)
+    before = (
+        snapshot(c),
+        tree_nodes(c),
+        (c.alloc.free_order(), c.alloc.fingerprint()),
+        c.tree.tick,
+    )
     # needs 4 pages: 0 free; the 6 cached are evictable, but 4 of them are its own match
     with pytest.raises(OutOfCapacity, match="need 4 pages of 1: 0 free \\+ 2 evictable"):
         c.admit("z", [1, 2, 3, 4, 8, 8, 8, 8])
     with pytest.raises(OutOfCapacity, match="eviction not allowed"):
         c.admit("z", [1, 2, 3, 4, 8], evict=False)
-    assert (snapshot(c), tree_nodes(c), c.alloc._fifo.tolist(), c.tree.tick) == (
+    assert (
+        snapshot(c),
+        tree_nodes(c),
+        (c.alloc.free_order(), c.alloc.fingerprint()),
+        c.tree.tick,
+    ) == (
         before[0],
         before[1],
-        before[2].tolist(),
+        before[2],
         before[3],
     )
     assert "z" not in c.reqs

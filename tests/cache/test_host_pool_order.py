@@ -16,7 +16,7 @@ from tpcache.cache.policy.order import EvictionOrder
 
 
 def _fifo(a: PageAllocator) -> list[int]:
-    return a._fifo[(a._head + np.arange(a.num_free)) % a.num_pages].tolist()
+    return a.free_order()
 
 
 @pytest.mark.parametrize("seed", range(8))

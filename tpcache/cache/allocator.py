@@ -124,6 +124,11 @@ class PageAllocator:
         free = self._counts[FREE]
         return (n - free if n > free else 0,)
 
+    def free_order(self) -> list[int]:
+        """The free pages in the order they will be handed out (a copy; for checks)."""
+        n = self._counts[FREE]
+        return self._fifo[(self._head + np.arange(n)) % self.num_pages].tolist()
+
     def fingerprint(self) -> tuple[int, ...]:
         """Counts of the pages of each owner, the FIFO's head and the log of free groups."""
         return (*self._counts, self._head, self._free_log)
