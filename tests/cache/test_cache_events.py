@@ -217,7 +217,7 @@ def test_chain_follows_its_recurrence_page_by_page(page_size: int) -> None:
     state, want = 0x1234_5678_9ABC_DEF0, []
     parent = state
     for c in words:
-        state = (state * hashing._M + c) & hashing.MASK64
+        state = (state * hashing.MULTIPLIER + c) & hashing.MASK64
         want.append(state)
     assert h.chain(key, parent).tolist() == want
     # and in two pieces, the second following the first's last state

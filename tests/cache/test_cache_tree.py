@@ -267,7 +267,7 @@ def test_evict_keeps_going_when_the_queue_is_rebuilt_mid_call(monkeypatch) -> No
 
     def push_and_rebuild(order: EvictionOrder, node: object) -> None:
         push(order, node)
-        order._compact()
+        order.compact()
         rebuilds.append(node)
 
     monkeypatch.setattr(EvictionOrder, "push", push_and_rebuild)

@@ -39,7 +39,7 @@ class RunOrder(EvictionOrder):
         else:
             heapq.heappush(self.heap, (k, node))
         if len(self.heap) + len(tail) > 2 * len(self.live) + 1024:
-            self._compact()
+            self.compact()
 
     def pop(self) -> Any:
         heap, tail, live = self.heap, self.tail, self.live
@@ -65,9 +65,9 @@ class RunOrder(EvictionOrder):
         self.tail = deque(sorted(((k, node) for node, k in self.live.items()), key=_key))
         self.heap = []
 
-    def _compact(self) -> None:
+    def compact(self) -> None:
         # Stale entries out of both, in linear time: the run stays sorted, the heap is
-        # rebuilt from its live entries (as ``EvictionOrder._compact``, which heapifies).
+        # rebuilt from its live entries (as ``EvictionOrder.compact``, which heapifies).
         live = self.live
         self.tail = deque(e for e in self.tail if live.get(e[1]) == e[0])
         heap = [e for e in self.heap if live.get(e[1]) == e[0]]

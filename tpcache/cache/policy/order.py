@@ -54,7 +54,7 @@ class EvictionOrder:
         heap = self.heap
         heapq.heappush(heap, (k, node))
         if len(heap) > 2 * len(self.live) + 1024:
-            self._compact()
+            self.compact()
 
     def pop(self) -> Any:
         """The queued node with the lowest live key, no longer queued; ``None`` if none.
@@ -79,14 +79,15 @@ class EvictionOrder:
         """Recompute every queued node's key: the key function's state changed."""
         key_fn = self.key_fn
         self.live = {node: key_fn(node) for node in self.live}
-        self._compact()
+        self.compact()
 
     def live_entries(self) -> set[tuple[tuple[int, ...], int]]:
         """(key, node id) of every heap entry that counts (for ``check_integrity``)."""
         live = self.live
         return {(k, n.id) for k, n in self.heap if live.get(n) == k}
 
-    def _compact(self) -> None:
+    def compact(self) -> None:
+        """Rebuild the heap from the live entries alone (changes no order)."""
         heap = [(k, node) for node, k in self.live.items()]
         heapq.heapify(heap)
         self.heap = heap

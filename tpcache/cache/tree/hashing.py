@@ -19,8 +19,8 @@ import numpy as np
 
 MASK64 = (1 << 64) - 1
 ROOT_STATE = 0x9E3779B97F4A7C15
-_M = 0xD6E8FEB86659FD93  # odd, so invertible mod 2**64
-_M_INV = pow(_M, -1, 1 << 64)
+MULTIPLIER = 0xD6E8FEB86659FD93  # odd, so invertible mod 2**64
+_MULTIPLIER_INV = pow(MULTIPLIER, -1, 1 << 64)
 _C1 = np.uint64(0xFF51AFD7ED558CCD)
 _C1_INT = 0xFF51AFD7ED558CCD
 _C2 = np.uint64(0xC4CEB9FE1A85EC53)
@@ -91,15 +91,15 @@ class PageHasher:
         self._mult = rng.integers(1, 2**62, size=width, dtype=np.int64) * 2 + 1
         self._mult_ints = self._mult.tolist()  # for chain_few
         self._unpackers: dict[int, Callable[[bytes], tuple[int, ...]]] = {}  # by byte length
-        self._pow = _powers(_M, 1)
-        self._pow_inv = _powers(_M_INV, 1)
+        self._pow = _powers(MULTIPLIER, 1)
+        self._pow_inv = _powers(_MULTIPLIER_INV, 1)
         self._c1_inv = self._pow_inv * _C1  # C1 * M**-i: page_words' last multiply
 
     def _grow(self, n: int) -> None:
         if n + 1 > self._pow.size:
             size = max(n + 1, 2 * self._pow.size)
-            self._pow = _powers(_M, size)
-            self._pow_inv = _powers(_M_INV, size)
+            self._pow = _powers(MULTIPLIER, size)
+            self._pow_inv = _powers(_MULTIPLIER_INV, size)
             self._c1_inv = self._pow_inv * _C1
 
     def page_words(self, key: np.ndarray) -> np.ndarray:
@@ -133,7 +133,7 @@ class PageHasher:
         self._grow(n)
         c *= self._c1_inv[:n]
         np.add.accumulate(c, out=c)  # np.cumsum's wrapper costs more than the sum here
-        c += np.uint64((_M * parent_state) & MASK64)
+        c += np.uint64((MULTIPLIER * parent_state) & MASK64)
         c *= self._pow[:n]
         return c
 
@@ -157,7 +157,7 @@ class PageHasher:
         np.add.accumulate(c, out=c)
         offset = np.zeros(starts.size, dtype=np.uint64)
         offset[1:] = c[starts[1:] - 1]
-        offset -= self._pow_inv[starts] * (parents * np.uint64(_M))
+        offset -= self._pow_inv[starts] * (parents * np.uint64(MULTIPLIER))
         c -= np.repeat(offset, sizes)
         c *= self._pow[:n]
         return c
@@ -168,7 +168,7 @@ class PageHasher:
         so none of ``chain_runs``' prefix sums is needed. Four numpy calls beyond premix."""
         c = self._premix(key)
         c *= _C1
-        c += parents * np.uint64(_M)
+        c += parents * np.uint64(MULTIPLIER)
         return c
 
     def chain_few(self, kb: bytes, parent_state: int) -> list[int]:
@@ -187,7 +187,7 @@ class PageHasher:
         for i in range(0, len(words), width):
             c = sum(map(operator.mul, words[i : i + width], mult)) & MASK64
             c ^= c >> 33
-            s = (_M * s + _C1_INT * c) & MASK64
+            s = (MULTIPLIER * s + _C1_INT * c) & MASK64
             states.append(s)
         return states
 
