@@ -116,6 +116,9 @@ class ModelEngine:
         mirror = self.coord.mirror
         running = set(mirror.running_ids())
         seen: set[tuple[type, RequestId]] = set()
+        # A step of Compute items alone makes no cache call: the forward's own build,
+        # before anything changes, checks their slots, so they are not built twice.
+        compute_only = all(isinstance(w, Compute) for w in work)
         out = []
         for w in work:
             if not isinstance(w, Prefill | Chunk | Decode | Compute):
@@ -135,7 +138,7 @@ class ModelEngine:
                     toks = as_tokens([token])
             if isinstance(w, Chunk):
                 as_tokens(w.done)
-            if isinstance(w, Compute):
+            if isinstance(w, Compute) and not compute_only:
                 build_forward(mirror, rid, toks)  # its slots exist already
             out.append((w, rid, toks))
         return out

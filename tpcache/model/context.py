@@ -102,6 +102,8 @@ def check_forward(cache, cmd: Forward) -> None:
             f"request {cmd.rid!r}: forward starts at {cmd.start}, the row says {want.start}"
         )
     for name in ("slots", "swa_slots"):
+        if getattr(cmd, name) == getattr(want, name):  # the same packed ids: one compare
+            continue
         got, exp = unpack_slots(getattr(cmd, name)), unpack_slots(getattr(want, name))
         if got.size != exp.size or not np.array_equal(got, exp):
             bad = _first_difference(got, exp)
