@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import threading
@@ -212,7 +213,9 @@ def _one(endpoint: str, prompt: list[int], n: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--parts", default="ttft,sharing,overhead,tps")
+    # overhead first: it measures CPU time per step, which other processes on a small
+    # machine inflate (the servers of the other parts take a while to go).
+    p.add_argument("--parts", default="overhead,ttft,sharing,tps")
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=8)
@@ -238,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         model = write_checkpoint(Path(tmp) / "model", shape, a.seed)
         for part in parts:
             t0 = time.perf_counter()
+            load = round(os.getloadavg()[0], 2)
             if part == "ttft":
                 got = ttft_part(a, model, shape)
             elif part == "sharing":
@@ -249,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 p.error(f"unknown part {part!r}")
             got["part_s"] = round(time.perf_counter() - t0, 1)
+            got["load_avg_1m_at_start"] = load
             report[part] = got
             print(json.dumps({part: got}, indent=1), flush=True)
     report["machine"]["load_avg_1m_at_end"] = machine()["load_avg_1m_at_start"]
