@@ -64,7 +64,7 @@ def raw(server: OpenAIServer, method: str, path: str, body: bytes = b"", headers
         ({"prompt": [[1], "a"]}, "prompt", "no tokenizer"),
         ({"prompt": [[1], [2, True]]}, "prompt", "must be an integer"),
         ({"stop": "\n"}, "stop", "stop strings need one"),
-        ({"max_tokens": 5000}, "prompt", "one request may hold"),
+        ({"max_tokens": 5000}, "prompt", "prompt 0 needs KV for"),
         ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream"),
         ({"frobnicate": 1}, "frobnicate", "Unrecognized request argument supplied: frobnicate"),
     ],
@@ -79,6 +79,7 @@ def test_bad_requests_get_openai_errors(served, ask, param, says) -> None:
     err = exc.value.body
     assert err["type"] == "invalid_request_error" and err["param"] == param, err
     assert says in err["message"], err
+    assert "openai-" not in err["message"]  # the server's own request ids stay its own
     assert engine.stats()["live"] == 0  # nothing queued or held
 
 

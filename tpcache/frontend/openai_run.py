@@ -28,15 +28,18 @@ from tpcache.frontend.openai_records import ApiError, sampling_error
 from tpcache.frontend.openai_text import ChoiceText, TextCodec
 
 
-def engine_error(exc: BaseException) -> ApiError:
-    """What the client is told of an engine error (from ``submit`` or a ``Failed``)."""
+def engine_error(exc: BaseException, rid: str | None = None, index: int = 0) -> ApiError:
+    """What the client is told of an engine error (from ``submit`` or a ``Failed``) about
+    its ``index``-th prompt, which the engine knows as ``rid`` (an id of the server's own:
+    the message names the prompt instead)."""
+    text = str(exc) if rid is None else str(exc).replace(f"request {rid!r}", f"prompt {index}")
     if isinstance(exc, BadSampling):
-        return sampling_error(exc)
+        return sampling_error(BadSampling(text))
     if getattr(exc, "retryable", False):  # EngineClosed, GenerationFailed, a recovering group
-        return ApiError(503, f"the server cannot take this request now, try again: {exc}", code="unavailable", kind="server_error")  # fmt: skip
+        return ApiError(503, f"the server cannot take this request now, try again: {text}", code="unavailable", kind="server_error")  # fmt: skip
     if isinstance(exc, ValueError):  # too large for the cache, out of the vocabulary
-        return ApiError(400, str(exc), param="prompt")
-    return ApiError(500, f"generation failed: {type(exc).__name__}: {exc}", kind="server_error")
+        return ApiError(400, text, param="prompt")
+    return ApiError(500, f"generation failed: {type(exc).__name__}: {text}", kind="server_error")
 
 
 @dataclass
@@ -87,7 +90,7 @@ class CompletionRun:
                 self.engine.submit(req, self._sink(i))
             except Exception as exc:
                 self.cancel()
-                raise engine_error(exc) from None
+                raise engine_error(exc, rid, i) from None
             self.choices.append(Choice(i, rid, len(prompt), ChoiceText(self.codec, self.stops)))
 
     def _sink(self, index: int) -> Callable[[GenEvent], None]:
@@ -143,7 +146,7 @@ class CompletionRun:
         elif isinstance(event, Failed):
             c.finish_reason = "error"
             self.cancel()
-            raise engine_error(event.error)
+            raise engine_error(event.error, c.rid, c.index)
         if c.text.stopped and c.finish_reason is None:
             c.finish_reason = "stop"
             self.engine.cancel(c.rid)  # a stop string: the engine need not go on
