@@ -68,6 +68,25 @@ def test_a_cached_prefix_is_not_computed_again(make_group):
     nothing_held(engine.coord)
 
 
+def test_a_chunked_prompt_that_ends_at_its_first_token_is_cached_by_its_own_tokens(make_group):
+    """The last prefill chunk gives slots, not tokens: the cache must learn the rest of
+    the prompt before the request finishes, or its KV is keyed by what it was not
+    computed for (and the next request sharing the prompt matches only the first chunk)."""
+    (a,) = prompts(21, 1, 30)
+    b = (*a, 7, 7, 7)
+    engine = Engine(make_group(), EngineConfig(step_tokens=8), vocab=64)
+    engine.start()
+    try:
+        _, first = run_all(engine, [GenerateRequest("a", a, SamplingParams(max_new_tokens=1))])
+        _, second = run_all(engine, [GenerateRequest("b", b, SamplingParams(max_new_tokens=4))])
+    finally:
+        engine.close()
+    assert first["a"].reason == "length" and first["a"].computed_tokens == 30
+    assert second["b"].cached_tokens == 28  # every whole page of a's prompt (page 4)
+    assert list(second["b"].tokens) == greedy_reference(b, 4)
+    nothing_held(engine.coord)
+
+
 def test_chunked_prefill_equals_unchunked(make_group):
     ps = prompts(13, 3, 37)
     got = {}

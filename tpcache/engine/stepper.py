@@ -124,15 +124,18 @@ class Stepper:
             live.out.append(token)
             c.generated += 1
             self.outbox.append((live, TokenOut(live.rid, len(live.out) - 1, token), False))
+            if not item.decode:
+                prefilled.append(live)
             reason = live.stop_reason(self.config.eos_token_ids)
             if reason is not None:
                 ending.append((live, reason))
-            elif not item.decode:
-                prefilled.append(live)
+        # A prefill just done: the cache learns the rest of its tokens now (an extend
+        # gives slots, not tokens), so later admissions match them and a finish keys
+        # the request's KV by the tokens it was computed for, even one that ends here.
+        for live in prefilled if self.config.prefix_cache else ():
+            self.coord.cache_unfinished(live.rid, live.context)
         for live, reason in ending:
             self.finish(live, reason)
-        for live in prefilled if self.config.prefix_cache else ():
-            self.coord.cache_unfinished(live.rid, live.context)  # for the next admissions
 
     def _sample(self, live: Live, out: ForwardOut) -> int:
         if out.logits.size == 0:  # the runner sampled (greedily) itself
