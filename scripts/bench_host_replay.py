@@ -1,4 +1,4 @@
-"""The host tier's speed bar (#19): ``tpcache replay`` with the host tier against the
+"""The host tier's cost in speed: ``tpcache replay`` with the host tier against the
 single-tier replay, in interleaved rounds (single, host, same size, single, host, ...),
 so that a load change on a shared machine hits every side of a round alike. Two
 single-tier baselines:

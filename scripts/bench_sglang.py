@@ -192,7 +192,7 @@ def main() -> int:
         described = ", ".join(f"{r:.2f}" for r in ratios[field])
         print(
             f"sglang / tpcache, {label}: median of per-round ratios "
-            f"{statistics.median(ratios[field]):.2f}x ({described}; bar 5x)"
+            f"{statistics.median(ratios[field]):.2f}x ({described}; target 5x)"
         )
     return 0
 
