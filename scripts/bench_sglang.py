@@ -1,4 +1,4 @@
-"""Issue 2's comparison: the same trace replay through SGLang's radix cache and through
+"""A comparison: the same trace replay through SGLang's radix cache and through
 tpcache's, side by side in one run: interleaved rounds, each replay in a fresh process, medians.
 
 SGLang is not a dependency of tpcache. Put it in a venv of its own (its import chain

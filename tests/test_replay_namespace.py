@@ -1,4 +1,4 @@
-"""A trace replayed twice in one cache under two tenant salts (#21): no hit crosses from
+"""A trace replayed twice in one cache under two tenant salts: no hit crosses from
 one salt to the other, and each pass hits exactly what a one-salt run hits."""
 
 from __future__ import annotations

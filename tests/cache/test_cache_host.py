@@ -1,4 +1,4 @@
-"""The host (CPU) tier of the single-process cache (#19): exact state after each move
+"""The host (CPU) tier of the single-process cache: exact state after each move
 (write-back, load-back, host eviction, a hit on a node on both tiers) at page sizes 1
 and 16, its KV events per medium, its integrity check failing, and bad input refused
 before anything changes."""

@@ -1,4 +1,4 @@
-"""Trace replay with a host tier (#19): with room for everything the two tiers lose
+"""Trace replay with a host tier: with room for everything the two tiers lose
 nothing (the ideal prefix reuse), hits split exactly into device and host, a small
 device with a host behind it hits as one cache of the summed size, and the CLI's
 options and refusals."""

@@ -1,4 +1,4 @@
-"""Cache namespaces (#21): equal tokens under another LoRA adapter or tenant salt never
+"""Cache namespaces: equal tokens under another LoRA adapter or tenant salt never
 share KV; anchors live exactly while they have children; events carry the adapter."""
 
 from __future__ import annotations

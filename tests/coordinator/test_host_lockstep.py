@@ -1,4 +1,4 @@
-"""The host tier across TP ranks (#19): Ray ranks on the step channel, each with its own
+"""The host tier across TP ranks: Ray ranks on the step channel, each with its own
 host pool shard and copy engine, agree how many copies are done by MIN; the completion
 enters the op log as an op, so every rank and the mirror change at the same step (the
 coordinator compares every rank's digest with the mirror's after every step)."""

@@ -1,4 +1,4 @@
-"""Ranks across nodes (#16): a Ray cluster of two nodes on one machine, one rank per node
+"""Ranks across nodes: a Ray cluster of two nodes on one machine, one rank per node
 (custom resources and SPREAD), the coordinator on the head. The lockstep demo verifies
 on it, a planted divergence on the remote rank is caught at its step and named, and a
 frontend in a separate process drives a served coordinator. The step channel reaches the

@@ -1,4 +1,4 @@
-"""Namespaced requests (#21) across TP ranks: Ray ranks in lockstep against one
+"""Namespaced requests across TP ranks: Ray ranks in lockstep against one
 in-process cache, the Ray-facing API and the network frontend's client passing the
 namespace, and bad namespaces refused before anything is logged."""
 

@@ -1,4 +1,4 @@
-"""The network frontend (#21) and its torch-free client, on a TP=2 group of in-process
+"""The network frontend and its torch-free client, on a TP=2 group of in-process
 ranks (real gloo) and real ZMQ: typed replies, a request as one step, many client
 processes at once, malformed frames, a client that disconnects mid-call, authentication
 on a network address, a full queue, and row rewrites that reach the remote frontend."""

@@ -1,4 +1,4 @@
-"""``tpcache generate`` with a cache namespace (#21): the engine admits its prefills in the
+"""``tpcache generate`` with a cache namespace: the engine admits its prefills in the
 namespace it is given, and a salted run's hits equal a salted replay's on the same slice.
 Thread ranks over a real gloo group, a tiny reference model."""
 
