@@ -26,7 +26,6 @@ def overhead_part(
     from tpcache.cli import build_parser
     from tpcache.cli.serve_options import serve_config
     from tpcache.engine.loop import Engine
-    from tpcache.engine.requests import GenerateRequest, SamplingParams, TokenOut
     from tpcache.frontend.service import start_group
 
     args = ["serve", "--model", str(model), "--tp", "2", "--capacity", str(capacity)]
@@ -37,32 +36,33 @@ def overhead_part(
         engine = Engine(coord, serving.engine, vocab=serving.vocab)
         try:
             engine.start()
-            return _measure(coord, engine, batch, new_tokens, serving.vocab, seed,
-                            GenerateRequest, SamplingParams, TokenOut)  # fmt: skip
+            return _measure(coord, engine, batch, new_tokens, serving.vocab, seed)
         finally:
             engine.close()
             coord.close()
             ray.shutdown()
 
 
-def _measure(coord, engine, batch, new_tokens, vocab, seed, request, sampling, token_out):
+def _measure(coord, engine, batch: int, new_tokens: int, vocab: int, seed: int):
+    from tpcache.engine.requests import GenerateRequest, SamplingParams, TokenOut
+
     rng = np.random.default_rng(seed)
     counts = [0] * batch
     lock = threading.Condition()
 
     def sink_of(i: int):
         def sink(ev) -> None:
-            if isinstance(ev, token_out):
+            if isinstance(ev, TokenOut):
                 with lock:
                     counts[i] += 1
                     lock.notify_all()
 
         return sink
 
-    params = sampling(max_new_tokens=new_tokens, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     for i in range(batch):
         prompt = rng.integers(0, vocab, 32).tolist()
-        engine.submit(request(f"o{i}", prompt, params), sink_of(i))
+        engine.submit(GenerateRequest(f"o{i}", prompt, params), sink_of(i))
     with lock:
         lock.wait_for(lambda: min(counts) >= 1, timeout=600)
     before = _snapshot(coord)
