@@ -9,7 +9,7 @@ import msgspec
 import numpy as np
 import pytest
 from cache_helpers import fold_events, tree_block_index
-from vllm_wire import VLLM_WIRE, VCleared, VRemoved, VStored
+from vllm_wire import VLLM_ARRAY_WIRE, OldCleared, OldRemoved, OldStored
 
 from tpcache.cache.events import (
     AllBlocksCleared,
@@ -179,7 +179,7 @@ def test_event_batches_round_trip_in_the_vllm_layout() -> None:
     assert all(0 <= h < 2**64 for h in raw[1][0]["block_hashes"])
 
 
-def test_array_encoding_is_what_vllms_subscriber_structs_decode() -> None:
+def test_array_encoding_is_what_older_vllms_subscriber_structs_decode() -> None:
     c = _cache(page_size=2)
     c.admit(0, [1, 2, 3, 4, 5])
     c.finish(0)
@@ -188,8 +188,8 @@ def test_array_encoding_is_what_vllms_subscriber_structs_decode() -> None:
     batch = KVEventBatch(ts=2.5, events=[*c.take_events(), named, AllBlocksCleared()])
     payload = encode_batch(batch, "array")
     assert decode_batch(payload) == batch  # tpcache's own decoder reads both
-    got = VLLM_WIRE.decode(payload)
-    assert [type(e) for e in got.events] == [VStored, VRemoved, VStored, VCleared]
+    got = VLLM_ARRAY_WIRE.decode(payload)
+    assert [type(e) for e in got.events] == [OldStored, OldRemoved, OldStored, OldCleared]
     stored = batch.events[0]
     assert got.events[0].block_hashes == stored.block_hashes
     assert got.events[0].token_ids == stored.token_ids and got.events[0].medium == "GPU"
@@ -197,7 +197,7 @@ def test_array_encoding_is_what_vllms_subscriber_structs_decode() -> None:
     assert (got.events[2].lora_id, got.events[2].medium) == (4, "CPU")
     # The map encoding is the one such a decoder rejects.
     with pytest.raises(msgspec.ValidationError, match="Expected `array`, got `object`"):
-        VLLM_WIRE.decode(encode_batch(batch))
+        VLLM_ARRAY_WIRE.decode(encode_batch(batch))
     with pytest.raises(ValueError, match="unknown event encoding"):
         encode_batch(batch, "json")
     with pytest.raises(msgspec.ValidationError):

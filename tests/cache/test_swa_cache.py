@@ -27,8 +27,11 @@ def _forked_with_tombstone():
     c.lock(hx)  # SWA-locks only [7..10]: it is a whole window
     c.match_prefix(R(1, 6) + R(20, 23))  # [1..6] and [20..23] now share the newest tick
     c.take_events()
+    tomb = c.tree.walk()[0]
     assert c.evict(0, 1) == SwaEvictResult(num_tokens=0, num_nodes=0, swa_tokens=6, tombstoned=1)
-    assert c.take_events() == []  # losing SWA KV is no block removal
+    # No match may end in the tombstone: its blocks are announced removed (its full KV
+    # stays for matches that run through it).
+    assert c.take_events() == [BlockRemoved(block_hashes=block_hashes(tomb.states).tolist())]
     assert view(c) == [
         (R(1, 6), R(0, 5), None, 1, 0),
         (R(7, 10), R(6, 9), R(6, 9), 1, 1),
@@ -135,12 +138,18 @@ def test_insert_over_a_tombstone_revives_it_with_the_newcomers_swa_kv() -> None:
     events = c.take_events()
     u = c.tree.walk()[0]
     assert events == [
+        BlockStored(  # the revived tombstone's blocks may end a match again
+            block_hashes=block_hashes(u.states).tolist(),
+            parent_block_hash=None,
+            token_ids=R(1, 6),
+            block_size=1,
+        ),
         BlockStored(
             block_hashes=block_hashes(c.tree.walk()[3].states).tolist(),
             parent_block_hash=int(block_hashes(u.states)[-1]),
             token_ids=R(30, 34),
             block_size=1,
-        )
+        ),
     ]
     m = c.match_prefix([*R(1, 6), 99])
     assert (m.prefix_len, m.swa_pages.tolist()) == (6, R(16, 19))  # its last window
@@ -184,8 +193,7 @@ def test_deleting_a_leaf_cascades_through_parents_that_can_no_longer_be_matched(
         BlockRemoved(block_hashes=stored[9]),
         BlockRemoved(block_hashes=stored[20]),
         BlockRemoved(block_hashes=stored[7]),
-        BlockRemoved(block_hashes=stored[5]),
-    ]
+    ]  # T ([5, 6]) was announced removed when it was tombstoned
     assert pools(c) == ((60, 4, 0, 0), (60, 4, 0, 0), 0, 0)
     c.check_integrity()
 
@@ -257,7 +265,8 @@ def test_evict_meets_the_full_target_then_the_swa_target() -> None:
     # leaf [7..9] goes (9 >= 8), and [1..3], a tombstone leaf now, goes with it.
     assert c.evict(3, 8) == SwaEvictResult(num_tokens=9, num_nodes=3, swa_tokens=9, tombstoned=1)
     assert view(c) == [(R(10, 13), R(9, 12), R(9, 12), 0, 0)]
-    assert c.take_events() == [BlockRemoved(block_hashes=before[k]) for k in (4, 7, 1)]
+    # [1..3] is announced removed when tombstoned, not again when deleted.
+    assert c.take_events() == [BlockRemoved(block_hashes=before[k]) for k in (4, 1, 7)]
     assert pools(c) == ((60, 4, 0, 0), (60, 4, 0, 0), 0, 0)
     c.check_integrity()
 

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 import zmq
-from vllm_wire import VLLM_WIRE, VRemoved, VStored
+from vllm_wire import VLLM_ARRAY_WIRE, OldRemoved, OldStored
 
 from tpcache.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from tpcache.events.publisher import (
@@ -212,17 +212,17 @@ def test_array_encoding_live_replay_and_snapshot(ctx, publisher):
     sub = sub_socket(ctx, pub.endpoint, b"kv")
     got = wait_subscribed(pub, sub)
     last = pub.publish([BlockStored([1, 2], None, [1, 2, 3, 4], 2), BlockRemoved([2])])
-    live = VLLM_WIRE.decode(recv_through(sub, last, got)[-1][2])
-    assert [type(e) for e in live.events] == [VStored, VRemoved]
+    live = VLLM_ARRAY_WIRE.decode(recv_through(sub, last, got)[-1][2])
+    assert [type(e) for e in live.events] == [OldStored, OldRemoved]
     assert live.events[0].token_ids == [1, 2, 3, 4] and live.data_parallel_rank == 1
     with pytest.raises(msgspec.ValidationError):
         WIRE.decode(got[-1][2])  # not maps
     dealer = ctx.socket(zmq.DEALER)
     dealer.connect(pub.replay_endpoint)
     replayed = request(dealer, last.to_bytes(8, "big"))
-    assert VLLM_WIRE.decode(replayed[0][2]).events[1].block_hashes == [2]
+    assert VLLM_ARRAY_WIRE.decode(replayed[0][2]).events[1].block_hashes == [2]
     snap = request(dealer, b"SNAPSHOT")
-    assert [e.block_hashes for e in VLLM_WIRE.decode(snap[0][2]).events] == [[1]]
+    assert [e.block_hashes for e in VLLM_ARRAY_WIRE.decode(snap[0][2]).events] == [[1]]
 
 
 def test_replay_from_middle_returns_later_batches_then_end(ctx, publisher):

@@ -73,7 +73,8 @@ def add_events_options(e: argparse._ArgumentGroup) -> None:
         "--events-encoding",
         choices=("map", "array"),
         default=None,
-        help="events as maps (default) or as arrays, the form vLLM's subscriber decodes",
+        help="how events are encoded: map (default), as vLLM after v0.23 sends them; or "
+        "array, as vLLM up to v0.23 did, for routers built against it",
     )
     e.add_argument(
         "--events-curve-secret-file",

@@ -52,6 +52,7 @@ class StoredBlock:
     block_size: int
     lora_id: int | None
     lora_name: str | None
+    namespace: str | None = None
 
 
 class BlockIndex:
@@ -146,7 +147,9 @@ class BlockIndex:
             else:
                 self._media[block_hash] = self._media.get(block_hash, 0) + 1
             tokens = tuple(ev.token_ids[i * step : (i + 1) * step])
-            self._blocks[key] = StoredBlock(parent, tokens, size, ev.lora_id, ev.lora_name)
+            self._blocks[key] = StoredBlock(
+                parent, tokens, size, ev.lora_id, ev.lora_name, ev.namespace
+            )
             parent = block_hash
         return problems
 
@@ -167,7 +170,7 @@ class BlockIndex:
         """``BlockStored`` events that rebuild this index from empty, parents first.
 
         One event per chain run: a run extends while its last block has exactly one
-        child with the same medium, block size and LoRA. A block whose parent is on
+        child with the same medium, block size, LoRA and namespace. A block whose parent is on
         another medium only comes after it (the parent on its own medium if stored there,
         else on the first medium that stored it). Applying the result to an empty
         ``BlockIndex`` gives an index equal to this one (no problems reported except
@@ -214,10 +217,11 @@ class BlockIndex:
             if len(kids) != 1 or kids[0] in done or kids[0][0] != key[0]:
                 return run
             kid = self._blocks[kids[0]]
-            if (kid.block_size, kid.lora_id, kid.lora_name) != (
+            if (kid.block_size, kid.lora_id, kid.lora_name, kid.namespace) != (
                 first.block_size,
                 first.lora_id,
                 first.lora_name,
+                first.namespace,
             ):
                 return run
             run.append(kids[0])
@@ -236,6 +240,7 @@ class BlockIndex:
             lora_id=first.lora_id,
             medium=run[0][0],
             lora_name=first.lora_name,
+            namespace=first.namespace,
         )
 
     def check_integrity(self) -> None:

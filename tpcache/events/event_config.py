@@ -56,7 +56,9 @@ class EventConfig:
     socket's per-subscriber send queue; ``snapshot_queue`` the snapshot requests waiting
     to be built (more get a busy marker).
 
-    Events carry token ids (users' prompts). On a network address (any tcp address that
+    ``encoding``: ``"map"``, current vLLM's events (vLLM after v0.23), or ``"array"``,
+    older vLLM's (up to v0.23); it also picks the replay framing a vLLM subscriber gets
+    (``replay_server``). Events carry token ids (users' prompts). On a network address (any tcp address that
     is not loopback, wildcards included) both sockets must be CURVE servers
     (``curve_secret_key``; subscribers need its public key, and with
     ``curve_client_keys`` only those client keys are let in), or ``insecure=True`` must
@@ -69,7 +71,7 @@ class EventConfig:
     buffer_steps: int = 10_000
     queue_size: int = 100_000
     data_parallel_rank: int | None = None
-    encoding: str = "map"  # events as maps (DESIGN.md) or "array" (as vLLM sends them)
+    encoding: str = "map"  # events as maps (vLLM after v0.23) or "array" (up to v0.23)
     curve_secret_key: str | None = None  # Z85; the PUB and ROUTER sockets are CURVE servers
     curve_client_keys: tuple[str, ...] = ()  # Z85 public keys let in (empty: any client)
     insecure: bool = False  # a network address without CURVE, on purpose
@@ -116,14 +118,15 @@ class EventConfig:
                 raise EventConfigError(
                     field,
                     f"{ep!r} is reachable from the network and events carry token ids "
-                    "(prompts): give curve_secret_key (CURVE), or insecure=True to allow "
-                    "anyone who reaches it, or bind loopback",
+                    "(prompts): give a CURVE key (curve_secret_key; `tpcache serve "
+                    "--events-curve-secret-file PATH`), or allow anyone who reaches it "
+                    "(insecure=True; --events-insecure), or bind loopback",
                 )
             if field == "endpoint" and not self.binds:
                 raise EventConfigError(
                     field,
                     f"connecting to {ep!r} (a proxy on another host) cannot use CURVE here: "
-                    "bind the PUB socket instead, or set insecure=True",
+                    "bind the PUB socket instead, or set insecure=True (--events-insecure)",
                 )
 
     @property

@@ -76,7 +76,7 @@ class PublisherStats:
     sent_batches: int  # handed to the PUB socket by the send thread
     replay_requests: int
     snapshot_requests: int
-    bad_requests: int  # unparseable replay-socket requests, not answered
+    bad_requests: int  # malformed replay-socket requests (answered only in vLLM's framing)
     failed_replies: int  # replies cut short: client gone or not reading
 
 

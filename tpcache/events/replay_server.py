@@ -1,18 +1,32 @@
 """What the publisher remembers (sequence numbers, the replay buffer, the block index)
 and how it answers replay and snapshot requests on its ROUTER socket.
 
-Wire format of the replay socket (the request side is a DEALER):
-- request ``[start]``: ``start`` is an 8-byte big-endian unsigned sequence; the reply is
-  one ``(topic, seq, payload)`` message per buffered batch with ``seq >= start``, oldest
-  first, then ``END_MARKER``. A start older than the oldest kept batch replays from it.
-- request ``[b"SNAPSHOT"]``: the reply is one ``(topic, seq, payload)`` message whose
-  payload is a ``KVEventBatch`` of ``BlockStored`` events rebuilding the publisher's
-  block index as of batch ``seq`` (-1: no batch yet), then ``END_MARKER``. Snapshots are
-  built on a thread of their own (200k blocks take most of a second), never on the send
-  thread that carries the live stream; at most ``snapshot_queue`` wait to be built and
-  one per client: a request beyond that gets ``BUSY_MARKER`` (sequence -2) at once, and
-  may ask again later.
-- anything else (more frames, another length) gets no reply.
+Two framings, told apart by the request's first frame (after the routing identity):
+
+- **vLLM's** (a REQ socket, or a DEALER that sends the REQ envelope): ``[b"", start]``,
+  ``start`` an 8-byte big-endian unsigned sequence. Every reply starts with the empty
+  delimiter frame. With the "map" encoding (current vLLM, since its pull request #45177:
+  v0.26 on) a batch is ``[b"", topic, seq, payload]`` and the end ``[b"", b"", -1,
+  b""]``; with "array" (older vLLM) ``[b"", seq, payload]`` and ``[b"", -1, b""]``.
+  A DEALER reads the whole replay. A REQ socket can read only one message per request,
+  so a REQ peer (its ZMTP ``Socket-Type``) gets one: the first batch from ``start``, or
+  the end marker when there is none; it asks again from the next sequence until the end
+  marker comes (vLLM's server sends a REQ the whole replay, which the REQ cannot read
+  and which then answers its next request). A malformed body gets ``BAD_SEQ`` (-3) with
+  an empty payload, so a waiting REQ is released (vLLM's own subscriber reads an empty
+  payload as the end). This framing never asks for a snapshot.
+- **tpcache's own** (a DEALER, no delimiter), an extension: ``[start]`` is a replay,
+  answered ``(topic, seq, payload)`` per batch, then ``END_MARKER``; ``[b"SNAPSHOT"]``
+  is a snapshot: one ``(topic, seq, payload)`` message whose payload is a
+  ``KVEventBatch`` of ``BlockStored`` events rebuilding the publisher's block index as
+  of batch ``seq`` (-1: no batch yet), then ``END_MARKER``. Snapshots are built on a
+  thread of their own (200k blocks take most of a second), never on the send thread
+  that carries the live stream; at most ``snapshot_queue`` wait to be built and one per
+  client: a request beyond that gets ``BUSY_MARKER`` (sequence -2) at once, and may ask
+  again later. Anything else (more frames, another length) gets no reply.
+
+A start older than the oldest kept batch replays from it. Every malformed request is
+counted (``bad_requests``).
 
 What a client can make the server hold (``limit_requests``, set before the socket binds):
 a frame longer than any request (8 bytes) ends its connection before it is buffered, and
@@ -38,6 +52,7 @@ END_SEQ = -1
 END_MARKER: tuple[bytes, bytes, bytes] = (b"", END_SEQ.to_bytes(8, "big", signed=True), b"")
 BUSY_SEQ = -2
 BUSY_MARKER: tuple[bytes, bytes, bytes] = (b"", BUSY_SEQ.to_bytes(8, "big", signed=True), b"")
+BAD_SEQ = -3  # a malformed request in vLLM's framing (a REQ must get an answer)
 # Every request is one frame of 8 bytes: a start sequence, or SNAPSHOT_REQUEST.
 REQUEST_BYTES = 8
 # A client asks and reads its reply (a whole replay) before it asks again: a few requests
@@ -65,6 +80,7 @@ def decode_seq(frame: bytes) -> int:
 @dataclass(frozen=True, slots=True)
 class ReplayRequest:
     start_seq: int
+    vllm: bool = False  # asked in vLLM's framing (the REQ envelope)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,16 +88,28 @@ class SnapshotRequest:
     pass
 
 
-def parse_request(frames: list[bytes]) -> ReplayRequest | SnapshotRequest | None:
-    """Parse the frames after the routing identity; None if they are not a request."""
+@dataclass(frozen=True, slots=True)
+class BadRequest:
+    vllm: bool  # in vLLM's framing: answered ``BAD_SEQ``; else not answered
+
+
+Request = ReplayRequest | SnapshotRequest | BadRequest
+
+
+def parse_request(frames: list[bytes]) -> Request:
+    """Parse the frames after the routing identity (see the module doc)."""
+    if len(frames) == 2 and frames[0] == b"":
+        if len(frames[1]) == 8:
+            return ReplayRequest(int.from_bytes(frames[1], "big", signed=False), vllm=True)
+        return BadRequest(vllm=True)
     if len(frames) != 1:
-        return None
+        return BadRequest(vllm=False)
     body = frames[0]
     if body == SNAPSHOT_REQUEST:
         return SnapshotRequest()
     if len(body) == 8:
         return ReplayRequest(int.from_bytes(body, "big", signed=False))
-    return None
+    return BadRequest(vllm=False)
 
 
 class EventLog:
@@ -184,19 +212,27 @@ class ReplayServer:
         """Answer up to ``limit`` waiting requests (bounded, so live sends keep going)."""
         for _ in range(limit):
             try:
-                frames = self._socket.recv_multipart(zmq.NOBLOCK)
+                msg = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            identity, request = frames[0], parse_request(frames[1:])
+            identity, request = msg[0].bytes, parse_request([f.bytes for f in msg[1:]])
             match request:
-                case ReplayRequest(start_seq=start):
+                case ReplayRequest(start_seq=start, vllm=False):
                     self.replays += 1
                     self._reply(identity, self._log.since(start))
+                case ReplayRequest(start_seq=start):
+                    self.replays += 1
+                    entries = self._log.since(start)
+                    if msg[-1].get("Socket-Type") == "REQ":
+                        entries = entries[:1]  # all a REQ can read (module doc)
+                    self._reply_vllm(identity, entries, END_SEQ)
                 case SnapshotRequest():
                     self.snapshots += 1
                     self._queue_snapshot(identity)
-                case _:
+                case BadRequest(vllm=vllm):
                     self.bad_requests += 1
+                    if vllm:
+                        self._reply_vllm(identity, [], BAD_SEQ)
 
     def _queue_snapshot(self, identity: bytes) -> None:
         if identity not in self._waiting:
@@ -243,6 +279,17 @@ class ReplayServer:
         events: list[KVEvent] = list(index.to_events())
         batch = KVEventBatch(ts=self._clock(), events=events, data_parallel_rank=self._dp_rank)
         return seq, encode_batch(batch, self._encoding)
+
+    def _reply_vllm(self, identity: bytes, entries: list[tuple[int, bytes]], last: int) -> None:
+        """``entries`` then the marker ``last`` in vLLM's framing for the encoding."""
+        head = [identity, b""] if self._encoding == "array" else [identity, b"", self._topic]
+        tail = [identity, b""] if self._encoding == "array" else [identity, b"", b""]
+        try:
+            for seq, payload in entries:
+                self._socket.send_multipart([*head, encode_seq(seq), payload], zmq.NOBLOCK)
+            self._socket.send_multipart([*tail, encode_seq(last), b""], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self.failed += 1  # as in ``_reply``
 
     def _reply(self, identity: bytes, entries: list[tuple[int, bytes]]) -> None:
         try:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tpcache.cache.allocator import CACHED, HELD
-from tpcache.cache.events import BlockRemoved, BlockStored
+from tpcache.cache.events import BlockRemoved, stored_event
 from tpcache.cache.host.config import HOST
 from tpcache.cache.keys import join_pages
 from tpcache.cache.namespace import is_anchor
@@ -70,17 +70,7 @@ def announce(tree: HostTreeShape, node: Any, medium: str, stored: bool) -> None:
     parent = node.parent
     parent_hash = int(block_hashes(parent.states[-1:])[0]) if parent.states.size else None
     space = namespace_of(tree, parent)
-    tree.events.append(
-        BlockStored(
-            block_hashes=hashes,
-            parent_block_hash=parent_hash,
-            token_ids=node.key.tolist(),
-            block_size=tree.ps,
-            lora_id=None if space is None else space.lora_id,
-            medium=medium,
-            lora_name=None if space is None else space.lora_name,
-        )
-    )
+    tree.events.append(stored_event(hashes, parent_hash, node.key.tolist(), tree.ps, medium, space))
 
 
 # ---- device -> host ---------------------------------------------------------------------

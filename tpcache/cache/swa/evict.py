@@ -13,7 +13,11 @@ last window of a match or an insert (``swa_access``, ``swa_hits``), not whenever
 runs through it, so a shared prefix far from where requests end loses its SWA KV first
 and keeps its full KV. ``swa_policy_key`` gives the policy's SWA key.
 
-A block is announced removed only when its full KV goes; losing SWA KV is no event.
+Events: a block is announced removed when a request can no longer end a match in it,
+so a router that counts cached blocks never counts more than a match would reuse: when
+its node is tombstoned (its full KV stays, for matches that run through it) or, for a
+node never tombstoned, when it is deleted. Revival announces the blocks stored again
+(``inserts.revive_tombstones``).
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from tpcache.cache.events import BlockRemoved
 from tpcache.cache.keys import join_pages
 from tpcache.cache.policy.policies import KeyFn
 from tpcache.cache.tree.evict import delete
+from tpcache.cache.tree.hashing import block_hashes
 from tpcache.cache.tree.shapes import Freed, SwaTreeShape
 
 if TYPE_CHECKING:
@@ -73,6 +79,9 @@ def tombstone(tree: SwaTreeShape, node: SwaNode, out: Freed) -> None:
     tree.tombstoned_nodes += 1
     out.swa += size
     out.tombs.append(node)
+    if tree.record_events:
+        hashes = block_hashes(node.states).tolist()
+        tree.events.append(BlockRemoved(block_hashes=hashes, medium=tree.medium))
     w = tree.window
     doomed: list[SwaNode] = []
     stack = [(node, 0)]

@@ -4,8 +4,9 @@ matched, and revive.
 
 Why revival: a tombstone keeps its full KV, so a newcomer that computed the same tokens
 again only has to give its SWA pages; they move onto the tombstone's full pages (the
-newcomer's full pages are freed as duplicates), and full pages, block hashes and events
-stay as they were.
+newcomer's full pages are freed as duplicates), and full pages and block hashes stay as
+they were. Its blocks were announced removed when it was tombstoned (``evict.py``), so
+revival announces them stored again.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tpcache.cache.errors import InvalidSlots
+from tpcache.cache.events import stored_event
+from tpcache.cache.tree.anchors import namespace_of
+from tpcache.cache.tree.hashing import block_hashes
 from tpcache.cache.tree.node import SwaNode
 
 if TYPE_CHECKING:
@@ -91,3 +95,15 @@ def revive_tombstones(
         tree.tombstone_pages -= size
         tree.swa_pages += size
         tree.queue_swa(node)
+        if tree.record_events:  # its blocks were announced removed when tombstoned
+            announce_stored(tree, node)
+
+
+def announce_stored(tree: SwaTreeShape, node: SwaNode) -> None:
+    """Announce revived ``node``'s blocks stored again (as its insert did)."""
+    parent = node.parent
+    parent_hash = int(block_hashes(parent.states[-1:])[0]) if parent.states.size else None
+    hashes = block_hashes(node.states).tolist()
+    tokens = node.key.tolist()
+    space = namespace_of(tree, node)
+    tree.events.append(stored_event(hashes, parent_hash, tokens, tree.ps, tree.medium, space))

@@ -82,7 +82,8 @@ def delete(tree: TreeShape, node: Node, out: Freed) -> None:
         out.full += node.pages.size
         if tree.window is not None:
             tree.deleted(node, out)
-        if tree.record_events:
+        # A tombstone's blocks were announced removed when its sliding-window KV went.
+        if tree.record_events and not getattr(node, "tombstone", False):
             tree.events.append(
                 BlockRemoved(block_hashes=block_hashes(node.states).tolist(), medium=tree.medium)
             )

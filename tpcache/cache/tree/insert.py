@@ -15,7 +15,7 @@ import numpy as np
 
 from tpcache.cache.allocator import CACHED, HELD
 from tpcache.cache.errors import InvalidSlots
-from tpcache.cache.events import BlockStored
+from tpcache.cache.events import stored_event
 from tpcache.cache.keys import join_pages, key_bytes
 from tpcache.cache.tree.anchors import namespace_of
 from tpcache.cache.tree.hashing import block_hashes
@@ -126,16 +126,9 @@ def add_leaf(
     if tree.record_events:
         parent_hash = int(block_hashes(parent.states[-1:])[0]) if parent.states.size else None
         space = namespace_of(tree, parent)
+        hashes = block_hashes(node.states).tolist()
         tree.events.append(
-            BlockStored(
-                block_hashes=block_hashes(node.states).tolist(),
-                parent_block_hash=parent_hash,
-                token_ids=key.tolist(),
-                block_size=tree.ps,
-                lora_id=None if space is None else space.lora_id,
-                medium=tree.medium,
-                lora_name=None if space is None else space.lora_name,
-            )
+            stored_event(hashes, parent_hash, key.tolist(), tree.ps, tree.medium, space)
         )
     if tree.hooks is not None:
         node = tree.hooks.on_insert(node)  # may split off an upper node
