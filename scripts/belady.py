@@ -3,7 +3,7 @@ admit-on-second-sighting LRU and an infinite cache: reference figures for tpcach
 
     python scripts/belady.py [TRACE] --capacity 3M,1M --page-size 16 [--tree] [--json]
 
-TRACE defaults to the conversation trace in the repository, data/mooncake_conversation.jsonl.gz.
+TRACE defaults to the conversation trace in the repository, tpcache/data/mooncake_conversation.jsonl.gz.
 
 Semantics are in ``pagesim`` (this is its command line). Belady here is the page-level
 farthest-next-use rule, an upper reference for the online policies, not a proof of
@@ -58,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
         nargs="?",
         type=Path,
         default=DEFAULT_TRACE,
-        help="Mooncake-format JSONL trace, plain or gzip (default: the one in data/)",
+        help="Mooncake-format JSONL trace, plain or gzip (default: the one in tpcache/data/)",
     )
     parser.add_argument(
         "--capacity",

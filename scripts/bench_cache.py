@@ -157,7 +157,9 @@ def main() -> int:
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--repeat", type=int, default=1, help="rounds of runs; medians are shown")
     p.add_argument(
-        "--trace", default=str(TRACE), help="Mooncake-format trace (default: the one in data/)"
+        "--trace",
+        default=str(TRACE),
+        help="Mooncake-format trace (default: the one in tpcache/data/)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(

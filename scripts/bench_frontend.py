@@ -55,9 +55,9 @@ def batched_calls(c, who: int, i: int, k: int) -> None:
 def client_loop(endpoint: str, who: int, seconds: float, batch: int, ready, go, out) -> None:
     """One client process: once ``go`` is set, calls for ``seconds`` (``batch`` > 0: as
     lists of that many calls); puts (who, calls)."""
-    from tpcache.client import Client
+    from tpcache.client import NetworkClient
 
-    with Client(endpoint) as c:
+    with NetworkClient(endpoint) as c:
         c.stats()  # connected
         ready.put(who)
         go.wait()

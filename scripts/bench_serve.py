@@ -46,8 +46,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_bench_lib import ModelShape, Served, machine, median, timed_stream, write_checkpoint
 from serve_parts import overhead_part, transformers_tps
 
-REPO = Path(__file__).resolve().parent.parent
-TRACE = REPO / "data" / "mooncake_conversation.jsonl.gz"
 PAGE = 16
 # Clients send over sockets of their own, which the server reads round robin: calls sent
 # microseconds apart could be read out of order. A gap keeps trace order at the server.
@@ -55,12 +53,12 @@ SEND_GAP_S = 0.003
 
 
 def ttft_part(a: argparse.Namespace, model: Path, shape: ModelShape) -> dict[str, Any]:
-    from tpcache.client import Client
+    from tpcache.client import NetworkClient
 
     rng = np.random.default_rng(a.seed)
     n, shared = 2048, -(-2048 * 9 // 10 // PAGE) * PAGE  # 90%, in whole pages
     cold, warm, cached = [], [], []
-    with Served(model, 2, a.capacity, PAGE, []) as srv, Client(srv.endpoint) as c:
+    with Served(model, 2, a.capacity, PAGE, []) as srv, NetworkClient(srv.endpoint) as c:
         c.generate(rng.integers(0, shape.vocab, 64).tolist(), 2)  # warm-up
         for _ in range(a.repeats):
             base = rng.integers(0, shape.vocab, n).tolist()
@@ -85,9 +83,9 @@ def ttft_part(a: argparse.Namespace, model: Path, shape: ModelShape) -> dict[str
 
 
 def trace_slice(limit: int, scale: int) -> tuple[list[list[int]], list[int], int, Any]:
-    from tpcache.trace import load_trace, scaled_output_length, scaled_prompt_tokens
+    from tpcache.trace import DEFAULT_TRACE, load_trace, scaled_output_length, scaled_prompt_tokens
 
-    reqs = load_trace(TRACE, limit=limit)
+    reqs = load_trace(DEFAULT_TRACE, limit=limit)
     prompts = [scaled_prompt_tokens(r, scale) for r in reqs]
     ids = np.unique(np.concatenate(prompts))
     dense = [np.searchsorted(ids, p).tolist() for p in prompts]
@@ -105,14 +103,14 @@ def replay_matched(reqs: Any, scale: int) -> dict[str, int]:
 def run_clients(endpoint: str, prompts: list[list[int]], outs: list[int], clients: int):
     """Every request, by ``clients`` client threads; a turnstile keeps the sends in trace
     order (request i goes out after request i - 1 has). Returns (wall seconds, replies)."""
-    from tpcache.client import Client
+    from tpcache.client import NetworkClient
 
     replies: list[Any] = [None] * len(prompts)
     turn = threading.Condition()
     sent = [0]
 
     def client(k: int) -> None:
-        with Client(endpoint) as c:
+        with NetworkClient(endpoint) as c:
             for i in range(k, len(prompts), clients):
                 with turn:
                     turn.wait_for(lambda i=i: sent[0] == i)
@@ -168,7 +166,7 @@ def sharing_part(a: argparse.Namespace, model: Path) -> dict[str, Any]:
 
 
 def tps_part(a: argparse.Namespace, model: Path, shape: ModelShape) -> dict[str, Any]:
-    from tpcache.client import Client
+    from tpcache.client import NetworkClient
 
     rng = np.random.default_rng(a.seed + 1)
     out: dict[str, Any] = {"new_tokens": a.new_tokens, "prompt_tokens": 32}
@@ -176,7 +174,7 @@ def tps_part(a: argparse.Namespace, model: Path, shape: ModelShape) -> dict[str,
     prompts = {b: [rng.integers(0, shape.vocab, 32).tolist() for _ in range(b)] for b in batches}
     with Served(model, 1, a.capacity, PAGE, []) as srv:
         for b in batches:
-            with Client(srv.endpoint) as c:
+            with NetworkClient(srv.endpoint) as c:
                 c.generate(prompts[b][0], 2)  # warm-up
             spans = []
             for _ in range(a.repeats):
@@ -204,9 +202,9 @@ def tps_part(a: argparse.Namespace, model: Path, shape: ModelShape) -> dict[str,
 
 
 def _one(endpoint: str, prompt: list[int], n: int) -> None:
-    from tpcache.client import Client
+    from tpcache.client import NetworkClient
 
-    with Client(endpoint) as c:
+    with NetworkClient(endpoint) as c:
         got = c.generate(prompt, n, ignore_eos=True)
         assert len(got.tokens) == n
 

@@ -134,7 +134,9 @@ def run_side(name: str, args: argparse.Namespace) -> dict[str, Any]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
-        "--trace", default=str(TRACE), help="Mooncake-format trace (default: the one in data/)"
+        "--trace",
+        default=str(TRACE),
+        help="Mooncake-format trace (default: the one in tpcache/data/)",
     )
     ap.add_argument("--limit", type=int, default=None, help="first N requests only")
     ap.add_argument("--capacity", type=int, default=3_000_000, help="tokens (default 3M)")

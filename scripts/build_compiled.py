@@ -60,7 +60,7 @@ def main() -> None:
         sys.exit(f"{out} is inside the repository: build the copy elsewhere")
     if out.exists():
         shutil.rmtree(out)
-    for part in ("tpcache", "scripts", "tests", "data"):
+    for part in ("tpcache", "scripts", "tests"):
         shutil.copytree(REPO / part, out / part, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "pyproject.toml", out / "pyproject.toml")
     modules = sorted(

@@ -36,10 +36,16 @@ def run_slice(args: argparse.Namespace) -> None:
 
     from tpcache.cache.keys import frozen_tokens
     from tpcache.replay import ReplayOptions, make_cache
-    from tpcache.trace import load_trace, output_tokens, scaled_output_length, scaled_prompt_tokens
+    from tpcache.trace import (
+        DEFAULT_TRACE,
+        load_trace,
+        output_tokens,
+        scaled_output_length,
+        scaled_prompt_tokens,
+    )
 
     lib = ctypes.CDLL(args.helper)
-    requests = load_trace(args.trace, args.last)
+    requests = load_trace(args.trace or DEFAULT_TRACE, args.last)
     opts = ReplayOptions(args.capacity, args.page_size, host_capacity=args.host_capacity)
     cache, _ = make_cache(opts, args.capacity)
     if args.no_gc:
@@ -63,7 +69,7 @@ def run_slice(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--trace", default="data/mooncake_conversation.jsonl.gz")
+    ap.add_argument("--trace", default=None, help="default: the trace in tpcache/data/")
     ap.add_argument("--capacity", type=int, default=3_000_000)
     ap.add_argument("--host-capacity", type=int, default=None)
     ap.add_argument("--page-size", type=int, default=16)

@@ -4,7 +4,7 @@ gap into what knowing *which* pages come back is worth and what knowing *when* i
     python scripts/policy_bounds.py [TRACE] --capacity 1M,3M,10M [--page-size 16]
         [--limit N] [--out results/policy_bounds]
 
-TRACE defaults to the conversation trace in the repository, data/mooncake_conversation.jsonl.gz.
+TRACE defaults to the conversation trace in the repository, tpcache/data/mooncake_conversation.jsonl.gz.
 
 Two kinds of figures, both on the page-level replay of ``pagesim`` (plain page mode):
 

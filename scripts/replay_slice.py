@@ -1,4 +1,4 @@
-"""The first N requests of the conversation trace (the one in data/) through one cache,
+"""The first N requests of the conversation trace (the one in tpcache/data/) through one cache,
 for instruction counts that machine load does not move (valgrind's callgrind counts
 instructions).
 

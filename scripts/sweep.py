@@ -6,7 +6,7 @@ references (LRU, offline Belady, admit-on-second-sighting LRU, infinite) drawn i
         [--timing-repeat 3 --timing-capacity 3M --timing-policy resight] \\
         [--out results/policy_sweep]
 
-TRACE defaults to the conversation trace in the repository, data/mooncake_conversation.jsonl.gz.
+TRACE defaults to the conversation trace in the repository, tpcache/data/mooncake_conversation.jsonl.gz.
 Every (policy, capacity) is a ``tpcache.replay`` run of the whole trace (page 16 unless
 ``--page-size``), in worker processes (``--jobs``). The references come from
 ``pagesim`` (the independent page-level simulator of ``scripts/belady.py``). Writes

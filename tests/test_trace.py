@@ -176,13 +176,15 @@ def test_a_missing_default_trace_says_where_it_ships(
     gone = (tmp_path / "data" / "mooncake_conversation.jsonl.gz").resolve()
     monkeypatch.setattr(tpcache.trace, "DEFAULT_TRACE", gone)
     with pytest.raises(
-        TraceNotFound, match=rf"^no trace file at {re.escape(str(gone))} \(the default trace: "
+        TraceNotFound,
+        match=rf"^no trace file at {re.escape(str(gone))} \(the default trace, shipped inside "
+        r"the tpcache package as tpcache/data/: this install lacks it",
     ):
         load_trace(gone)
 
 
 def test_the_default_trace_is_the_compressed_file_in_the_repository() -> None:
-    assert DEFAULT_TRACE == REPO / "data" / "mooncake_conversation.jsonl.gz"
+    assert DEFAULT_TRACE == REPO / "tpcache" / "data" / "mooncake_conversation.jsonl.gz"
     assert DEFAULT_TRACE.read_bytes()[:2] == b"\x1f\x8b"
     with gzip.open(DEFAULT_TRACE, "rb") as f:
         assert hashlib.sha256(f.read()).hexdigest() == TRACE_SHA256

@@ -1,8 +1,8 @@
 """A client of the network frontend (``tpcache.frontend.netfront``) for routers and
 engines that are not Ray drivers. Imports neither torch nor Ray.
 
-    from tpcache.client import Client
-    c = Client("tcp://127.0.0.1:5560")           # CURVE: curve_server_key=...; or token=...
+    from tpcache.client import NetworkClient
+    c = NetworkClient("tcp://127.0.0.1:5560")    # CURVE: curve_server_key=...; or token=...
     got = c.admit("req-1", prompt_ids)            # prefix_len, slots of the prompt
     c.extend("req-1", 1)                          # slots of one decode step
     with c.batch() as b:                          # several calls, one step, one round trip
@@ -16,7 +16,9 @@ engines that are not Ray drivers. Imports neither torch nor Ray.
     for token in c.generate(prompt_ids, 32, stream=True):   # tokens as they are sampled
         ...
 
-Errors come back typed, as the coordinator raised them (``tpcache.frontend.api``,
+Calls return the ``api`` reply records (``AdmitReply``, ``SlotsReply``, ``CachedReply``,
+``GeneratedReply``), the same as the Ray client's (``tpcache.RayClient``). Errors come
+back typed, as the coordinator raised them (``tpcache.frontend.api``,
 ``tpcache.cache.errors``); ``retryable`` says whether to try again. A call with no reply
 in time raises ``OutcomeUnknown`` (it may have been applied): ``c.resend(err)`` asks
 again without applying it twice.
@@ -24,9 +26,9 @@ again without applying it twice.
 Request ids are this client's own: another client's ids are unknown to it (each client
 is its credential and its connection's random routing id).
 
-Threads: a ``Client`` is used by one thread at a time; give each thread its own (they
-are cheap). Within that thread, several generate streams may be open at once and read
-in any order, between other calls: each message is kept for the call it answers.
+Threads: a ``NetworkClient`` is used by one thread at a time; give each thread its own
+(they are cheap). Within that thread, several generate streams may be open at once and
+read in any order, between other calls: each message is kept for the call it answers.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from tpcache.frontend.calls import (
     Batch,
     GenerateCalls,
     Pending,
-    RequestCalls,
+    ReplyCalls,
     TokenStream,
     UnexpectedReply,
     checked,
@@ -54,16 +56,16 @@ from tpcache.frontend.calls import (
 from tpcache.transport.netsec import make_client
 
 
-class Client(RequestCalls[api.AdmitReply, api.SlotsReply, api.CachedReply, None], GenerateCalls):
+class NetworkClient(ReplyCalls, GenerateCalls):
     """A DEALER socket to the network frontend at ``endpoint``. Not thread-safe: one per
     thread (they are cheap). ``timeout_s`` bounds each round trip: no reply in time is
     ``OutcomeUnknown`` (see ``resend``); for a generate call, each wait for its next
     token (``GenerateTimeout``, and the call is cancelled).
 
     Its request ids are scoped to its ``session`` (its routing id; random unless given):
-    another ``Client`` does not reach its requests. A router that restarts and must
-    reach the requests it left running (to finish or abort them) passes the session it
-    had (at least 16 bytes; keep it secret: it is the key to those requests)."""
+    another ``NetworkClient`` does not reach its requests. A router that restarts and
+    must reach the requests it left running (to finish or abort them) passes the session
+    it had (at least 16 bytes; keep it secret: it is the key to those requests)."""
 
     def __init__(
         self,
@@ -97,7 +99,7 @@ class Client(RequestCalls[api.AdmitReply, api.SlotsReply, api.CachedReply, None]
         self._sock.close(linger=0)
         self._ctx.term()
 
-    def __enter__(self) -> Client:
+    def __enter__(self) -> NetworkClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -199,4 +201,4 @@ def _check_session(session: object) -> bytes:
     return session
 
 
-__all__ = ["Batch", "Client", "Pending", "TokenStream"]
+__all__ = ["Batch", "NetworkClient", "Pending", "TokenStream"]

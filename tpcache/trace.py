@@ -21,9 +21,9 @@ disjoint tokens, so a prefix cache sees exactly the sharing the trace describes.
 Every token fits in int32; a trace that would not is rejected.
 
 A trace file is plain JSONL or gzip-compressed JSONL (told apart by gzip's magic bytes,
-not by the name). ``DEFAULT_TRACE`` is the Mooncake conversation trace that ships in the
-repository's ``data/`` folder; it is found relative to this file, so it is there in a
-clone and in an editable install, not in a wheel installed without the repository.
+not by the name). ``DEFAULT_TRACE`` is the Mooncake conversation trace that ships inside
+the package, ``tpcache/data/`` (package data), so it is there in a clone and in every
+install.
 
 This module imports only numpy and the standard library (no other tpcache module), so
 scripts and other tools can use it alone.
@@ -42,7 +42,7 @@ import numpy as np
 
 from tpcache.errors import TpcacheError
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "data" / "mooncake_conversation.jsonl.gz"
+DEFAULT_TRACE = Path(__file__).resolve().parent / "data" / "mooncake_conversation.jsonl.gz"
 _GZIP_MAGIC = b"\x1f\x8b"
 
 BLOCK_TOKENS = 512
@@ -275,7 +275,7 @@ def _not_found(path: str | Path) -> TraceNotFound:
     message = f"no trace file at {path}"
     if Path(path).resolve() == DEFAULT_TRACE:
         message += (
-            " (the default trace: it ships in the data/ folder of a tpcache clone, which an"
-            " install without the repository lacks; pass the path of a trace)"
+            " (the default trace, shipped inside the tpcache package as tpcache/data/: this"
+            " install lacks it, so reinstall tpcache or pass the path of a trace)"
         )
     return TraceNotFound(message)

@@ -1,7 +1,7 @@
-"""A frontend's client of a served coordinator (issue #18 items 4, 5, 6, 9), on the
-session's Ray cluster: the calls the README names (``batch``, ``flush``, ``evict``,
-``reset``) and an honest admit record; ``tpcache.connect`` and ``tpcache.Client`` at the
-package top without Ray or torch on import; serving under a taken name, replacing and
+"""A frontend's client of a served coordinator, on the session's Ray cluster: the calls
+the README names (``batch``, ``flush``, ``evict``, ``reset``) and the API's reply records;
+``tpcache.connect`` and ``tpcache.RayClient`` at the package top without Ray or torch on
+import; serving under a taken name, replacing and
 stopping; a group that cannot start raising its own error, leaving no actor."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ import socket
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from tpcache.cache.errors import CacheError, UnknownRequest
 from tpcache.coordinator.build import GroupConfig
 from tpcache.events.metrics import MetricsError
-from tpcache.frontend.ray_client import Admitted, NotServing
+from tpcache.frontend import api
+from tpcache.frontend.ray_client import NotServing
 from tpcache.workers.spec import CacheSpec
 
 NS = "tpcache-tests"
@@ -40,10 +40,10 @@ def config(**kw) -> GroupConfig:
 def test_connect_and_client_at_the_package_top_without_ray_or_torch_on_import() -> None:
     code = (
         "import sys, tpcache; print('ray' in sys.modules, 'torch' in sys.modules); "
-        "from tpcache import connect, Client; "
+        "from tpcache import connect, RayClient; "
         "from tpcache.frontend import ray_client, service; "
         "print(connect is ray_client.connect is service.connect, "
-        "Client is ray_client.Client is service.Client)"
+        "RayClient is ray_client.RayClient is service.RayClient)"
     )
     got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert got.stdout.split() == ["False", "False", "True", "True"], got.stderr
@@ -62,10 +62,10 @@ def test_the_client_offers_what_the_readme_says(ray_cluster) -> None:
         c = tpcache.connect("cli-client", NS)
         prompt = list(range(1, 41))
         a = c.admit("a", prompt)
-        assert isinstance(a, Admitted) and (a.prefix_len, a.num_tokens) == (0, 40)
-        assert a.slots.dtype == np.int64 and not a.slots.flags.writeable
+        assert isinstance(a, api.AdmitReply) and (a.prefix_len, len(a.slots)) == (0, 40)
         assert not hasattr(a, "page_size")  # no page size of 1 with slot ids as "pages"
-        c.finish("a", [7, 8])
+        done = c.finish("a", [7, 8])
+        assert isinstance(done, api.CachedReply) and done.cached_tokens == 40
         c.flush()
         before = c.stats()["steps_sent"]
         with c.batch() as b:
@@ -76,10 +76,11 @@ def test_the_client_offers_what_the_readme_says(ray_cluster) -> None:
                 p1.result()
         c.flush()
         assert c.stats()["steps_sent"] - before == 1  # three calls, one step
-        got = p1.result()  # what admit outside a batch returns: an Admitted, slots read-only
-        assert isinstance(got, Admitted) and got.prefix_len == 40
-        assert got.slots.dtype == np.int64 and not got.slots.flags.writeable
-        assert isinstance(p3.result(), np.ndarray) and p3.result().size == 2
+        got = p1.result()  # what admit outside a batch returns: an AdmitReply
+        assert isinstance(got, api.AdmitReply) and got.prefix_len == 40
+        assert got.slots[:40] == a.slots  # the cached prefix's slots
+        more = p3.result()
+        assert isinstance(more, api.SlotsReply) and len(more.slots) == 2
         with pytest.raises(UnknownRequest, match=r"^no running request 'nope'$"):
             p2.result()  # refused alone: the others applied
         with pytest.raises(ZeroDivisionError), c.batch() as b:

@@ -203,7 +203,7 @@ def test_serve_detached_a_frontend_a_taken_name_replace_and_sigterm(nodes) -> No
     assert f"`{stop}`" in got.stdout and "ray kill" not in got.stdout
 
     assert _frontend("cli-t", a, nodes.env) == {
-        "client": "Client",
+        "client": "RayClient",
         "paths": ["ray", "ray"],  # --transport ray reached the group
         "prefix": [0, 40],
     }

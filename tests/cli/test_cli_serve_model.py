@@ -157,8 +157,8 @@ def test_serve_a_model_end_to_end(tiny_model) -> None:
         address = text.split("address='", 1)[1].split("'", 1)[0]
         client = (
             "import json, sys\n"
-            "from tpcache.client import Client\n"
-            "with Client(sys.argv[1]) as c:\n"
+            "from tpcache.client import NetworkClient\n"
+            "with NetworkClient(sys.argv[1]) as c:\n"
             "    whole = c.generate([1, 5, 9, 14], 12, ignore_eos=True)\n"
             "    streamed = list(c.generate([1, 5, 9, 14], 12, ignore_eos=True, stream=True))\n"
             "print(json.dumps([whole.tokens, streamed, whole.finish_reason, "

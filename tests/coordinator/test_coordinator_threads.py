@@ -15,7 +15,7 @@ import pytest
 from drill_worker import DrillWorker
 from group_helpers import group_config
 
-from tpcache.client import Client
+from tpcache.client import NetworkClient
 from tpcache.coordinator.build import GroupConfig
 from tpcache.coordinator.errors import CoordinatorUnavailable
 from tpcache.coordinator.local_ranks import start_local_group
@@ -165,7 +165,7 @@ def test_a_served_group_recovers_in_the_background(group) -> None:
     undo = _slow_restarts(group, 1.5)
     recoveries = group.stats()["recoveries"]
     try:
-        with Client(front.endpoint, timeout_s=30.0) as c:
+        with NetworkClient(front.endpoint, timeout_s=30.0) as c:
             c.admit("a", [1, 2, 3, 4])
             group.sync()
             step = group.stats()["steps_sent"]

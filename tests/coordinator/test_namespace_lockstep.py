@@ -17,7 +17,7 @@ from test_lockstep_ray import apply_call
 from tpcache.cache import errors
 from tpcache.cache.namespace import CacheNamespace
 from tpcache.cache.radix import RadixCache
-from tpcache.client import Client
+from tpcache.client import NetworkClient
 from tpcache.frontend import api
 from tpcache.frontend.frontend import handle, serve_network
 from tpcache.frontend.netfront import FrontendConfig
@@ -118,7 +118,7 @@ def test_the_network_client_passes_the_namespace() -> None:
     front = serve_network(coord, FrontendConfig(endpoint="tcp://127.0.0.1:*"), lock)
     try:
         prompt = list(range(1, 30))
-        with Client(front.endpoint) as c:
+        with NetworkClient(front.endpoint) as c:
             assert c.admit("a", prompt, cache_salt="s1").prefix_len == 0
             c.finish("a")
             assert c.admit("b", prompt).prefix_len == 0  # the default namespace: a miss

@@ -17,7 +17,7 @@ import zmq
 from group_helpers import group_config
 
 from tpcache.cache.errors import DuplicateRequest, UnknownRequest
-from tpcache.client import Client
+from tpcache.client import NetworkClient
 from tpcache.coordinator.local_ranks import start_local_group
 from tpcache.frontend import api
 from tpcache.frontend.frontend import serve_network
@@ -55,7 +55,7 @@ def settled(coord) -> None:
 
 def test_another_clients_request_is_unknown(coord, front) -> None:
     prompt = list(range(1, 30))
-    with Client(front.endpoint) as a, Client(front.endpoint) as b:
+    with NetworkClient(front.endpoint) as a, NetworkClient(front.endpoint) as b:
         a.admit("r1", prompt)
         # B cannot learn that A's id runs, nor extend, finish or abort it: it is unknown,
         # word for word as an id nobody ever used.
@@ -84,7 +84,7 @@ def test_another_clients_request_is_unknown(coord, front) -> None:
 
 
 def test_int_and_str_ids_stay_apart_and_bad_ids_are_refused(coord, front) -> None:
-    with Client(front.endpoint) as c:
+    with NetworkClient(front.endpoint) as c:
         c.admit(5, [1, 2, 3])
         c.admit("5", [1, 2, 3])  # not the same request
         with pytest.raises(UnknownRequest, match=r"request 6\b"):
@@ -98,19 +98,19 @@ def test_int_and_str_ids_stay_apart_and_bad_ids_are_refused(coord, front) -> Non
 
 def test_a_session_brings_a_client_back_to_its_requests(coord, front) -> None:
     session = b"router-7" + os.urandom(16)
-    with Client(front.endpoint, session=session) as c:
+    with NetworkClient(front.endpoint, session=session) as c:
         c.admit("kept", [4, 5, 6, 7])
-    with Client(front.endpoint) as other, pytest.raises(UnknownRequest):
+    with NetworkClient(front.endpoint) as other, pytest.raises(UnknownRequest):
         other.abort("kept")
-    with Client(front.endpoint, session=session) as back:
+    with NetworkClient(front.endpoint, session=session) as back:
         assert back.finish("kept").cached_tokens == 4
     for bad in (b"short", b"\x00" + os.urandom(16), "text" * 8):
         with pytest.raises(api.BadRequest, match="session"):
-            Client(front.endpoint, session=bad)  # type: ignore[arg-type]
+            NetworkClient(front.endpoint, session=bad)  # type: ignore[arg-type]
 
 
 def test_network_stats_show_a_client_its_own_figures_only(coord, front) -> None:
-    with Client(front.endpoint) as a, Client(front.endpoint) as b:
+    with NetworkClient(front.endpoint) as a, NetworkClient(front.endpoint) as b:
         a.admit("x", list(range(100, 140)))
         a.finish("x")
         before = b.stats()
@@ -131,13 +131,16 @@ def test_tenants_salts_are_bound_to_their_token(coord) -> None:
     front = serve_network(coord, cfg)
     prompt = list(range(200, 240))
     try:
-        with Client(front.endpoint, token=TOKEN_A) as a, Client(front.endpoint, token=TOKEN_B) as b:
+        with (
+            NetworkClient(front.endpoint, token=TOKEN_A) as a,
+            NetworkClient(front.endpoint, token=TOKEN_B) as b,
+        ):
             a.admit("p", prompt, cache_salt="secret")
             a.finish("p")
             # B guessed A's salt: its KV is still apart from A's.
             assert b.admit("q", prompt, cache_salt="secret").prefix_len == 0
             b.finish("q")
-            with Client(front.endpoint, token=TOKEN_A) as a2:  # A again, another connection
+            with NetworkClient(front.endpoint, token=TOKEN_A) as a2:  # A again, another connection
                 assert a2.admit("p2", prompt, cache_salt="secret").prefix_len == 36
                 a2.abort("p2")
             # No salt: the shared namespace, as without tenants.
@@ -145,7 +148,7 @@ def test_tenants_salts_are_bound_to_their_token(coord) -> None:
             a.finish("d")
             assert b.admit("e", prompt).prefix_len == 36
             b.abort("e")
-        with Client(front.endpoint) as anon, pytest.raises(api.Unauthenticated):
+        with NetworkClient(front.endpoint) as anon, pytest.raises(api.Unauthenticated):
             anon.admit("z", prompt)
     finally:
         front.close()
@@ -168,7 +171,7 @@ def test_a_timed_out_call_is_not_applied_twice(coord, front) -> None:
     """The frontend's thread waits on the coordinator's lock (held here), so the client's
     extend gets no reply in time: its outcome is unknown, not retryable. Once the lock
     goes, the extend applies; ``resend`` gets its reply without applying it again."""
-    with Client(front.endpoint, timeout_s=0.3) as c:
+    with NetworkClient(front.endpoint, timeout_s=0.3) as c:
         c.admit("r", list(range(1, 10)))
         resent: list[list[api.Reply]] = []
         with coord.lock:
@@ -200,7 +203,7 @@ def test_a_timed_out_call_is_not_applied_twice(coord, front) -> None:
 def test_a_request_refused_whole_is_a_typed_error_in_a_batch(coord) -> None:
     front = serve_network(coord, FrontendConfig(endpoint="tcp://127.0.0.1:*", token=TOKEN_A))
     try:
-        with Client(front.endpoint, token="wrong" * 4) as c:
+        with NetworkClient(front.endpoint, token="wrong" * 4) as c:
             with c.batch() as b:
                 x = b.admit("x", [1, 2, 3])
                 y = b.extend("x", 1)
@@ -259,7 +262,7 @@ def test_an_oversized_message_is_never_held(coord) -> None:
         t.join()
         print(f"server RSS {before:.0f} MB before, peak {peak[0]:.0f} MB during the flood")
         assert peak[0] - before < 64
-        with Client(front.endpoint, token=TOKEN_A, timeout_s=5.0) as ok:
+        with NetworkClient(front.endpoint, token=TOKEN_A, timeout_s=5.0) as ok:
             started = time.perf_counter()
             ok.admit("after", [1, 2, 3])
             assert time.perf_counter() - started < 2.0
@@ -285,7 +288,7 @@ def test_many_frames_in_one_message_are_not_held(coord) -> None:
         s.connect(front.endpoint)
         s.send_multipart([b"\0" * 8, b"", *[b"x" * 1024] * 20_000])  # 20 MB in 20k frames
         assert not s.poll(500)  # not the protocol: dropped, no reply
-        with Client(front.endpoint) as ok:
+        with NetworkClient(front.endpoint) as ok:
             assert ok.admit("fine", [1, 2]).prefix_len == 0
             ok.abort("fine")
     finally:

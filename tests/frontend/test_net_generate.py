@@ -13,7 +13,7 @@ import time
 import pytest
 from gen_net_helpers import served_model, undisturbed
 
-from tpcache.client import Client
+from tpcache.client import NetworkClient
 from tpcache.engine.errors import RequestTooLarge
 from tpcache.engine.requests import BadSampling
 from tpcache.frontend import api
@@ -36,7 +36,7 @@ def _idle(s, timeout: float = 20.0) -> dict:
 def test_streamed_and_whole_answers_agree_with_the_engine() -> None:
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     with served_model() as s:
-        with Client(s.front.endpoint) as c:
+        with NetworkClient(s.front.endpoint) as c:
             whole = c.generate(prompt, 12, ignore_eos=True)
             assert isinstance(whole, api.GeneratedReply)
             assert (whole.finish_reason, whole.prompt_tokens, len(whole.tokens)) == (
@@ -62,7 +62,7 @@ def test_streamed_and_whole_answers_agree_with_the_engine() -> None:
 
 
 def test_stop_tokens_and_a_seeded_sample_repeat() -> None:
-    with served_model() as s, Client(s.front.endpoint) as c:
+    with served_model() as s, NetworkClient(s.front.endpoint) as c:
         greedy = c.generate([7, 8, 9], 10, ignore_eos=True).tokens
         stop = c.generate([7, 8, 9], 10, stop_token_ids=[greedy[2]])
         cut = greedy.index(greedy[2]) + 1
@@ -76,7 +76,7 @@ def test_concurrent_clients_and_streams() -> None:
     prompts = [[i + 1, (i * 7) % 60 + 1, 5, i % 3 + 2] for i in range(6)]
     with served_model() as s:
         want = {}
-        with Client(s.front.endpoint) as c:
+        with NetworkClient(s.front.endpoint) as c:
             for i, p in enumerate(prompts):
                 want[i] = c.generate(p, 8, ignore_eos=True).tokens
         got: dict[int, list[int]] = {}
@@ -84,7 +84,7 @@ def test_concurrent_clients_and_streams() -> None:
 
         def one(i: int) -> None:
             try:
-                with Client(s.front.endpoint) as c:
+                with NetworkClient(s.front.endpoint) as c:
                     got[i] = list(c.generate(prompts[i], 8, ignore_eos=True, stream=True))
             except BaseException as exc:  # reported below
                 errors.append(exc)
@@ -96,7 +96,7 @@ def test_concurrent_clients_and_streams() -> None:
             t.join(60)
         assert not errors and got == want
         # One client, three streams open at once, read in turns.
-        with Client(s.front.endpoint) as c:
+        with NetworkClient(s.front.endpoint) as c:
             streams = [c.generate(prompts[i], 8, ignore_eos=True, stream=True) for i in range(3)]
             out: list[list[int]] = [[], [], []]
             for _ in range(8):
@@ -110,7 +110,7 @@ def test_concurrent_clients_and_streams() -> None:
 
 def test_a_client_that_goes_away_mid_stream_is_cancelled() -> None:
     with served_model() as s:
-        c = Client(s.front.endpoint)
+        c = NetworkClient(s.front.endpoint)
         it = c.generate([1, 2, 3, 4], 100, ignore_eos=True, stream=True)
         assert len([next(it) for _ in range(3)]) == 3
         c.close()  # no cancel sent: the socket is gone
@@ -119,8 +119,8 @@ def test_a_client_that_goes_away_mid_stream_is_cancelled() -> None:
         assert s.engine.stats()["live"] == 0
         # A process waiting for a whole answer, killed: found as its tokens are sent.
         code = (
-            "import sys; from tpcache.client import Client\n"
-            "Client(sys.argv[1]).generate([4, 3, 2, 1], 120, ignore_eos=True)\n"
+            "import sys; from tpcache.client import NetworkClient\n"
+            "NetworkClient(sys.argv[1]).generate([4, 3, 2, 1], 120, ignore_eos=True)\n"
         )
         proc = subprocess.Popen([sys.executable, "-c", code, s.front.endpoint])
         deadline = time.monotonic() + 60
@@ -131,7 +131,7 @@ def test_a_client_that_goes_away_mid_stream_is_cancelled() -> None:
         _idle(s)
         assert s.front.generate.dropped == 2
         # Closing the iterator (or leaving its block) cancels explicitly.
-        with Client(s.front.endpoint) as c2:
+        with NetworkClient(s.front.endpoint) as c2:
             it = c2.generate([1, 2, 3, 4], 100, ignore_eos=True, stream=True, request_id=7)
             next(it)
             it.close()
@@ -145,7 +145,7 @@ def test_a_client_that_goes_away_mid_stream_is_cancelled() -> None:
 
 
 def test_refusals_are_typed_and_hold_nothing() -> None:
-    with served_model(capacity=256, max_request=64) as s, Client(s.front.endpoint) as c:
+    with served_model(capacity=256, max_request=64) as s, NetworkClient(s.front.endpoint) as c:
         with pytest.raises(RequestTooLarge, match="64"):
             c.generate(list(range(1, 60)), 20)
         with pytest.raises(BadSampling, match="top_p"):
@@ -175,7 +175,7 @@ def test_generate_on_a_server_without_a_model() -> None:
     coord = group()
     front = serve_network(coord, FrontendConfig(endpoint="tcp://127.0.0.1:*"), th.Lock())
     try:
-        with Client(front.endpoint) as c:
+        with NetworkClient(front.endpoint) as c:
             with pytest.raises(api.NoModel, match="serves no model"):
                 c.generate([1, 2, 3], 4)
             with pytest.raises(api.NoModel):
@@ -189,7 +189,7 @@ def test_generate_on_a_server_without_a_model() -> None:
 def test_generate_calls_beyond_the_limit_are_busy() -> None:
     from tpcache.frontend.frontend import handle
 
-    with served_model(max_queue=2) as s, Client(s.front.endpoint) as c:
+    with served_model(max_queue=2) as s, NetworkClient(s.front.endpoint) as c:
         open_ = [c.generate([1, 2, 3], 100, ignore_eos=True, stream=True) for _ in range(2)]
         with pytest.raises(api.Busy, match="2 generate calls are running") as got:
             c.generate([4, 5, 6], 4)
@@ -227,7 +227,11 @@ def test_ray_generate_cancels_a_request_no_one_polls() -> None:
 
 
 def test_request_ids_are_each_clients_own() -> None:
-    with served_model() as s, Client(s.front.endpoint) as a, Client(s.front.endpoint) as b:
+    with (
+        served_model() as s,
+        NetworkClient(s.front.endpoint) as a,
+        NetworkClient(s.front.endpoint) as b,
+    ):
         mine = a.generate([1, 2, 3], 30, ignore_eos=True, stream=True, request_id="same")
         first = next(mine)
         assert b.cancel("same") is False  # another client's id: unknown to it
@@ -238,7 +242,7 @@ def test_request_ids_are_each_clients_own() -> None:
 
 
 def test_no_token_in_time_is_a_timeout_and_cancels() -> None:
-    with served_model() as s, Client(s.front.endpoint, timeout_s=0.001) as c:
+    with served_model() as s, NetworkClient(s.front.endpoint, timeout_s=0.001) as c:
         with pytest.raises(api.GenerateTimeout, match="cancelled") as got:
             c.generate([1, 2, 3], 100, ignore_eos=True)
         assert got.value.retryable

@@ -12,7 +12,7 @@ import tempfile
 import threading
 import time
 
-from tpcache.client import Client
+from tpcache.client import NetworkClient
 from tpcache.coordinator.build import GroupConfig
 from tpcache.frontend.netfront import FrontendConfig
 from tpcache.frontend.service import ServeOptions, serve, stop_served
@@ -33,7 +33,7 @@ def _streams(endpoint: str, kill=None) -> tuple[list[list[int]], list[int]]:
 
     def one(i: int) -> None:
         try:
-            with Client(endpoint, timeout_s=120) as c:
+            with NetworkClient(endpoint, timeout_s=120) as c:
                 for t in c.generate(PROMPTS[i], NEW, ignore_eos=True, stream=True):
                     got[i].append(t)
         except BaseException as exc:  # reported below

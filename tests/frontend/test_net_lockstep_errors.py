@@ -11,7 +11,7 @@ import msgspec
 import pytest
 from drill_worker import DrillWorker
 
-from tpcache.client import Client
+from tpcache.client import NetworkClient
 from tpcache.coordinator.build import GroupConfig
 from tpcache.coordinator.core import CoordinatorConfig
 from tpcache.coordinator.local_ranks import start_local_group
@@ -57,7 +57,7 @@ def next_step(coord, lock) -> int:
 
 def test_a_rank_failure_through_the_network_client_has_its_step(served) -> None:
     coord, front, lock = served
-    with Client(front.endpoint) as c:
+    with NetworkClient(front.endpoint) as c:
         c.admit("a", PROMPT)
         c.finish("a")
         step = next_step(coord, lock)
@@ -74,7 +74,7 @@ def test_a_rank_failure_through_the_network_client_has_its_step(served) -> None:
 
 def test_a_divergence_through_the_network_client_has_its_step(served) -> None:
     coord, front, lock = served
-    with Client(front.endpoint) as c:
+    with NetworkClient(front.endpoint) as c:
         c.admit("a", PROMPT)
         c.finish("a")
         step = next_step(coord, lock)

@@ -18,7 +18,7 @@ import zmq
 from net_helpers import group, settled
 
 from tpcache.cache.errors import UnknownRequest
-from tpcache.client import Client
+from tpcache.client import NetworkClient
 from tpcache.frontend import api
 from tpcache.frontend.frontend import serve_network
 from tpcache.frontend.netfront import FrontendConfig, FrontendConfigError, owner_of
@@ -37,7 +37,7 @@ def served():
 
 def test_calls_replies_and_typed_errors(served) -> None:
     coord, front, lock = served
-    with Client(front.endpoint) as c:
+    with NetworkClient(front.endpoint) as c:
         got = c.admit("a", list(range(1, 30)))
         assert got.prefix_len == 0 and len(got.slots) == 29
         assert len(c.extend("a", 3).slots) == 3
@@ -57,7 +57,7 @@ def test_calls_replies_and_typed_errors(served) -> None:
 
 def test_a_request_is_one_step(served) -> None:
     coord, front, _ = served
-    with Client(front.endpoint) as c:
+    with NetworkClient(front.endpoint) as c:
         before = coord.stats()["steps_sent"]
         with c.batch() as b:
             p = [b.admit(f"r{i}", [*range(100, 140), i]) for i in range(8)]
@@ -72,10 +72,10 @@ def test_a_request_is_one_step(served) -> None:
 
 
 def _client_proc(endpoint: str, who: int, n: int, out) -> None:
-    from tpcache.client import Client
+    from tpcache.client import NetworkClient
 
     t0 = time.perf_counter()
-    with Client(endpoint) as c:
+    with NetworkClient(endpoint) as c:
         for i in range(n):
             rid = f"p{who}-{i}"
             c.admit(rid, [1 + who, *range(2, 50), i % 7])
@@ -139,9 +139,9 @@ def test_malformed_frames_and_a_client_that_leaves_mid_call(served) -> None:
     ctx.term()
     time.sleep(0.3)
     assert coord.stats()["running"] == 1  # the malformed ones changed nothing; this applied
-    with Client(front.endpoint) as c, pytest.raises(UnknownRequest):
+    with NetworkClient(front.endpoint) as c, pytest.raises(UnknownRequest):
         c.abort("gone")  # another client's request is not this one's to touch
-    with Client(front.endpoint, session=session) as c:
+    with NetworkClient(front.endpoint, session=session) as c:
         c.abort("gone")  # its owner, back with its session, cleans up
     assert coord.stats()["held"] == 0
     digest, ranks = settled(coord, lock)
@@ -160,18 +160,18 @@ def test_a_network_address_needs_curve_or_a_token() -> None:
     port = front.endpoint.rsplit(":", 1)[1]
     try:
         d0 = coord.mirror.digest()
-        with Client(f"tcp://127.0.0.1:{port}") as anon:
+        with NetworkClient(f"tcp://127.0.0.1:{port}") as anon:
             from tpcache.frontend.api import Unauthenticated
 
             with pytest.raises(Unauthenticated):
                 anon.admit("x", [1, 2, 3])
         with (
-            Client(f"tcp://127.0.0.1:{port}", token="wrong" * 8) as wrong,
+            NetworkClient(f"tcp://127.0.0.1:{port}", token="wrong" * 8) as wrong,
             pytest.raises(Unauthenticated),
         ):
             wrong.admit("x", [1, 2, 3])
         assert coord.mirror.digest() == d0  # nothing changed
-        with Client(f"tcp://127.0.0.1:{port}", token=token) as ok:
+        with NetworkClient(f"tcp://127.0.0.1:{port}", token=token) as ok:
             assert ok.admit("x", [1, 2, 3]).prefix_len == 0
             ok.abort("x")
     finally:
@@ -183,7 +183,7 @@ def test_a_full_queue_answers_busy_at_once() -> None:
     coord = group()
     front = serve_network(coord, FrontendConfig(endpoint="tcp://127.0.0.1:*", max_queue=4))
     try:
-        with Client(front.endpoint) as c:
+        with NetworkClient(front.endpoint) as c:
             replies = c.send([api.AdmitCall(f"q{i}", [1, 2, 3, i]) for i in range(5)])
             assert [type(r).__name__ for r in replies] == ["ErrorReply"] * 5
             assert replies[0].error == "Busy" and replies[0].retryable
@@ -201,7 +201,7 @@ def test_row_rewrites_reach_the_remote_frontend(served) -> None:
     pages freed. The reply says so, and the frontend's row equals the ranks'."""
     coord, front, lock = served
     prompt = list(range(500, 540))
-    with Client(front.endpoint) as c:
+    with NetworkClient(front.endpoint) as c:
         rows: dict[str, list[int]] = {}
         for rid in ("A", "B"):
             rows[rid] = c.admit(rid, prompt[:8]).slots
@@ -241,7 +241,7 @@ def test_hybrid_replies_carry_the_swa_slots() -> None:
     front = serve_network(coord, FrontendConfig(endpoint="tcp://127.0.0.1:*"), lock)
     prompt = list(range(600, 640))
     try:
-        with Client(front.endpoint) as c:
+        with NetworkClient(front.endpoint) as c:
             c.admit("warm", prompt[:32])
             c.finish("warm")
             got = c.admit("A", prompt)  # a hit of 32 tokens: reads the window 20..32
@@ -272,7 +272,7 @@ def test_hybrid_replies_carry_the_swa_slots() -> None:
 
 def test_full_attention_replies_have_no_swa_slots(served) -> None:
     _, front, _ = served
-    with Client(front.endpoint) as c:
+    with NetworkClient(front.endpoint) as c:
         got = c.admit("a", list(range(1, 30)))
         more = c.extend("a", 2)
         assert (got.swa_start, got.swa_slots, more.swa_start, more.swa_slots) == (0, [], 0, [])

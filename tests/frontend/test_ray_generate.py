@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from tpcache.client import Client as NetClient
+from tpcache.client import NetworkClient
 from tpcache.coordinator.build import GroupConfig
 from tpcache.engine.errors import RequestTooLarge
 from tpcache.engine.requests import BadSampling
@@ -47,7 +47,7 @@ def test_ray_generate_whole_streamed_and_cancelled(ray_cluster, tmp_path) -> Non
         assert isinstance(whole, api.GeneratedReply) and whole.finish_reason == "length"
         assert (whole.prompt_tokens, len(whole.tokens)) == (4, 10)
         assert list(c.generate([5, 6, 7, 8], 10, ignore_eos=True, stream=True)) == whole.tokens
-        with NetClient(endpoint) as net:  # the same engine over the network
+        with NetworkClient(endpoint) as net:  # the same engine over the network
             assert net.generate([5, 6, 7, 8], 10, ignore_eos=True).tokens == whole.tokens
         ask = {"model": "ref", "prompt": [5, 6, 7, 8], "max_tokens": 10, "temperature": 0}
         req = urllib.request.Request(

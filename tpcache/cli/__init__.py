@@ -10,7 +10,8 @@
     events   subscribe to a coordinator's KV events              (events/subscriber.py)
 
 Argument types and the options several commands share are in ``args.py``; ``serve``'s
-own options in ``serve_options.py``.
+own options in ``serve_options.py``. ``replay``, ``keys`` and ``events`` run on the plain
+install; the others need the server extra, checked before they run (``tpcache.install``).
 """
 
 from __future__ import annotations
@@ -18,12 +19,17 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tpcache import __version__
 from tpcache.cli.args import add_trace_options, machine, seconds_arg
 from tpcache.cli.demo import add_demo_parser
 from tpcache.cli.generate import add_generate_parser
 from tpcache.cli.keys import add_keys_parser
 from tpcache.cli.replay import add_replay_parser
 from tpcache.cli.serve import add_serve_parser, add_stop_parser
+from tpcache.install import MissingExtra, require_server
+
+# The commands that start or reach a group: they need torch and Ray (the server extra).
+SERVER_COMMANDS = ("demo", "generate", "serve", "stop")
 
 __all__ = ["add_trace_options", "build_parser", "machine", "main", "seconds_arg"]
 
@@ -38,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tpcache", description="One prefix KV cache for a tensor-parallel group."
     )
+    parser.add_argument("--version", action="version", version=f"tpcache {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_replay_parser(sub)
     add_demo_parser(sub)
@@ -62,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in SERVER_COMMANDS:
+        try:
+            require_server(f"tpcache {args.command}")
+        except MissingExtra as exc:
+            print(exc, file=sys.stderr)
+            return 2
     return int(args.func(args))
 
 

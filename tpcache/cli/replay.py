@@ -30,7 +30,7 @@ def add_replay_parser(sub) -> None:
         nargs="?",
         default=None,
         help="Mooncake-format JSONL trace, plain or gzip (default: the Mooncake "
-        "conversation trace in the repository, data/mooncake_conversation.jsonl.gz)",
+        "conversation trace in the repository, tpcache/data/mooncake_conversation.jsonl.gz)",
     )
     add_trace_options(p)
     add_scale_option(p)

@@ -168,10 +168,10 @@ def _print_serving(args: argparse.Namespace, actor, address: str, started: bool)
     )
     ends = ray.get(actor.endpoints.remote())
     if args.model or args.runner:
-        print(f"  model: {args.model or args.runner}; generate with Client.generate")
+        print(f"  model: {args.model or args.runner}; generate with either client's generate()")
     if ends["network"]:
         print(
-            f"  network frontend on {ends['network']}: tpcache.client.Client({ends['network']!r})"
+            f"  network frontend on {ends['network']}: tpcache.client.NetworkClient({ends['network']!r})"
         )
     if ends["http"]:
         print(f"  OpenAI-compatible endpoint on {ends['http']}/v1/completions")

@@ -82,7 +82,7 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     n.add_argument(
         "--network-endpoint",
         metavar="ENDPOINT",
-        help="serve the network frontend (tpcache.client.Client) here, e.g. "
+        help="serve the network frontend (tpcache.client.NetworkClient) here, e.g. "
         "ipc:///tmp/tpcache.sock or tcp://127.0.0.1:5560; a network address needs "
         "--network-token-file, --network-curve-secret-file or --network-insecure",
     )

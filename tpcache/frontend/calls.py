@@ -1,9 +1,10 @@
 """The request calls every client offers (admit, extend, cache_unfinished, finish, abort),
 written once: each builds its ``api`` record and hands it to the client's ``_send`` with
-the reply type it expects. The Ray client, the network client and their batches differ
-only in ``_send``: one round trip, or a ``Pending`` kept until the batch goes.
-``generate`` and ``cancel`` are written once too (``GenerateCalls``), over the client's
-``_open``: a generate call's replies as they come.
+the reply type it expects (``ReplyCalls``: the records both clients return). The Ray
+client, the network client and their batches differ only in ``_send``: one round trip,
+or a ``Pending`` kept until the batch goes. ``generate`` and ``cancel`` are written once
+too (``GenerateCalls``), over the client's ``_open``: a generate call's replies as they
+come.
 
 Imports only ``api`` and numpy (no torch, no Ray): the torch-free client uses it.
 """
@@ -68,6 +69,13 @@ class RequestCalls(Generic[A, S, C, Z]):
 
     def abort(self, request_id: Any) -> Z:
         return self._send(api.AbortCall(request_id), None)
+
+
+class ReplyCalls(RequestCalls[api.AdmitReply, api.SlotsReply, api.CachedReply, None]):
+    """The request calls as every client returns them, whatever its transport: the
+    ``api`` reply record of each (``admit`` an ``AdmitReply``, ``extend`` a
+    ``SlotsReply``, ``cache_unfinished`` and ``finish`` a ``CachedReply``, ``abort``
+    None), so code written against one client runs against the other."""
 
 
 class Pending:

@@ -264,7 +264,7 @@ class _Request:
 
 def owner_of(credential: str, routing_id: bytes) -> Owner:
     """The owner of a request sent with ``credential`` (``FrontendConfig.credential``)
-    from the connection with ``routing_id`` (a ``tpcache.client.Client``'s ``session``)."""
+    from the connection with ``routing_id`` (a ``tpcache.client.NetworkClient``'s ``session``)."""
     c = credential.encode("utf-8", "surrogatepass")
     return Owner(len(c).to_bytes(2, "big") + c + routing_id, credential)
 

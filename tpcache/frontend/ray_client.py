@@ -2,7 +2,7 @@
 ``service.serve``), from any node of the cluster.
 
     import tpcache
-    client = tpcache.connect("tpcache", "tpcache", address="HEAD_IP:6379")
+    client = tpcache.connect("tpcache", "tpcache", address="HEAD_IP:6379")   # a RayClient
     got = client.admit("req-1", prompt_ids)       # got.prefix_len, got.slots
     with client.batch() as b:                     # several calls, one step
         a = b.admit("req-2", other_ids)
@@ -12,8 +12,9 @@
     for token in client.generate(prompt_ids, 32, stream=True):
         ...
 
-Calls travel as encoded ``api`` messages; errors come back as the same typed exceptions
-the coordinator raised.
+Calls travel as encoded ``api`` messages and return the ``api`` reply records, as the
+network client's (``tpcache.client.NetworkClient``) do; errors come back as the same
+typed exceptions the coordinator raised.
 """
 
 from __future__ import annotations
@@ -22,10 +23,8 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
@@ -33,7 +32,7 @@ from tpcache.coordinator.cluster import join
 from tpcache.coordinator.errors import CoordinatorUnavailable
 from tpcache.errors import TpcacheError
 from tpcache.frontend import api
-from tpcache.frontend.calls import Batch, GenerateCalls, RequestCalls, checked
+from tpcache.frontend.calls import Batch, GenerateCalls, ReplyCalls, checked
 
 DEFAULT_NAMESPACE = "tpcache"
 
@@ -42,28 +41,13 @@ class NotServing(TpcacheError, ValueError):
     """No coordinator is served under that name and namespace on the cluster."""
 
 
-@dataclass(frozen=True)
-class Admitted:
-    """An admitted request as the client sees it: the cached prefix length and the slot
-    ids of the whole prompt (read-only; with ``reserve=n``, those of the first ``n``
-    output tokens follow); with the hybrid cache, the SWA slots from ``swa_start`` (the
-    window before the first new token) to the end (``api.AdmitReply``), else empty."""
-
-    prefix_len: int
-    slots: np.ndarray
-    swa_start: int = 0
-    swa_slots: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.slots.size)
-
-
-class Client(RequestCalls[Admitted, np.ndarray, int, None], GenerateCalls):
+class RayClient(ReplyCalls, GenerateCalls):
     """A frontend's handle on a served coordinator: the coordinator's calls over encoded
-    messages (``admit`` returns an ``Admitted``); errors come back as the same typed
-    exceptions. Thread-safe as far as the actor is: each call is one actor call. Its
-    request ids are its own: another client's ids are unknown to it (``owners``).
+    messages, returning the ``api`` reply records (``admit`` an ``AdmitReply``, ``extend``
+    a ``SlotsReply``, ``finish`` a ``CachedReply``: the network client's types); errors
+    come back as the same typed exceptions. Thread-safe as far as the actor is: each call
+    is one actor call. Its request ids are its own: another client's ids are unknown to
+    it (``owners``).
 
     While the coordinator's actor restarts (its process died; Ray starts it again), Ray
     answers with its own errors: they become ``CoordinatorUnavailable`` (retryable). Calls
@@ -113,8 +97,7 @@ class Client(RequestCalls[Admitted, np.ndarray, int, None], GenerateCalls):
 
     def _send(self, call: api.Call, reply_type: type[api.Reply] | None) -> Any:
         data = self._get(self.actor.call.remote(api.encode(call), self._session))
-        reply = api.decode_reply(data)
-        return _converted(reply, reply_type)
+        return checked(api.decode_reply(data), reply_type)
 
     def _open(self, call: api.GenerateCall) -> Iterator[api.Reply]:
         data = self._get(self.actor.generate_start.remote(api.encode(call), self._session))
@@ -147,7 +130,7 @@ class Client(RequestCalls[Admitted, np.ndarray, int, None], GenerateCalls):
         answer or its error (a call the cache refuses fails alone; the others apply). If
         the block raises, nothing is sent. Raises ``CoordinatorUnavailable`` if the
         coordinator cannot be reached (the calls may or may not have been applied)."""
-        b = Batch(_converted)
+        b = Batch(checked)
         yield b
         if b.calls:
             items = [api.encode(c) for c in b.calls]
@@ -188,25 +171,9 @@ class Client(RequestCalls[Admitted, np.ndarray, int, None], GenerateCalls):
         self._get(self.actor.stop_recovery.remote())
 
 
-def _converted(reply: api.Reply, reply_type: type[api.Reply] | None) -> Any:
-    """A successful reply as this client's calls return it: an ``Admitted``, slot ids as
-    an array, the cached-token count, or None."""
-    r = checked(reply, reply_type)
-    if isinstance(r, api.AdmitReply):
-        slots = np.asarray(r.slots, dtype=np.int64)
-        swa = np.asarray(r.swa_slots, dtype=np.int64)
-        slots.flags.writeable = swa.flags.writeable = False
-        return Admitted(r.prefix_len, slots, r.swa_start, swa)
-    if isinstance(r, api.SlotsReply):
-        return np.asarray(r.slots, dtype=np.int64)
-    if isinstance(r, api.CachedReply):
-        return r.cached_tokens
-    return None
-
-
 def connect(
     name: str = "tpcache", namespace: str = DEFAULT_NAMESPACE, address: str | None = None
-) -> Client:
+) -> RayClient:
     """A client for the coordinator served as ``name`` in ``namespace``, from any node.
 
     A process that is not a Ray driver yet joins first (``cluster.join``): ``address`` is
@@ -223,4 +190,4 @@ def connect(
             f"{joined.address} (start one with `tpcache serve --name {name} --namespace "
             f"{namespace}`)"
         ) from None
-    return Client(actor)
+    return RayClient(actor)

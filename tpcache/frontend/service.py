@@ -26,7 +26,7 @@ from tpcache.errors import TpcacheError
 from tpcache.frontend import api
 from tpcache.frontend.frontend import REJECTED, handle, handle_many
 from tpcache.frontend.owners import Owner
-from tpcache.frontend.ray_client import DEFAULT_NAMESPACE, Client, connect
+from tpcache.frontend.ray_client import DEFAULT_NAMESPACE, RayClient, connect
 from tpcache.frontend.ray_gen import RayGenerate
 from tpcache.frontend.served import describe, find_served, stop_served
 from tpcache.frontend.serving import ModelServing, ServeOptions
@@ -34,9 +34,9 @@ from tpcache.workers.rank import RankWorker
 
 __all__ = [
     "AlreadyServing",
-    "Client",
     "CoordinatorService",
     "GroupConfig",
+    "RayClient",
     "ServeOptions",
     "connect",
     "describe",
@@ -196,7 +196,7 @@ class CoordinatorService:
 
     def evict(self, num_tokens: int, swa_tokens: int = 0) -> tuple[int | None, bytes | None]:
         """``Coordinator.evict``, answered as ``(tokens evicted, None)`` or ``(None, an
-        encoded ErrorReply)`` (``Client._op`` raises it as its type)."""
+        encoded ErrorReply)`` (``RayClient._op`` raises it as its type)."""
         return self._answer(lambda: int(self.coord.evict(num_tokens, swa_tokens)))
 
     def reset(self) -> tuple[None, bytes | None]:
