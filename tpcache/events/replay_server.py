@@ -223,9 +223,10 @@ class ReplayServer:
                 case ReplayRequest(start_seq=start):
                     self.replays += 1
                     entries = self._log.since(start)
-                    if msg[-1].get("Socket-Type") == "REQ":
-                        entries = entries[:1]  # all a REQ can read (module doc)
-                    self._reply_vllm(identity, entries, END_SEQ)
+                    # A REQ reads one message a request (module doc): the first batch,
+                    # or the end marker when there is none.
+                    one = msg[-1].get("Socket-Type") == "REQ"
+                    self._reply_vllm(identity, entries[:1] if one else entries, END_SEQ, one)
                 case SnapshotRequest():
                     self.snapshots += 1
                     self._queue_snapshot(identity)
@@ -280,14 +281,18 @@ class ReplayServer:
         batch = KVEventBatch(ts=self._clock(), events=events, data_parallel_rank=self._dp_rank)
         return seq, encode_batch(batch, self._encoding)
 
-    def _reply_vllm(self, identity: bytes, entries: list[tuple[int, bytes]], last: int) -> None:
-        """``entries`` then the marker ``last`` in vLLM's framing for the encoding."""
+    def _reply_vllm(
+        self, identity: bytes, entries: list[tuple[int, bytes]], last: int, one: bool = False
+    ) -> None:
+        """``entries`` then the marker ``last``, in vLLM's framing for the encoding;
+        ``one``: the marker only when there is no entry (a REQ reads one message)."""
         head = [identity, b""] if self._encoding == "array" else [identity, b"", self._topic]
         tail = [identity, b""] if self._encoding == "array" else [identity, b"", b""]
         try:
             for seq, payload in entries:
                 self._socket.send_multipart([*head, encode_seq(seq), payload], zmq.NOBLOCK)
-            self._socket.send_multipart([*tail, encode_seq(last), b""], zmq.NOBLOCK)
+            if not (one and entries):
+                self._socket.send_multipart([*tail, encode_seq(last), b""], zmq.NOBLOCK)
         except zmq.ZMQError:
             self.failed += 1  # as in ``_reply``
 
