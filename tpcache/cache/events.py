@@ -67,11 +67,6 @@ class KVEventBatch(msgspec.Struct, array_like=True, frozen=True):
 
 
 ENCODINGS = ("map", "array")
-# Which vLLM each encoding speaks to (for messages and help; DESIGN.md says how we know).
-ENCODING_VLLM = {
-    "map": "vLLM after v0.23 (its events are maps since its pull request #42892)",
-    "array": "vLLM up to v0.23 (events as arrays)",
-}
 
 
 # The "map" encoding's twins: vLLM's required fields have no default (always written),
