@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Create .venv and install tpcache with its test tools, saying what it does as it goes.
+# Create .venv and install tpcache whole (the server extra: torch, Ray, the model readers)
+# with its test tools, saying what it does as it goes. (A router host that needs only the
+# network client installs the plain package: `pip install .`, no torch, no Ray.)
 #
 # torch is pinned to 2.13.0. Which build:
 #   - a torch 2.13.0 already in .venv is kept (any build);
@@ -11,7 +13,10 @@
 #     within 5 s (an offline machine), the pinned spec goes to the configured indexes
 #     alone, with a warning;
 #   - a GPU, or TPCACHE_TORCH=cuda: the pinned spec from the configured indexes (CUDA);
-#   - TPCACHE_TORCH=skip: torch is not touched (install your own build first).
+#   - TPCACHE_TORCH=skip: torch is not touched (install your own build first: without
+#     one, setup stops rather than let the server extra pull an unpinned torch).
+# The extras are then installed with the torch that is there as a constraint, so pip
+# never replaces it (nor installs another torch) to satisfy them.
 # TPCACHE_TORCH_CPU_INDEX replaces PyTorch's CPU index (a mirror of it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -60,7 +65,16 @@ else
     pip_install "torch==$TORCH_VERSION"
 fi
 
-say "installing tpcache (editable) and its test tools..."
-pip_install -e '.[dev,plot]'
+have=$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("torch"))' \
+    2>/dev/null || true)
+if [ -z "$have" ]; then
+    echo "setup: no torch in .venv (TPCACHE_TORCH=skip): install a torch build first" >&2
+    exit 2
+fi
+pins=$(mktemp)
+trap 'rm -f "$pins"' EXIT
+echo "torch==$have" >"$pins"
+say "installing tpcache (editable, with the server extra) and its test tools..."
+pip_install -c "$pins" -e '.[server,dev,plot]'
 say "torch $(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("torch"))');" \
     "done in $((SECONDS - started)) s"
