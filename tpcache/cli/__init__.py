@@ -24,6 +24,7 @@ from tpcache.cli.args import add_trace_options, machine, seconds_arg
 from tpcache.cli.demo import add_demo_parser
 from tpcache.cli.generate import add_generate_parser
 from tpcache.cli.keys import add_keys_parser
+from tpcache.cli.log_options import configure_logs
 from tpcache.cli.replay import add_replay_parser
 from tpcache.cli.serve import add_serve_parser, add_stop_parser
 from tpcache.install import MissingExtra, require_server
@@ -75,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         except MissingExtra as exc:
             print(exc, file=sys.stderr)
             return 2
+    if (bad := configure_logs(args)) is not None:
+        print(f"tpcache {args.command}: {bad}", file=sys.stderr)
+        return 2
     return int(args.func(args))
 
 

@@ -17,6 +17,7 @@ from tpcache.cli.args import (
     group_config,
     machine,
 )
+from tpcache.cli.log_options import add_log_options
 
 
 def add_demo_parser(sub) -> None:
@@ -34,6 +35,7 @@ def add_demo_parser(sub) -> None:
     add_group_options(p)
     add_host_options(p)
     add_count_option(p, "--batch", 8, "requests per step")
+    add_log_options(p)
     p.set_defaults(func=cmd_demo, parser=p)
 
 
@@ -101,7 +103,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     except ValueError as exc:
         args.parser.error(str(exc))
     try:
-        join(args.address)
+        join(args.address, worker_logs=args.worker_logs)
     except ClusterJoinError as exc:
         print(f"tpcache demo: {exc}", file=sys.stderr)
         return 2

@@ -18,6 +18,7 @@ from tpcache.cli.args import (
     picked,
     seconds_arg,
 )
+from tpcache.cli.log_options import add_log_options
 
 
 def add_generate_parser(sub) -> None:
@@ -60,6 +61,7 @@ def add_generate_parser(sub) -> None:
         default=120.0,
         help="seconds before a silent client, loop or rank is an error (default 120)",
     )
+    add_log_options(p, ray=False)  # thread ranks in this process
     p.set_defaults(func=cmd_generate, parser=p)
 
 

@@ -10,6 +10,7 @@ import sys
 import time
 
 from tpcache.cli.args import add_cache_options, add_group_options, add_host_options
+from tpcache.cli.log_options import LineRelay, add_log_options
 from tpcache.cli.serve_model import ServeModelError, add_model_options, model_error
 from tpcache.cli.serve_options import (
     add_events_options,
@@ -49,6 +50,7 @@ def add_serve_parser(sub) -> None:
         "requests are lost); without it, a taken name is an error",
     )
     add_events_options(p.add_argument_group("KV events and metrics (off by default)"))
+    add_log_options(p, served=True)
     p.set_defaults(func=cmd_serve, parser=p)
 
 
@@ -99,7 +101,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "one with `ray start --head`)"
         )
     try:
-        joined = join(args.address, args.namespace)
+        joined = join(args.address, args.namespace, worker_logs=args.worker_logs)
     except ClusterJoinError as exc:
         print(f"tpcache serve: {exc}", file=sys.stderr)
         return 2
@@ -108,7 +110,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     where = f"--name {args.name} --namespace {args.namespace} --address {joined.address}"
     try:
         actor = serve(
-            config, args.name, args.namespace, args.detached, replace=args.replace, serving=serving
+            config,
+            args.name,
+            args.namespace,
+            args.detached,
+            replace=args.replace,
+            serving=serving,
+            log_level=args.log_level.upper(),
         )
     except AlreadyServing as exc:
         print(
@@ -130,6 +138,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    # The actor's log lines: fetched and printed here, unless Ray forwards them.
+    relay = None if args.worker_logs else LineRelay(actor)
+    if relay is not None:
+        relay()  # what the group's start logged, before the summary
     _print_serving(args, actor, joined.address, joined.started)
     if args.detached:
         print(f"  detached: it keeps serving after this command exits; `tpcache stop {where}`")
@@ -137,7 +149,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"  Ctrl-C or SIGTERM here (or `tpcache stop {where}`) stops it", flush=True)
     try:
         while find_served(args.name, args.namespace) is not None:
-            time.sleep(2.0)
+            for _ in range(4):  # its lines every half second, whether it is there every 2
+                time.sleep(0.5)
+                if relay is not None:
+                    relay()
         print(f"tpcache serve: {args.name!r} was stopped elsewhere", file=sys.stderr)
         return 0
     except KeyboardInterrupt:

@@ -84,13 +84,15 @@ def _non_empty(path: str) -> bool:
         return False
 
 
-def join(address: str | None, namespace: str | None = None) -> Joined:
+def join(address: str | None, namespace: str | None = None, *, worker_logs: bool = False) -> Joined:
     """Make this process a driver of a Ray cluster; returns which one.
 
     ``address``: ``HOST:PORT`` of the head (checked first, see the module docstring),
     ``auto`` (the cluster ``ray start`` made on this machine, as Ray finds it), ``local``
     (start a new cluster, ending with this process), or None (``RAY_ADDRESS`` if set,
-    else ``local``). Already a driver: that cluster. Raises ``ClusterJoinError``.
+    else ``local``). ``worker_logs``: Ray forwards the output of this driver's workers
+    (the ranks, a served coordinator's actor) to this process's stderr; off, it stays in
+    Ray's log files. Already a driver: that cluster. Raises ``ClusterJoinError``.
     """
     import ray
 
@@ -99,7 +101,7 @@ def join(address: str | None, namespace: str | None = None) -> Joined:
     if address in (None, "auto") and os.environ.get("RAY_ADDRESS"):
         address = os.environ["RAY_ADDRESS"]
     address = address or "local"
-    kwargs: dict = {"namespace": namespace, "log_to_driver": False}
+    kwargs: dict = {"namespace": namespace, "log_to_driver": worker_logs}
     if address == "local":
         ray.init(address="local", include_dashboard=False, **kwargs)
         return Joined(ray.get_runtime_context().gcs_address, True)

@@ -11,6 +11,7 @@ behind (it exits once its call returns) and starts a new rank in a new thread.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -25,8 +26,11 @@ from tpcache.coordinator.core import Coordinator
 from tpcache.coordinator.errors import GroupConfigError
 from tpcache.coordinator.step_types import RankCallError, first_cause
 from tpcache.group.tp_group import TPGroup
+from tpcache.logs import one_line
 from tpcache.workers.rank import RankWorker
 from tpcache.workers.spec import WorkerSpec
+
+logger = logging.getLogger("tpcache.coordinator")
 
 
 class _RankThread:
@@ -75,6 +79,7 @@ class LocalRanks:
         self._store = dist.HashStore()
         self._generation = 0
         self.replaced = 0  # rank threads started to replace hung or failed ones
+        self.last_replaced: list[int] = []  # the ranks the last restart() replaced
         self.ranks = [_RankThread(worker_cls(r, spec)) for r in range(self.world_size)]
         self.capacity = self._form_group()
 
@@ -128,15 +133,21 @@ class LocalRanks:
         its thread busy with a call that will not return), then start every rank over on
         a new group with an empty cache. Returns the agreed capacity."""
         pings = [r.submit(r.worker.ping) for r in self.ranks]
+        self.last_replaced = []
         for i, fut in enumerate(pings):
             try:
-                healthy = fut.result(timeout=probe_s) == i
-            except Exception:
-                healthy = False
-            if not healthy:
+                got = fut.result(timeout=probe_s)
+                seen = None if got == i else f"it answered as rank {got}"
+            except TimeoutError:
+                seen = f"no answer to a ping within {probe_s:g} s"
+            except Exception as exc:
+                seen = f"its ping failed: {type(exc).__name__}: {one_line(exc, 200)}"
+            if seen is not None:
+                logger.warning("replacing rank %d (a thread of this process): %s", i, seen)
                 self.ranks[i].stop()  # it exits once its current call returns
                 self.ranks[i] = _RankThread(self.worker_cls(i, self.spec))
                 self.replaced += 1
+                self.last_replaced.append(i)
         return self._form_group()
 
     def close(self) -> None:

@@ -15,6 +15,7 @@ Steps travel on the step channel (``transport="channel"``, the default; see
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from typing import Any
 
@@ -29,6 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tpcache.coordinator.build import STRATEGIES, TRANSPORTS
 from tpcache.coordinator.errors import GroupConfigError, PlacementError
+from tpcache.coordinator.rank_seen import actor_id, node_address, why_replace
 from tpcache.coordinator.step_path import RAY_CALLS, ChannelPath
 from tpcache.coordinator.step_types import RankCallError, first_cause
 from tpcache.group.spec import node_ip
@@ -37,6 +39,7 @@ from tpcache.workers.spec import WorkerSpec
 
 CPU_PER_RANK = 0.01
 RankActor = ray.remote(RankWorker)
+logger = logging.getLogger("tpcache.coordinator")
 
 
 def cluster_gpus() -> int:
@@ -96,6 +99,10 @@ class RayRanks:
             self.close()
             raise
         self.replaced = 0  # ranks started to replace dead or hung ones, since creation
+        self.last_replaced: list[int] = []  # the ranks the last restart() replaced
+        if logger.isEnabledFor(logging.DEBUG):
+            for r in range(tp):
+                logger.debug("rank %d started: %s", r, self.where(r))
 
     def _open_path(self) -> None:
         """Start the step channel: IPC for ranks on this process's node, CURVE TCP for
@@ -210,22 +217,24 @@ class RayRanks:
         refs = [a.health.remote() for a in self.actors]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=probe_s)
         done = set(ready)
+        self.last_replaced = []
         for rank, ref in enumerate(refs):
-            healthy = False
-            if ref in done and rank not in unfit:
-                with contextlib.suppress(Exception):
-                    got, busy_s, why_not = ray.get(ref, timeout=0)
-                    # ``why_not``: a join in hand, or this process's own word that its
-                    # torch.distributed state cannot form a group again (a failed join).
-                    healthy = got == rank and busy_s < probe_s and why_not is None
-            if not healthy:
+            seen = why_replace(rank, ref, ref in done, rank in unfit, probe_s)
+            if seen is not None:
+                logger.warning("replacing rank %d (%s): %s", rank, self.where(rank), seen)
                 with contextlib.suppress(Exception):
                     ray.kill(self.actors[rank], no_restart=True)
                 self.actors[rank] = self._new_actor(rank)
                 self.replaced += 1
+                self.last_replaced.append(rank)
         self.capacity = self._form_group("rejoin")
         self._open_path()
         return self.capacity
+
+    def where(self, rank: int) -> str:
+        """Where ``rank`` runs, for a log line: its Ray actor id and node address."""
+        actor = self.actors[rank] if rank < len(self.actors) else None
+        return f"actor {actor_id(actor)} on node {node_address(self.rank_nodes[rank])}"
 
     def _unfit_joins(self) -> set[int]:
         """The ranks whose call in the last group formation has not returned, or returned

@@ -12,6 +12,7 @@ It reaches the pipeline through ``StepLog`` only, so this module never imports i
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -20,7 +21,10 @@ from typing import NoReturn, Protocol
 from tpcache.coordinator.call_lock import CallLock
 from tpcache.coordinator.errors import CoordinatorUnavailable
 from tpcache.coordinator.step_types import CoordinatorConfig, Counters, RankCallError, RankTransport
-from tpcache.workers.protocol import LockstepError, RankFailure
+from tpcache.logs import one_line
+from tpcache.workers.protocol import DivergenceError, LockstepError, RankFailure
+
+logger = logging.getLogger("tpcache.coordinator")
 
 
 @dataclass
@@ -58,7 +62,7 @@ class StepLog(Protocol):
 
     def sync(self) -> None: ...
 
-    def drop(self, why: str, replace: bool = True) -> None: ...
+    def drop(self, why: str, replace: bool = True) -> int: ...
 
     def start_over(self, capacity: int) -> None: ...
 
@@ -90,14 +94,16 @@ class GroupRecovery:
         auto = self.log.config.auto_recover and not self.state.stopped
         return self.recovering or (self.broken is not None and auto)
 
-    def fail(self, err: LockstepError) -> NoReturn:
+    def fail(self, err: LockstepError, ranks: tuple[int, ...] = ()) -> NoReturn:
         """Stop: every running request is lost (with ``err`` as the cause), then recover
         if configured, and raise ``err`` (retryable) to the caller that hit it. With
         ``recover_in_background`` the recovery runs on a thread of its own and ``err`` is
-        raised at once."""
+        raised at once. ``ranks``: the ranks ``err`` names (a divergence's odd ones are
+        its own), whose actor and node the log line gives."""
         self.broken = err
-        self.log.drop(str(err))
+        lost = self.log.drop(str(err))
         config = self.log.config
+        self._log_failure(err, ranks, lost)
         if config.auto_recover:
             if config.recover_in_background:
                 self._in_background()
@@ -109,16 +115,44 @@ class GroupRecovery:
                 err.args = (f"step {err.step}: {err.detail}",)
         raise err
 
+    def _log_failure(self, err: LockstepError, ranks: tuple[int, ...], lost: int) -> None:
+        """The operator's line on a failed step or health check."""
+        if isinstance(err, DivergenceError):
+            ranks = err.odd_ranks
+        where = getattr(self.log.ranks, "where", None)
+        at = "; ".join(f"rank {r}: {where(r)}" for r in ranks) if where is not None else ""
+        auto = self.log.config.auto_recover and not self.state.stopped
+        then = "recovering it" if auto else "it stays down until recover() is called"
+        tail = f"{f' ({at})' if at else ''}; {lost} running request(s) lost; {then}"
+        if isinstance(err, DivergenceError):
+            odd = list(err.odd_ranks) if err.odd_ranks else "unknown"
+            logger.error(
+                "divergence at step %d: odd rank(s) %s: %s%s",
+                err.step, odd, one_line(err.detail), tail,
+            )  # fmt: skip
+        else:
+            logger.warning(
+                "the TP group failed at step %d: %s%s", err.step, one_line(err.detail), tail
+            )
+
     def _attempt(self) -> bool:
         """One recovery attempt (lock held); on failure the next is due after the back-off."""
         r = self.state
+        started = time.monotonic()
         try:
             self._rebuild()
         except Exception as exc:  # a rank that died or hung while the group re-formed
             r.failures += 1
             r.consecutive += 1
             r.last_error = f"{type(exc).__name__}: {exc}"
-            r.next_at = time.monotonic() + r.backoff(self.log.config)
+            wait = r.backoff(self.log.config)
+            r.next_at = time.monotonic() + wait
+            logger.warning(
+                "recovery attempt %d failed after %.1f s: %s; %s",
+                r.consecutive, time.monotonic() - started, one_line(r.last_error),
+                "no more attempts (closed)" if self.log.closed
+                else f"next attempt in {wait:g} s",
+            )  # fmt: skip
             return False
         return True
 
@@ -143,6 +177,7 @@ class GroupRecovery:
         is called by hand; an attempt already running finishes). Changes no cache state."""
         with self.log.lock:
             self.state.stopped = True
+        logger.info("automatic recovery stopped: a broken group stays down until recover()")
 
     def recover(self) -> None:
         """Replace dead or hung ranks, rebuild the process group, and start every rank and
@@ -167,7 +202,8 @@ class GroupRecovery:
         log = self.log
         started = time.monotonic()
         self.state.stopped = False
-        log.drop("the coordinator recovered its TP group", replace=False)
+        lost = log.drop("the coordinator recovered its TP group", replace=False)
+        _log_start(self.broken, lost)
         self._thread = threading.current_thread()
         try:
             with log.lock.released():
@@ -185,7 +221,9 @@ class GroupRecovery:
         self.state.consecutive = 0
         self.state.last_error = None
         log.counters.recoveries += 1
-        log.counters.last_recovery_s = time.monotonic() - started
+        log.counters.last_recovery_s = took = time.monotonic() - started
+        replaced = getattr(log.ranks, "last_replaced", None)
+        _log_done(took, replaced, capacity)
 
     def check_health(self) -> bool:
         """Ping every rank (bounded by ``probe_s``); on a dead or hung rank, fail and
@@ -201,7 +239,9 @@ class GroupRecovery:
             except RankCallError as exc:
                 log.counters.rank_failures += 1
                 kind = "died" if exc.dead else "did not answer a health check"
-                self.fail(RankFailure(log.next_step, f"rank {exc.rank} {kind}: {exc.cause}"))
+                self.fail(
+                    RankFailure(log.next_step, f"rank {exc.rank} {kind}: {exc.cause}"), (exc.rank,)
+                )
             return True
 
     def check_usable(self) -> None:
@@ -234,3 +274,21 @@ class GroupRecovery:
             wait = max(0.0, r.next_at - time.monotonic())
             why = f"recovery attempt {r.consecutive} failed ({r.last_error}); next in {wait:.1f}s"
         raise CoordinatorUnavailable(f"the TP group stopped at {self.broken}; {why}")
+
+
+def _log_start(broken: LockstepError | None, lost: int) -> None:
+    why = f"after step {broken.step}" if broken is not None else "asked by hand"
+    # After a failure, its own line told the requests lost; by hand, this one does.
+    extra = f"; {lost} running request(s) lost" if lost and broken is None else ""
+    logger.info(
+        "recovering the TP group (%s): replacing dead or hung ranks, every cache starts "
+        "empty%s", why, extra,
+    )  # fmt: skip
+
+
+def _log_done(took: float, replaced: list[int] | None, capacity: int) -> None:
+    which = "not known" if replaced is None else (str(replaced) if replaced else "none")
+    logger.info(
+        "the TP group recovered in %.1f s: rank(s) replaced: %s; capacity %d tokens",
+        took, which, capacity,
+    )  # fmt: skip

@@ -245,19 +245,23 @@ class StepPipeline:
             )
         self.counters.rank_failures += 1
         if isinstance(cause, RankFailure):
-            self.recovery.fail(RankFailure(at.step, cause.detail))
+            self.recovery.fail(RankFailure(at.step, cause.detail), (exc.rank,))
         kind = "died" if exc.dead else "failed"
         self.recovery.fail(
-            RankFailure(at.step, f"rank {exc.rank} {kind}: {type(cause).__name__}: {cause}")
+            RankFailure(at.step, f"rank {exc.rank} {kind}: {type(cause).__name__}: {cause}"),
+            (exc.rank,),
         )
 
-    def drop(self, why: str, replace: bool = True) -> None:
+    def drop(self, why: str, replace: bool = True) -> int:
         """Every running request is lost (``why``: the cause its later calls name; with
-        ``replace``, over an earlier one's) and every step not yet checked is dropped."""
-        self.lost.lose(self.mirror.running_ids(), why, replace=replace)
+        ``replace``, over an earlier one's) and every step not yet checked is dropped.
+        Returns how many requests were running."""
+        running = self.mirror.running_ids()
+        self.lost.lose(running, why, replace=replace)
         self._inflight.clear()
         self._waiting = []
         self._pending = []
+        return len(running)
 
     def start_over(self, capacity: int) -> None:
         """Start the mirror from an empty cache of ``capacity`` tokens (told to the

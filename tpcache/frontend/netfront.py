@@ -36,6 +36,7 @@ it may drive the cache.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -55,6 +56,7 @@ from tpcache.frontend.net_config import FrontendConfig, FrontendConfigError
 from tpcache.frontend.netgen import GenerateEngine, NetGenerate, engine_calls
 from tpcache.frontend.owners import Owner
 from tpcache.frontend.recent import RecentReplies, request_key
+from tpcache.logs import Throttle, one_line
 from tpcache.transport.netsec import allow_clients, make_server, release_clients
 
 Runner = Callable[[list[tuple[Owner, list[Call]]]], list[list[Reply]]]
@@ -64,6 +66,8 @@ Runner = Callable[[list[tuple[Owner, list[Call]]]], list[list[Reply]]]
 RCVHWM = 32
 # A request has three frames after the routing id; a longer one is thrown away.
 FRAMES = 4
+
+logger = logging.getLogger("tpcache.frontend")
 
 
 class NetFrontend:
@@ -119,6 +123,7 @@ class NetFrontend:
         self.busy = 0
         self.refused = 0  # bad token or malformed
         self.resent = 0  # requests answered again from RecentReplies
+        self._refusals = Throttle(logger)  # a line per kind of refusal, 10 s apart at most
         self._thread = threading.Thread(target=self._serve, name="tpcache-frontend", daemon=True)
         self._thread.start()
 
@@ -163,7 +168,7 @@ class NetFrontend:
                 got = self._recv()
                 if got is None:
                     break
-                req = self._take(*got, waiting)
+                req = self._take(*got, waiting=waiting)
                 if req is None:
                     continue
                 if engine_calls(req.calls):  # answered as the engine's events come
@@ -187,36 +192,45 @@ class NetFrontend:
                     self.resent += 1
                     self._send(head, self._replies.get(key) or b"")
 
-    def _recv(self) -> tuple[list[bytes], str] | None:
-        """The next message's first ``FRAMES`` frames and the CURVE key it came with (""
-        without client keys), or None when none waits. Frames beyond those are read and
-        dropped one by one, so a message of many frames is never held whole."""
+    def _recv(self) -> tuple[list[bytes], str, str] | None:
+        """The next message's first ``FRAMES`` frames, the CURVE key it came with (""
+        without client keys) and the address of its peer ("" where ZMQ does not say), or
+        None when none waits. Frames beyond those are read and dropped one by one, so a
+        message of many frames is never held whole."""
         try:
             first = self._sock.recv(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return None
-        user = ""
+        user = peer = ""
         if self._zap:
             with contextlib.suppress(zmq.ZMQError, KeyError):
                 user = first.get("User-Id") or ""
+        with contextlib.suppress(zmq.ZMQError, KeyError):  # a TCP peer's address
+            peer = first.get("Peer-Address") or ""
         frames = [first.bytes]
         while self._sock.getsockopt(zmq.RCVMORE):
             part = self._sock.recv()
             if len(frames) <= FRAMES:
                 frames.append(part)
-        return frames, user
+        return frames, user, peer
 
-    def _take(self, frames: list[bytes], user: str, waiting: int) -> _Request | None:
+    def _take(self, frames: list[bytes], user: str, peer: str, waiting: int) -> _Request | None:
         """A request to apply, or None when it was answered here (bad token, malformed,
         no room, or applied already: its reply is sent again)."""
         if len(frames) != FRAMES or len(frames[1]) != 8:
             self.refused += 1
+            self._refused(
+                "protocol", frames[0], peer,
+                f"not tpcache's network protocol ({len(frames) - 1} frames, an id of "
+                f"{len(frames[1]) if len(frames) > 1 else 0} bytes); not answered",
+            )  # fmt: skip
             return None  # not this protocol: no reply (there is no id to answer to)
         self.requests += 1
         head = frames[:2]
         credential = self.config.credential(frames[2])
         if credential is None:
             self.refused += 1
+            self._refused("token", frames[0], peer, "no valid token (answered Unauthenticated)")
             self._reply(head, [ErrorReply("Unauthenticated", "a valid token is required")])
             return None
         if not credential and user:
@@ -232,14 +246,29 @@ class NetFrontend:
             calls = decode_calls(frames[3], self._max_bytes)
         except BadRequest as exc:
             self.refused += 1
+            self._refused("malformed", frames[0], peer, f"a malformed request: {one_line(exc)}")
             self._reply(head, [ErrorReply("BadRequest", str(exc))])
             return None
         if waiting + len(calls) > self.config.max_queue:
             self.busy += 1
+            self._refused(
+                "busy", frames[0], peer,
+                f"busy: more than {self.config.max_queue} calls waiting (answered Busy, retryable)",
+            )  # fmt: skip
             err = ErrorReply("Busy", f"more than {self.config.max_queue} calls waiting", True)
             self._reply(head, [err] * len(calls))
             return None
         return _Request(head, owner, calls, key)
+
+    def _refused(self, kind: str, routing_id: bytes, peer: str, what: str) -> None:
+        """The operator's line on a refused request (one per ``kind`` every 10 s at most:
+        a client can send as many as it likes)."""
+        who = f"{peer}, " if peer else ""
+        self._refusals.warning(
+            kind,
+            f"network frontend {self.endpoint} refused a client ({who}connection "
+            f"{routing_id[:16].hex()}): {what}",
+        )
 
     def _reply(self, head: list[bytes], replies: list[Reply]) -> None:
         self._send(head, encode_replies(replies))

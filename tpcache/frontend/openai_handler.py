@@ -37,6 +37,7 @@ from tpcache.frontend.openai_records import (
 )
 from tpcache.frontend.openai_run import CompletionRun, Update
 from tpcache.frontend.openai_text import TextCodec
+from tpcache.logs import one_line
 
 POLL_S = 0.25  # how often a waiting request looks for its client leaving or a close
 CONNECTION_TIMEOUT_S = 60.0
@@ -98,6 +99,7 @@ class Handler(BaseHTTPRequestHandler):
             if PATHS[route] != method:
                 raise ApiError(405, f"{path} takes {PATHS[route]}, not {method}", code="method_not_allowed")  # fmt: skip
             if path != "/health" and not self.app.authorized(self.headers.get("Authorization")):
+                self.server.refusals.warning("key", f"OpenAI endpoint refused {method} {one_line(path, 200)} from {self.client_address[0]}: no valid API key (answered 401)")  # type: ignore[attr-defined]  # fmt: skip
                 raise ApiError(401, "a valid API key is required (Authorization: Bearer ...)", code="invalid_api_key")  # fmt: skip
             if path == "/health":
                 closed = self.app.closing.is_set() or self.app.engine.stats().get("closed")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import socket
 import sys
 import threading
@@ -30,9 +31,11 @@ from tpcache.errors import TpcacheError
 from tpcache.frontend.openai_handler import Handler, Served
 from tpcache.frontend.openai_records import error_body
 from tpcache.frontend.openai_text import TextCodec
+from tpcache.logs import Throttle
 from tpcache.transport.netsec import is_loopback
 
 MAX_BODY_BYTES = 16 << 20
+logger = logging.getLogger("tpcache.frontend")
 _BUSY_BODY = json.dumps(error_body("the server has all the connections it takes; try again", "server_error", None, "busy")).encode()  # fmt: skip
 BUSY = (
     b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
@@ -56,12 +59,19 @@ class HttpServer(ThreadingHTTPServer):
         self.max_connections = max_connections
         self.active = 0  # connections being served (under _lock)
         self._lock = threading.Lock()
+        # The operator's lines on refused clients (busy here, 401 in the handler).
+        self.refusals = Throttle(logger)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         with self._lock:
             busy = self.active >= self.max_connections
             self.active += not busy
         if busy:
+            self.refusals.warning(
+                "busy",
+                f"OpenAI endpoint refused a connection from {client_address[0]}: it serves "
+                f"{self.max_connections} already (answered 503)",
+            )
             with contextlib.suppress(OSError):
                 request.sendall(BUSY)
             self.shutdown_request(request)

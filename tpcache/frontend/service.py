@@ -30,6 +30,7 @@ from tpcache.frontend.ray_client import DEFAULT_NAMESPACE, RayClient, connect
 from tpcache.frontend.ray_gen import RayGenerate
 from tpcache.frontend.served import describe, find_served, stop_served
 from tpcache.frontend.serving import ModelServing, ServeOptions
+from tpcache.logs import LineBuffer, configure
 from tpcache.workers.rank import RankWorker
 
 __all__ = [
@@ -100,6 +101,10 @@ class CoordinatorService:
     its serving engine; ``generate_start``/``generate_poll``/``generate_cancel`` serve
     it (``ray_gen``), and ``serving`` may add the network frontend and the OpenAI
     endpoint in this process (``serving.ModelServing``).
+
+    ``log_level``: log tpcache's lines at this level on the actor's stderr (its Ray worker
+    log, forwarded where the driver asked Ray to) and keep them for ``log_lines``, how
+    ``tpcache serve`` prints them; None leaves this process's logging alone.
     """
 
     def __init__(
@@ -107,8 +112,13 @@ class CoordinatorService:
         config: GroupConfig,
         health_interval_s: float = 2.0,
         serving: ServeOptions | None = None,
+        log_level: str | None = None,
     ) -> None:
         self.config = config
+        self.log_buffer: LineBuffer | None = None  # this process's lines, when asked
+        if log_level is not None:
+            self.log_buffer = LineBuffer()
+            configure(log_level, self.log_buffer)
         self.serving: ModelServing | None = None
         self.generate = RayGenerate(None)  # its engine's once the group runs a model
         self._stop = threading.Event()
@@ -147,6 +157,16 @@ class CoordinatorService:
             threading.Thread(
                 target=self._watch, args=(health_interval_s,), name="tpcache-health", daemon=True
             ).start()
+
+    def log_lines(self, buffer: str, after: int) -> tuple[str, int, list[str], int]:
+        """The log lines numbered ``after`` and later of the buffer ``buffer`` names (from
+        the first when it is not this actor's: a restarted actor has a new one), as
+        ``(this buffer's id, the next number, lines, how many were dropped unread)``."""
+        if self.log_buffer is None:
+            return "", 0, [], 0
+        start = after if buffer == self.log_buffer.id else 0
+        nxt, lines, missed = self.log_buffer.since(start)
+        return self.log_buffer.id, nxt, lines, missed
 
     def failed_start(self) -> Exception | None:
         """Why the group did not start (None: it did)."""
@@ -258,11 +278,13 @@ def serve(
     resources: dict[str, float] | None = None,
     replace: bool = False,
     serving: ServeOptions | None = None,
+    log_level: str | None = None,
 ) -> Any:
     """Start the coordinator as a named actor in ``namespace``; returns its handle once
     its group is up (and with it, when its ranks run a model, its engine and the
     endpoints ``serving`` asks for). ``resources``: custom Ray resources the coordinator's actor asks
     for (to place it on a node that has them; ranks on that node are reached over IPC).
+    ``log_level``: the actor logs at it (``CoordinatorService``).
 
     Raises ``AlreadyServing`` if the name is taken (``replace``: stop that coordinator
     first), and the group's own start-up error (``MetricsError``, ``EventConfigError``,
@@ -288,7 +310,9 @@ def serve(
     if resources:
         opts["resources"] = dict(resources)
     try:
-        actor = ray.remote(CoordinatorService).options(**opts).remote(config, 2.0, serving)
+        actor = (
+            ray.remote(CoordinatorService).options(**opts).remote(config, 2.0, serving, log_level)
+        )
     except ValueError:  # taken since we looked (ActorAlreadyExistsError is a ValueError)
         raise AlreadyServing(name, namespace, "started by another process just now") from None
     error = ray.get(actor.failed_start.remote())  # waits until the group is up
