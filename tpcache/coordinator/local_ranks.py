@@ -82,6 +82,7 @@ class LocalRanks:
         self.last_replaced: list[int] = []  # the ranks the last restart() replaced
         self.ranks = [_RankThread(worker_cls(r, spec)) for r in range(self.world_size)]
         self.capacity = self._form_group()
+        logger.debug("%d ranks started as threads of this process", self.world_size)
 
     @property
     def workers(self) -> list[RankWorker]:

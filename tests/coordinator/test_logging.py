@@ -1,0 +1,139 @@
+"""The coordinator's lines for an operator: a rank killed (which rank, its actor and node,
+what was seen), the recovery that follows (started, done, which ranks were replaced), a
+divergence naming the odd rank and the step, a failed step with recovery off. Real Ray
+ranks for the kill, thread ranks (gloo) for the drills."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from drill_worker import DrillWorker
+from test_faults import config, wait_dead, wait_gone
+
+from tpcache.coordinator.core import CoordinatorConfig
+from tpcache.coordinator.local_ranks import start_local_group
+from tpcache.coordinator.rank_seen import actor_id, node_address
+from tpcache.frontend.service import start_group
+from tpcache.workers.protocol import DivergenceError, RankFailure
+
+
+def lines(caplog, level: int | None = None) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name.startswith("tpcache") and (level is None or r.levelno == level)
+    ]
+
+
+def test_a_killed_rank_and_its_recovery_are_logged(ray_cluster, caplog) -> None:
+    import ray
+
+    caplog.set_level(logging.DEBUG, logger="tpcache")
+    coord = start_group(config())
+    try:
+        started = lines(caplog, logging.DEBUG)
+        where = [f"actor {actor_id(a)} on node " for a in coord.ranks.actors]
+        node = node_address(coord.ranks.rank_nodes[1])
+        assert [s.startswith(f"rank {r} started: {where[r]}") for r, s in enumerate(started)] == [
+            True,
+            True,
+        ]
+        caplog.clear()
+        coord.admit("held", list(range(1, 40)))  # running when the rank dies
+        coord.sync()
+        step = coord.stats()["steps_sent"]  # the step the health check fails at
+        pid = coord.ranks.call("pid")[1]
+        ray.kill(coord.ranks.actors[1], no_restart=True)
+        wait_dead(coord.ranks.actors[1])
+        wait_gone(pid)
+        with pytest.raises(RankFailure):
+            coord.check_health()  # the ping finds it; the recovery runs at once
+        warned = lines(caplog, logging.WARNING)
+        failed = [w for w in warned if w.startswith(f"the TP group failed at step {step}: ")]
+        assert len(failed) == 1, warned
+        assert "rank 1 died: " in failed[0]
+        assert f"(rank 1: {where[1]}{node})" in failed[0]
+        assert failed[0].endswith("; 1 running request(s) lost; recovering it")
+        assert "\n" not in failed[0] and len(failed[0]) < 800  # Ray's error, on one line
+        replacing = [w for w in warned if w.startswith("replacing rank")]
+        assert len(replacing) == 1 and replacing[0].startswith(f"replacing rank 1 ({where[1]}")
+        assert "its actor is dead" in replacing[0]
+        info = lines(caplog, logging.INFO)
+        assert info[0] == (
+            f"recovering the TP group (after step {step}): "
+            "replacing dead or hung ranks, every cache starts empty"
+        )
+        assert info[1].startswith("the TP group recovered in ")
+        assert info[1].endswith(
+            f" s: rank(s) replaced: [1]; capacity {coord.mirror.sizes().capacity} tokens"
+        )
+        assert coord.stats()["recoveries"] == 1
+    finally:
+        coord.close()
+
+
+def test_a_divergence_names_the_odd_rank_and_step(caplog) -> None:
+    caplog.set_level(logging.INFO, logger="tpcache")
+    coord = start_local_group(
+        config(coordinator=CoordinatorConfig(auto_recover=False)), worker_cls=DrillWorker
+    )
+    try:
+        coord.admit("a", list(range(1, 30)))
+        coord.finish("a")
+        coord.sync()
+        step = coord.stats()["steps_sent"]
+        coord.ranks.call_on(1, "inject_fault", step, "corrupt")
+        coord.admit("b", list(range(1, 30)))  # its prefix hit differs on rank 1
+        with pytest.raises(DivergenceError) as caught:
+            coord.sync()
+        assert caught.value.step == step and caught.value.odd_ranks == (1,)
+        [error] = lines(caplog, logging.ERROR)
+        assert error.startswith(f"divergence at step {step}: odd rank(s) [1]: ")
+        assert error.endswith(
+            "; 1 running request(s) lost; it stays down until recover() is called"
+        )
+        assert lines(caplog, logging.INFO) == []  # no recovery: it is off
+        coord.recover()  # by hand
+        info = lines(caplog, logging.INFO)
+        assert info[0] == (
+            f"recovering the TP group (after step {step}): replacing dead or hung ranks, "
+            "every cache starts empty"
+        )
+        # Thread ranks that answer are kept: none replaced.
+        assert info[1].startswith("the TP group recovered in ")
+        assert " s: rank(s) replaced: none; capacity " in info[1]
+    finally:
+        coord.close()
+
+
+def test_a_rank_that_fails_a_step_is_named_and_recovery_by_hand_counts_the_lost(caplog) -> None:
+    caplog.set_level(logging.INFO, logger="tpcache")
+    coord = start_local_group(
+        config(coordinator=CoordinatorConfig(auto_recover=False)), worker_cls=DrillWorker
+    )
+    try:
+        coord.admit("a", list(range(1, 30)))
+        coord.admit("held", list(range(40, 60)))  # running when the step fails
+        coord.sync()
+        step = coord.stats()["steps_sent"]
+        coord.ranks.call_on(0, "inject_fault", step, "fail")
+        with pytest.raises(RankFailure):
+            coord.finish("a")
+            coord.sync()
+        [warned] = lines(caplog, logging.WARNING)
+        assert warned.startswith(f"the TP group failed at step {step}: ")
+        assert "rank 0 failed at op 0 (Finish): RuntimeError: planted failure" in warned
+        assert warned.endswith("; 1 running request(s) lost; it stays down until recover() is called")  # fmt: skip
+        caplog.clear()
+        coord.recover()
+        coord.admit("b", list(range(1, 30)))
+        coord.admit("c", list(range(1, 20)))
+        coord.sync()
+        coord.recover()  # by hand on a healthy group: its running requests are lost
+        assert lines(caplog, logging.INFO)[2] == (
+            "recovering the TP group (asked by hand): replacing dead or hung ranks, every "
+            "cache starts empty; 2 running request(s) lost"
+        )
+    finally:
+        coord.close()
