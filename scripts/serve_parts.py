@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 from serve_bench_lib import median
 
+PHASES = ("apply_cpu_s", "prepare_cpu_s", "agree_cpu_s", "result_cpu_s")
+
 
 def overhead_part(
     model: Path, batch: int, new_tokens: int, capacity: int, page: int, seed: int
@@ -72,6 +74,10 @@ def _measure(coord, engine, batch: int, new_tokens: int, vocab: int, seed: int):
     steps = after["forwards"] - before["forwards"]
     d = {k: (after[k] - before[k]) / steps for k in after if k != "forwards"}
     outside = d["coordinator_cpu_s"] + d["ranks_cpu_s"] - d["forward_cpu_s"]
+    phases = {k: round(d[k] * 1e3, 3) for k in PHASES}
+    phases["rest"] = round(
+        (d["ranks_cpu_s"] - d["forward_cpu_s"] - sum(d[k] for k in PHASES)) * 1e3, 3
+    )
     return {
         "batch": batch,
         "decode_steps_measured": steps,
@@ -82,6 +88,10 @@ def _measure(coord, engine, batch: int, new_tokens: int, vocab: int, seed: int):
             "ranks_cpu_outside_forward": round((d["ranks_cpu_s"] - d["forward_cpu_s"]) * 1e3, 3),
             "coordinator_and_engine_cpu": round(d["coordinator_cpu_s"] * 1e3, 3),
         },
+        # Where the ranks' share goes (both ranks): applying the step's ops, decoding and
+        # checking the forward's command, the agreement on it, the reply, and the rest
+        # (the channel, Ray's own threads).
+        "ranks_outside_forward_ms": phases,
         "outside_over_forward": round(outside / d["forward_cpu_s"], 4),
         "target": 0.10,
         "within_target": outside <= 0.10 * d["forward_cpu_s"],
@@ -98,6 +108,7 @@ def _snapshot(coord) -> dict[str, float]:
         "forward_wall_s": times[0]["run_wall_s"],
         "forward_cpu_s": sum(t["run_cpu_s"] for t in times),
         "ranks_cpu_s": sum(t["process_cpu_s"] for t in times),
+        **{k: sum(t[k] for t in times) for k in PHASES},
     }
 
 

@@ -9,12 +9,17 @@ import os
 import signal
 import threading
 
-from conftest import Collector, greedy_reference, group_config, prompts
+import pytest
+from conftest import MODEL, Collector, greedy_reference, group_config, prompts
+from runner_doubles import REFUSED_ON_RANK_1
 
 from tpcache.coordinator.core import CoordinatorConfig
+from tpcache.coordinator.step_types import RankCallError
+from tpcache.engine.forward import ModelEngine
 from tpcache.engine.loop import Engine, EngineConfig
 from tpcache.engine.requests import Finished, GenerateRequest, SamplingParams, TokenOut
 from tpcache.frontend.service import start_group
+from tpcache.model.context import ForwardError
 
 
 def test_a_rank_killed_mid_generation_changes_no_token(ray_cluster):
@@ -53,5 +58,30 @@ def test_a_rank_killed_mid_generation_changes_no_token(ray_cluster):
         assert st["recoveries"] >= 1 and coord.stats()["recoveries"] == 1
         assert sum(ends[i].recoveries for i in range(3)) == st["recoveries"]
         assert coord.ranks.call("pid")[1] != pids[1]
+    finally:
+        coord.close()
+
+
+def test_a_forward_one_rank_refuses_runs_on_no_rank(ray_cluster):
+    """On the step channel the coordinator agrees a forward's verdict itself (no
+    collective): a batch rank 1 alone refuses fails with that rank named, no rank
+    computes it (rank 0 would otherwise wait in the runner's collectives for ever), and
+    the group serves the next batch."""
+    cfg = group_config(runner="runner_doubles:OneRankRefuses")
+    coord = start_group(cfg)
+    try:
+        assert not coord.ranks.peer_check  # the step channel
+        engine = ModelEngine(coord, timeout_s=30.0)
+        before = [t["forwards"] for t in coord.ranks.call("model_times")]
+        with pytest.raises(RankCallError, match="refused on rank 1") as err:
+            engine.admit("bad", [1, 2, REFUSED_ON_RANK_1, 4])
+        assert err.value.rank == 1 and isinstance(err.value.cause, ForwardError)
+        assert [t["forwards"] for t in coord.ranks.call("model_times")] == before
+        coord.abort("bad")
+        prefix, out = engine.admit("good", [1, 2, 3, 4, 5])
+        assert prefix == 0 and out.logits.shape == (5, MODEL.vocab)
+        assert [t["forwards"] for t in coord.ranks.call("model_times")] == [n + 1 for n in before]
+        engine.finish("good")
+        coord.sync()
     finally:
         coord.close()

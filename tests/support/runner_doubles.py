@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from tpcache.model.batch import RunnerBatch
-from tpcache.model.runner import KVLayout, KVShard, RankShard, RunnerOutput
+from tpcache.model.reference import ReferenceRunner
+from tpcache.model.runner import KVLayout, KVShard, RankShard, RunnerInputError, RunnerOutput
 
 
 @dataclass(frozen=True)
@@ -96,3 +97,20 @@ class NotARunner:
 
     def kv_layout(self) -> KVLayout:
         return KVLayout(1, 1, 2)
+
+
+REFUSED_ON_RANK_1 = 63
+
+
+class OneRankRefuses(ReferenceRunner):
+    """The reference model, refusing a batch that holds token ``REFUSED_ON_RANK_1`` on
+    rank 1 only (as one rank's device may refuse what its peers accept)."""
+
+    def load(self, shard: RankShard) -> None:
+        super().load(shard)
+        self.rank = shard.rank
+
+    def check_batch(self, batch: RunnerBatch) -> None:
+        super().check_batch(batch)
+        if self.rank == 1 and bool((batch.tokens == REFUSED_ON_RANK_1).any()):
+            raise RunnerInputError(f"token {REFUSED_ON_RANK_1} is refused on rank 1")

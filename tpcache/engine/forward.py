@@ -29,6 +29,7 @@ from tpcache.cache.errors import DuplicateRequest, UnknownRequest
 from tpcache.cache.keys import TokenLike, as_tokens
 from tpcache.cache.reqtable import check_request_id
 from tpcache.coordinator.core import Coordinator
+from tpcache.coordinator.step_types import RankCallError
 from tpcache.engine.work import (
     Chunk,
     Compute,
@@ -95,6 +96,7 @@ class ModelEngine:
         checked = self._check(work)
         prefix: dict[RequestId, int] = {}
         pairs: list[tuple[RequestId, np.ndarray]] = []
+        wants = [w.logits if isinstance(w, Compute) else True for w, _, _ in checked]
         for w, rid, toks in checked:
             match w:
                 case Prefill():
@@ -106,7 +108,7 @@ class ModelEngine:
                 case Decode():
                     self.coord.extend(rid, 1)
             pairs.append((rid, toks))
-        return self._forward(pairs, all_logits, prefix)
+        return self._forward(pairs, all_logits, prefix, wants)
 
     def _check(self, work: Sequence[Work]) -> list[tuple[Work, RequestId, np.ndarray]]:
         """Each item with its normalised id and the tokens it computes (a Prefill: all it
@@ -196,21 +198,38 @@ class ModelEngine:
         return self.step([Compute(rid, tokens)], all_logits=True)[0]
 
     # ---- the model call -------------------------------------------------------------------
+    def _run(self, data: bytes) -> list[bytes]:
+        """Every rank's encoded result of the encoded batch ``data``. Where the ranks check
+        each other (``peer_check``) they agree on it by a collective (``forward_batch``);
+        on the step channel the coordinator sees every rank's verdict itself and sends
+        the go-ahead, which costs a rank less than a collective."""
+        ranks, timeout = self.coord.ranks, self.timeout_s
+        if ranks.peer_check:
+            return ranks.call("forward_batch", data, timeout=timeout)
+        refused = _refusal(ranks.call("prepare_forward", data, timeout=timeout))
+        if refused is not None:
+            raise refused
+        return ranks.call("run_forward", timeout=timeout)
+
     def _forward(
         self,
         pairs: list[tuple[RequestId, np.ndarray]],
         all_logits: bool,
         prefix: dict[RequestId, int],
+        wants: list[bool],
     ) -> list[ForwardOut]:
-        self.coord.wait_ready([rid for rid, _ in pairs], self.timeout_s)  # a host tier's copies
-        cmd = build_forward_batch(self.coord.mirror, pairs, all_logits)
-        self.coord.flush()  # the steps that gave the slots must reach the ranks first
-        outs = self.coord.ranks.call("forward_batch", encode(cmd), timeout=self.timeout_s)
+        if self.coord.mirror.host is not None:  # a host tier's copies
+            self.coord.wait_ready([rid for rid, _ in pairs], self.timeout_s)
+        cmd = build_forward_batch(self.coord.mirror, pairs, all_logits, wants)
+        with self.coord.lock:  # no step may reach the ranks between the two halves
+            self.coord.flush()  # the steps that gave the slots must reach the ranks first
+            outs = self._run(encode(cmd))
         results = [decode_forward_batch_result(o) for o in outs]
         first = results[0]
         logits = np.frombuffer(first.logits, dtype="<f4").reshape(sum(first.rows), first.vocab)
-        _check_ranks_agree(results, logits)
+        _check_ranks_agree(results)
         ids = np.frombuffer(first.token_ids, dtype="<i8") if first.token_ids else None
+        tops = np.frombuffer(first.top, dtype="<i8") if first.top else None
         c = self.counters
         c.forwards += 1
         c.items += len(pairs)
@@ -225,23 +244,39 @@ class ModelEngine:
             part = logits[row : row + rows].copy() if rows else np.zeros((0, 0), np.float32)
             row += rows
             token = int(ids[i]) if ids is not None else None
-            got.append(ForwardOut(part, item.start, n, swa_read, rid, prefix.get(rid, 0), token))
+            top = int(tops[i]) if tops is not None else None
+            got.append(
+                ForwardOut(part, item.start, n, swa_read, rid, prefix.get(rid, 0), token, top)
+            )
         return got
 
 
-def _check_ranks_agree(results: list[ForwardBatchResult], logits: np.ndarray) -> None:
-    """Raise ForwardError unless every rank computed the same tokens and returned the
-    same outputs as rank 0 (after the all-reduces every rank holds the same hidden state;
-    logits may differ in the last bits where a rank's kernels round differently)."""
+def _refusal(verdicts: list[str | None]) -> RankCallError | None:
+    """The error of a forward some rank refused (``prepare_forward``'s answers)."""
+    for rank, why in enumerate(verdicts):
+        if why is not None:
+            return RankCallError(rank, ForwardError(f"forward refused on rank {rank}: {why}"))
+    return None
+
+
+def _check_ranks_agree(results: list[ForwardBatchResult]) -> None:
+    """Raise ForwardError unless every rank computed the same tokens, sampled the same
+    ids and has the same argmax for every item as rank 0, with each item's mean logit
+    and largest magnitude within 1e-3 of the logit scale (after the all-reduces every
+    rank holds the same hidden state; its last bits may differ where a rank's kernels
+    round differently). Only rank 0 sends logits (``ForwardBatchResult``)."""
     first = results[0]
-    scale = float(np.abs(logits).max()) if logits.size else 0.0
+    ref = np.frombuffer(first.check, dtype="<f8").reshape(-1, 2)
+    scale = float(ref[:, 1].max(initial=0.0))
     for r in results[1:]:
-        other = np.frombuffer(r.logits, dtype="<f4")
-        if (
-            (r.computed, r.rows, r.token_ids) != (first.computed, first.rows, first.token_ids)
-            or other.size != logits.size
-            or float(np.abs(other - logits.ravel()).max(initial=0.0)) > 1e-3 * scale
-        ):
+        other = np.frombuffer(r.check, dtype="<f8").reshape(-1, 2)
+        same = (r.computed, r.token_ids, r.top, r.vocab) == (
+            first.computed,
+            first.token_ids,
+            first.top,
+            first.vocab,
+        )
+        if not same or other.shape != ref.shape or np.any(np.abs(other - ref) > 1e-3 * scale):
             raise ForwardError(
                 f"rank {r.rank}'s outputs differ from rank 0's (after the all-reduces "
                 "every rank holds the same hidden state)"

@@ -45,6 +45,11 @@ class Live:
         return self.req.rid
 
     @property
+    def greedy(self) -> bool:
+        """Its next token is the argmax: no draw, no logits needed."""
+        return self.req.sampling.temperature == 0.0
+
+    @property
     def prefilling(self) -> bool:
         return self.done < self.context.size
 

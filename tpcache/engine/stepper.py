@@ -80,7 +80,10 @@ class Stepper:
             self.idle = not items
             if not items:
                 return
-            outs = self.model.step([Compute(i.live.rid, i.tokens) for i in items])
+            # Greedy requests need only the argmax, which every rank sends anyway.
+            outs = self.model.step(
+                [Compute(i.live.rid, i.tokens, not i.live.greedy) for i in items]
+            )
             self._absorb(items, outs)
 
     def _probe(self) -> None:
@@ -138,9 +141,10 @@ class Stepper:
             self.finish(live, reason)
 
     def _sample(self, live: Live, out: ForwardOut) -> int:
-        if out.logits.size == 0:  # the runner sampled (greedily) itself
-            assert out.token is not None
-            return int(out.token)
+        if out.logits.size == 0:  # greedy: the argmax; or the runner sampled itself
+            token = out.argmax if live.greedy and out.argmax is not None else out.token
+            assert token is not None
+            return int(token)
         if self.vocab is None:
             self.vocab = int(out.logits.shape[-1])
         return sample(out.logits[-1], live.req.sampling, live.rng)

@@ -47,10 +47,13 @@ class Decode:
 @dataclass(frozen=True)
 class Compute:
     """Compute the newest ``len(tokens)`` positions of running ``rid``, whose slots the
-    caller already got from the coordinator (``admit``/``extend``)."""
+    caller already got from the coordinator (``admit``/``extend``). ``logits`` False:
+    only the last position's argmax comes back (``ForwardOut.argmax``), enough for
+    greedy decoding and cheaper than the logits."""
 
     rid: Any
     tokens: TokenLike
+    logits: bool = True
 
 
 Work = Prefill | Chunk | Decode | Compute
@@ -59,8 +62,10 @@ Work = Prefill | Chunk | Decode | Compute
 @dataclass(frozen=True)
 class ForwardOut:
     """One request's part of a forward. ``logits``: rank 0's float32 ``[rows, vocab]``
-    (every new position's, or the last one's; ``[0, 0]`` when the runner returned only
-    token ids); ``token``: the runner's sampled token id, when it samples."""
+    (every new position's, or the last one's; ``[0, 0]`` when the item asked for none or
+    the runner returned only token ids); ``token``: the runner's sampled token id, when
+    it samples; ``argmax``: the last position's most likely token id (ties to the lowest
+    id), whenever the runner returned logits."""
 
     logits: np.ndarray
     start: int  # position of the first new token
@@ -69,6 +74,7 @@ class ForwardOut:
     rid: Any = None
     prefix_len: int = 0  # a Prefill's cached prefix length
     token: int | None = None
+    argmax: int | None = None
 
 
 __all__ = ["Chunk", "Compute", "Decode", "ForwardOut", "Prefill", "Work"]

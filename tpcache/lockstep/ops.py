@@ -152,6 +152,9 @@ class Forward(msgspec.Struct, tag=True, frozen=True):
     swa_start: int = 0
     swa_slots: bytes = b""
     all_logits: bool = True  # every new position's logits; False: the last one's
+    # False: no logit rows come back for this item, only its last position's argmax
+    # (``ForwardBatchResult.top``), which is all greedy decoding needs.
+    logits: bool = True
 
 
 class ForwardBatch(msgspec.Struct, tag=True, frozen=True):
@@ -163,10 +166,18 @@ class ForwardBatch(msgspec.Struct, tag=True, frozen=True):
 
 
 class ForwardBatchResult(msgspec.Struct, frozen=True):
-    """What one rank's runner returned for a ``ForwardBatch``. ``rows[i]``: logit rows of
-    item i (its new tokens, or 1 without ``all_logits``; 0 for all when the runner gave
-    no logits); ``logits``: little-endian float32 ``[sum(rows), vocab]``; ``token_ids``:
-    little-endian int64, one per item, when the runner sampled (else empty)."""
+    """What one rank's runner returned for a ``ForwardBatch``.
+
+    Only rank 0 sends logits: after the all-reduces every rank holds the same ones, and
+    shipping ``batch x vocab`` floats from every rank each step would cost more than the
+    step's own bookkeeping. ``rows[i]``: logit rows of item i in ``logits`` (its new
+    tokens, or 1 without ``all_logits``; 0 when the item asked for none, on other ranks,
+    or when the runner gave no logits); ``logits``: little-endian float32
+    ``[sum(rows), vocab]``. Every rank sends, per item, ``top``: the argmax of its last
+    logits row (little-endian int64, ties to the lowest id), and ``check``: the mean and
+    the largest magnitude over its logits rows (little-endian float64 pairs), so the
+    ranks' outputs are compared without the logits (both empty when the runner gave no
+    logits). ``token_ids``: little-endian int64, one per item, when the runner sampled."""
 
     rank: int
     computed: list[int]  # new tokens per item
@@ -174,6 +185,8 @@ class ForwardBatchResult(msgspec.Struct, frozen=True):
     vocab: int
     logits: bytes
     token_ids: bytes = b""
+    top: bytes = b""
+    check: bytes = b""
 
 
 class ForwardResult(msgspec.Struct, frozen=True):

@@ -43,9 +43,12 @@ def row_slots(cache, rid) -> np.ndarray:
     return pages_to_slots(row.pages, cache.page_size, row.num_tokens)
 
 
-def build_forward(cache, rid, tokens: TokenLike, all_logits: bool = True) -> Forward:
+def build_forward(
+    cache, rid, tokens: TokenLike, all_logits: bool = True, logits: bool = True
+) -> Forward:
     """The ``Forward`` for the newest ``len(tokens)`` positions of ``rid`` (those the last
-    admit or extend gave slots to). Changes nothing. Raises ``ForwardError`` for a request
+    admit or extend gave slots to; ``all_logits`` and ``logits`` as ``Forward``'s).
+    Changes nothing. Raises ``ForwardError`` for a request
     that is not running, no tokens or tokens that are not ids, or more tokens than the
     request holds slots for."""
     try:
@@ -66,21 +69,35 @@ def build_forward(cache, rid, tokens: TokenLike, all_logits: bool = True) -> For
         )
     packed = pack_tokens(toks)
     if cache.swa is None:
-        return Forward(rid, packed, start, pack_slots(slots), all_logits=all_logits)
+        return Forward(rid, packed, start, pack_slots(slots), all_logits=all_logits, logits=logits)
     swa_start, swa = cache.swa.request_slots(rid, start)
-    return Forward(rid, packed, start, pack_slots(slots), swa_start, pack_slots(swa), all_logits)
+    return Forward(
+        rid, packed, start, pack_slots(slots), swa_start, pack_slots(swa), all_logits, logits
+    )
 
 
 def build_forward_batch(
-    cache, work: Sequence[tuple[RequestId, TokenLike]], all_logits: bool = False
+    cache,
+    work: Sequence[tuple[RequestId, TokenLike]],
+    all_logits: bool = False,
+    logits: Sequence[bool] | None = None,
 ) -> ForwardBatch:
-    """The ``ForwardBatch`` of ``work`` ((request, its newest tokens) pairs, in order).
-    Changes nothing. Raises ``ForwardError`` for an empty batch, a request given twice,
-    or any item ``build_forward`` refuses."""
+    """The ``ForwardBatch`` of ``work`` ((request, its newest tokens) pairs, in order);
+    ``logits[i]`` False: item i gets only its argmax back (default: every item its
+    logits). Changes nothing. Raises ``ForwardError`` for an empty batch, a request
+    given twice, or any item ``build_forward`` refuses."""
     if not work:
         raise ForwardError("an empty batch: nothing to compute")
+    if logits is not None and len(logits) != len(work):
+        raise ForwardError(f"{len(logits)} logits flags for {len(work)} items")
     _check_distinct([rid for rid, _ in work])
-    return ForwardBatch([build_forward(cache, rid, toks, all_logits) for rid, toks in work])
+    wants = [True] * len(work) if logits is None else [bool(x) for x in logits]
+    return ForwardBatch(
+        [
+            build_forward(cache, rid, toks, all_logits, want)
+            for (rid, toks), want in zip(work, wants, strict=True)
+        ]
+    )
 
 
 def _check_distinct(rids: list[RequestId]) -> None:

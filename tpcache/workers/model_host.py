@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from tpcache.kv.pool import KVPool, PoolSpec
@@ -68,6 +69,12 @@ class ModelHost:
         # count too), so what a step costs outside the model can be told apart.
         self.run_cpu_s = 0.0
         self.run_wall_s = 0.0
+        # Process CPU seconds of a forward's other phases: decoding and checking the
+        # command ("prepare"), the agreement on it ("agree"), the reply ("result").
+        self.phase_cpu_s = dict.fromkeys(("prepare", "agree", "result"), 0.0)
+        # What ``prepare_batch`` kept for ``run_prepared``: (the step it follows, the
+        # command, its batch, its KV); None between the two calls' pairs.
+        self._prepared: tuple[int, ForwardBatch, RunnerBatch, KVShard] | None = None
         # The SWA pool, built for one cache instance (a new cache after setup/rejoin gets
         # a new pool: its slots mean nothing to the new cache).
         self._swa_pool: KVPool | None = None
@@ -89,6 +96,8 @@ class ModelHost:
         self.runner, self.layout = runner, layout
         self.tokens_computed = self.forwards = 0
         self.run_cpu_s = self.run_wall_s = 0.0
+        self.phase_cpu_s = dict.fromkeys(self.phase_cpu_s, 0.0)
+        self._prepared = None
         self._swa_pool = self._swa_pool_cache = None
         full, swa = layout.pool_layers(window is not None)
         return {
@@ -107,7 +116,7 @@ class ModelHost:
             sent.append(decode_forward(data))
             return ForwardBatch(sent)
 
-        res = self._forward(group, state, decode, after_step)
+        res = self._forward(group, state, decode, after_step, every_rank=True)
         n, rows = res.computed[0], res.rows[0]
         end = sent[0].start + n
         return ForwardResult(self.rank, n, end, res.vocab, res.logits[: rows * res.vocab * 4])
@@ -116,23 +125,76 @@ class ModelHost:
         """An encoded ``ForwardBatch``; returns the encoded ``ForwardBatchResult``."""
         return encode(self._forward(group, state, lambda: decode_forward_batch(data), after_step))
 
-    def _forward(
-        self, group, state: State, decode: Callable[[], ForwardBatch], after_step: int
-    ) -> ForwardBatchResult:
-        problem = None
+    # The same forward in two calls, where the coordinator sees every rank's answer (the
+    # step channel) and so can agree the verdict itself: a collective costs a rank more
+    # CPU than a message (about 0.3-0.5 ms against 0.05 ms at TP=2 on CPUs).
+    def prepare_batch(self, state: State, data: bytes, after_step: int) -> str | None:
+        """Decode and check an encoded ``ForwardBatch`` as ``forward_batch`` does, and keep
+        it for ``run_prepared``; returns None, or why this rank refuses it (nothing
+        kept). Not a collective; changes nothing else."""
+        self._prepared = None
+        t0 = time.process_time()
         try:
-            batch, kv = self._prepare(state, decode(), after_step)
+            cmd = decode_forward_batch(data)
+            batch, kv = self._prepare(state, cmd, after_step)
+        except Exception as exc:  # the coordinator tells every rank, none computes
+            return f"{type(exc).__name__}: {exc}"
+        finally:
+            self.phase_cpu_s["prepare"] += time.process_time() - t0
+        self._prepared = (after_step, cmd, batch, kv)
+        return None
+
+    def run_prepared(self, group, after_step: int) -> bytes:
+        """Run the batch the last ``prepare_batch`` kept (every rank accepted it); the
+        encoded ``ForwardBatchResult``. Raises ForwardError, computing nothing, if none
+        is kept or a step was applied since (its slots may have changed)."""
+        kept, self._prepared = self._prepared, None
+        if kept is None or kept[0] != after_step:
+            raise ForwardError(
+                f"rank {self.rank} holds no forward prepared after step {after_step}"
+            )
+        _, cmd, batch, kv = kept
+        return encode(self._run(group, cmd, batch, kv, every_rank=False))
+
+    def _forward(
+        self,
+        group,
+        state: State,
+        decode: Callable[[], ForwardBatch],
+        after_step: int,
+        every_rank: bool = False,
+    ) -> ForwardBatchResult:
+        """``every_rank``: this rank's logits go back whatever its rank (a single
+        ``Forward``, whose callers compare them); else only rank 0's (see
+        ``ForwardBatchResult``)."""
+        problem = None
+        t0 = time.process_time()
+        try:
+            cmd = decode()
+            batch, kv = self._prepare(state, cmd, after_step)
         except Exception as exc:  # must reach the peers through the agreement, not hang them
             problem = f"{type(exc).__name__}: {exc}"
-        if group.agree_min([0 if problem is None else -1])[0] < 0:
+        t1 = time.process_time()
+        verdict = group.agree_min([0 if problem is None else -1])[0]
+        self.phase_cpu_s["prepare"] += t1 - t0
+        self.phase_cpu_s["agree"] += time.process_time() - t1
+        if verdict < 0:
             where = f"this rank ({self.rank}): {problem}" if problem else "another rank"
             raise ForwardError(f"forward refused on {where}")
+        return self._run(group, cmd, batch, kv, every_rank)
+
+    def _run(
+        self, group, cmd: ForwardBatch, batch: RunnerBatch, kv: KVShard, every_rank: bool
+    ) -> ForwardBatchResult:
         assert self.runner is not None
         cpu, wall = time.process_time(), time.perf_counter()
         out = self.runner.run(batch, kv, group)
-        self.run_cpu_s += time.process_time() - cpu
+        done = time.process_time()
+        self.run_cpu_s += done - cpu
         self.run_wall_s += time.perf_counter() - wall
-        result = self._result(batch, out)
+        wanted = [item.logits and (every_rank or self.rank == 0) for item in cmd.items]
+        result = self._result(batch, out, wanted)
+        self.phase_cpu_s["result"] += time.process_time() - done
         self.tokens_computed += batch.num_tokens
         self.forwards += 1
         return result
@@ -151,23 +213,27 @@ class ModelHost:
         placement = self.layout.placement(cache.num_pools > 1)
         return batch, KVShard(pool, self._swa_pool_now(cache, pool), placement)
 
-    def _result(self, batch: RunnerBatch, out: RunnerOutput) -> ForwardBatchResult:
-        """The wire record of ``out``; ForwardError if the runner broke its contract (the
-        same on every rank for a deterministic runner, so nobody waits on a peer)."""
+    def _result(
+        self, batch: RunnerBatch, out: RunnerOutput, wanted: list[bool]
+    ) -> ForwardBatchResult:
+        """The wire record of ``out``, with the logit rows of the items ``wanted`` says;
+        ForwardError if the runner broke its contract (the same on every rank for a
+        deterministic runner, so nobody waits on a peer)."""
         reqs = batch.requests
         logits, ids = out.logits, out.token_ids
         if logits is None and ids is None:
             raise ForwardError("the runner returned neither logits nor token ids")
-        rows = [r.rows for r in reqs] if logits is not None else [0] * len(reqs)
-        vocab, data = 0, b""
+        rows = [0] * len(reqs)
+        vocab, data, top, check = 0, b"", b"", b""
         if logits is not None:
-            if logits.dim() != 2 or logits.shape[0] != sum(rows):
+            computed = [r.rows for r in reqs]
+            if logits.dim() != 2 or logits.shape[0] != sum(computed):
                 raise ForwardError(
                     f"the runner returned logits of shape {tuple(logits.shape)}, "
-                    f"expected [{sum(rows)}, vocab]"
+                    f"expected [{sum(computed)}, vocab]"
                 )
             vocab = int(logits.shape[1])
-            data = logits.detach().float().cpu().contiguous().numpy().astype("<f4").tobytes()
+            top, check, rows, data = _summaries(logits, computed, wanted)
         tokens = b""
         if ids is not None:
             if tuple(ids.shape) != (len(reqs),):
@@ -175,7 +241,8 @@ class ModelHost:
                     f"the runner returned {tuple(ids.shape)} token ids for {len(reqs)} requests"
                 )
             tokens = ids.detach().cpu().numpy().astype("<i8").tobytes()
-        return ForwardBatchResult(self.rank, [r.n for r in reqs], rows, vocab, data, tokens)
+        n = [r.n for r in reqs]
+        return ForwardBatchResult(self.rank, n, rows, vocab, data, tokens, top, check)
 
     # ---- the SWA pool --------------------------------------------------------
     def _swa_pool_now(self, cache, pool: KVPool) -> KVPool | None:
@@ -191,3 +258,39 @@ class ModelHost:
             self._swa_pool = KVPool(spec, slots, self.device)
             self._swa_pool_cache = cache
         return self._swa_pool
+
+
+def _summaries(
+    logits: torch.Tensor, computed: list[int], wanted: list[bool]
+) -> tuple[bytes, bytes, list[int], bytes]:
+    """Per item (``computed[i]`` rows each): its last row's argmax, the mean and largest
+    magnitude of its rows, and the rows themselves where ``wanted``; as
+    ``(top, check, rows, logits)`` of ``ForwardBatchResult``. Rows are reduced where the
+    logits are (a GPU's), so only what goes back crosses to the host; on a CPU numpy's
+    reductions are several times faster than torch's for these shapes."""
+    x = logits.detach().float()
+    counts = np.asarray(computed, dtype=np.int64)
+    ends = np.cumsum(counts)
+    one_row_each = x.shape[0] == len(computed)  # decodes: no copy of the last rows
+    if x.device.type == "cpu":
+        a = x.numpy()
+        top = (a if one_row_each else a[ends - 1]).argmax(axis=1)
+        means, peaks = a.mean(axis=1), np.maximum(a.max(axis=1), -a.min(axis=1))
+    else:
+        last = x if one_row_each else x[torch.as_tensor(ends - 1, device=x.device)]
+        top = last.argmax(dim=1).cpu().numpy()
+        means = x.mean(dim=1).cpu().numpy()
+        peaks = x.abs().amax(dim=1).cpu().numpy()
+    starts = ends - counts
+    item_means = np.add.reduceat(means.astype(np.float64), starts) / counts
+    item_peaks = np.maximum.reduceat(peaks.astype(np.float64), starts)
+    check = np.stack([item_means, item_peaks], axis=1).astype("<f8").tobytes()
+    top_bytes = top.astype("<i8").tobytes()
+    rows = [c if w else 0 for c, w in zip(computed, wanted, strict=True)]
+    if not any(rows):
+        return top_bytes, check, rows, b""
+    if not all(wanted):
+        keep = np.repeat(np.asarray(wanted, dtype=bool), counts)
+        x = x[torch.as_tensor(keep, device=x.device)]
+    data = np.ascontiguousarray(x.cpu().numpy(), dtype="<f4").tobytes()
+    return top_bytes, check, rows, data

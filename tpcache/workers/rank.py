@@ -45,6 +45,7 @@ class RankWorker(RankSetup):
         super().__init__(rank, spec, local_rank)
         self._loop: RankLoop | None = None  # the step channel's loop, while it runs
         self._gc_frozen = False  # serve_steps froze the process's objects (gc.freeze)
+        self.apply_cpu_s = 0.0  # process CPU seconds in ``apply``, since this rank started
 
     # ---- start-up again ------------------------------------------------------------------
     def rejoin(self, master_addr: str, master_port: int, store_path: str | None = None) -> int:
@@ -70,7 +71,13 @@ class RankWorker(RankSetup):
         Steps must come in order (Ray keeps one caller's order per actor). Raises
         ``RankFailure`` / ``DivergenceError`` on every rank together.
         """
-        step = decode_step(data)
+        cpu = time.process_time()
+        try:
+            return self._apply(decode_step(data))
+        finally:
+            self.apply_cpu_s += time.process_time() - cpu
+
+    def _apply(self, step: Step) -> bytes:
         if self.failed is None and step.step != self.last_step + 1:
             self.failed = f"expected step {self.last_step + 1}, got {step.step}"
         elif self.failed is None:
@@ -165,6 +172,10 @@ class RankWorker(RankSetup):
             "run_cpu_s": m.run_cpu_s,
             "run_wall_s": m.run_wall_s,
             "process_cpu_s": time.process_time(),
+            # CPU outside the runner: applying steps (since this rank started), and a
+            # forward's other phases (see ``ModelHost.phase_cpu_s``)
+            "apply_cpu_s": self.apply_cpu_s,
+            **{f"{k}_cpu_s": v for k, v in m.phase_cpu_s.items()},
             "torch_threads": torch.get_num_threads(),
         }
 
@@ -196,6 +207,18 @@ class RankWorker(RankSetup):
         agreed by MIN (a bad command raises ``ForwardError`` on every rank before any
         compute); then the runner writes the new K and V. Changes the pools, not the cache."""
         return self.models.forward_batch(self._group(), self._state, data, self.last_step)
+
+    def prepare_forward(self, data: bytes) -> str | None:
+        """``forward_batch``'s first half, where the coordinator agrees the verdict itself
+        (it sees every rank's answer): check an encoded ``ForwardBatch`` and keep it.
+        Returns None, or why this rank refuses it. Not a collective; changes nothing."""
+        return self.models.prepare_batch(self._state, data, self.last_step)
+
+    def run_forward(self) -> bytes:
+        """``forward_batch``'s second half, once every rank accepted the batch its last
+        ``prepare_forward`` kept: run it (collective); an encoded ``ForwardBatchResult``.
+        Raises ForwardError, computing nothing, if none is kept for this step."""
+        return self.models.run_prepared(self._group(), self.last_step)
 
     def _state(self) -> tuple[Cache, KVPool]:
         return self._cache(), self._pool()
