@@ -114,3 +114,28 @@ class OneRankRefuses(ReferenceRunner):
         super().check_batch(batch)
         if self.rank == 1 and bool((batch.tokens == REFUSED_ON_RANK_1).any()):
             raise RunnerInputError(f"token {REFUSED_ON_RANK_1} is refused on rank 1")
+
+
+class SkewedOnRank1(ReferenceRunner):
+    """The reference model whose rank 1 returns other logits than its peers, as a runner
+    that skips the last all-reduce would: ``skew`` is added to every logit there
+    (``"shift"``), or token 0's logit is raised above all others (``"argmax"``)."""
+
+    def __init__(self, skew: str = "shift", dtype: str = "float32", **spec) -> None:
+        super().__init__(dtype, **spec)
+        self.skew = skew
+
+    def load(self, shard: RankShard) -> None:
+        super().load(shard)
+        self.rank = shard.rank
+
+    def run(self, batch: RunnerBatch, kv: KVShard, group) -> RunnerOutput:
+        out = super().run(batch, kv, group)
+        if self.rank != 1 or out.logits is None:
+            return out
+        logits = out.logits.clone()
+        if self.skew == "shift":
+            logits += 0.5 * logits.abs().max()
+        else:
+            logits[:, 0] = logits.max() + 1.0
+        return RunnerOutput(logits=logits)
