@@ -1,20 +1,25 @@
 """The coordinator's lines for an operator: a rank killed (which rank, its actor and node,
 what was seen), the recovery that follows (started, done, which ranks were replaced), a
-divergence naming the odd rank and the step, a failed step with recovery off. Real Ray
-ranks for the kill, thread ranks (gloo) for the drills."""
+divergence naming the odd rank and the step, a failed step with recovery off; a served
+coordinator's lines printed by ``tpcache serve``'s relay. Real Ray ranks for the kills
+(a Ray kill, a SIGKILL), thread ranks (gloo) for the drills."""
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import time
 
 import pytest
 from drill_worker import DrillWorker
 from test_faults import config, wait_dead, wait_gone
 
+from tpcache.cli.log_options import LineRelay
 from tpcache.coordinator.core import CoordinatorConfig
 from tpcache.coordinator.local_ranks import start_local_group
 from tpcache.coordinator.rank_seen import actor_id, node_address
-from tpcache.frontend.service import start_group
+from tpcache.frontend.service import serve, start_group, stop_served
 from tpcache.workers.protocol import DivergenceError, RankFailure
 
 
@@ -137,3 +142,44 @@ def test_a_rank_that_fails_a_step_is_named_and_recovery_by_hand_counts_the_lost(
         )
     finally:
         coord.close()
+
+
+def test_a_served_coordinators_lines_are_printed_by_the_relay(ray_cluster, capsys) -> None:
+    import ray
+
+    actor = serve(config(), name="logs-relay", namespace="tpcache-tests", log_level="DEBUG")
+    try:
+        relay = LineRelay(actor)
+        relay()
+        started = capsys.readouterr().err.splitlines()
+        # Its group's start, at DEBUG as asked: each rank, with its actor and node.
+        assert [" DEBUG tpcache.coordinator: rank 0 started: actor " in line for line in started] == [True, False]  # fmt: skip
+        assert " DEBUG tpcache.coordinator: rank 1 started: actor " in started[1]
+        first = relay.buffer
+        relay()  # nothing new: nothing printed again
+        assert capsys.readouterr().err == ""
+        # A relay that read another buffer (an actor since restarted) reads from line 0.
+        stale = LineRelay(actor)
+        stale.buffer, stale.next = "an-old-buffer", 12
+        stale()
+        assert capsys.readouterr().err.splitlines() == started
+        pid = ray.get(actor.rank_pids.remote())[1]
+        os.kill(pid, signal.SIGKILL)
+        wait_gone(pid)
+        # The service's health check (every 2 s) finds it and the group is rebuilt.
+        err = ""
+        deadline = time.monotonic() + 120
+        while "the TP group recovered in" not in err:
+            assert time.monotonic() < deadline, err
+            time.sleep(0.5)
+            relay()
+            err += capsys.readouterr().err
+        lines = err.splitlines()
+        failed = [x for x in lines if " WARNING tpcache.coordinator: the TP group failed at " in x]
+        assert len(failed) == 1 and "rank 1 " in failed[0] and "(rank 1: actor " in failed[0]
+        assert any(" WARNING tpcache.coordinator: replacing rank 1 (actor " in x for x in lines)
+        assert any(" INFO tpcache.coordinator: recovering the TP group (after step " in x for x in lines)  # fmt: skip
+        assert " rank(s) replaced: [1]; capacity " in lines[-1]
+        assert relay.buffer == first  # the same actor, read on from where it was
+    finally:
+        stop_served(actor, "logs-relay", "tpcache-tests")
