@@ -195,3 +195,72 @@ def test_the_weights_counted_are_the_weights_drawn() -> None:
     spec = ModelSpec(vocab=97, hidden=24, heads=3, head_dim=8, ffn=40, num_layers=3)
     drawn = sum(t.numel() * t.element_size() for t in full_weights(spec).values())
     assert weight_bytes(hidden=24, ffn=40, layers=3, vocab=97) == drawn
+
+
+# ---- --capacity too small for the workload: one check shared by every command ----------
+BIGGEST = "--capacity 100 holds 96 tokens (6 pages of 16), but a request of this workload holds"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["replay", "--limit", "5"],
+        ["demo", "--limit", "5"],
+        ["demo", "data:trace", "--limit", "5"],
+        ["generate", "--limit", "5", "--scale", "1/1"],
+    ],
+    ids=["replay", "demo-synthetic", "demo-trace", "generate"],
+)
+def test_a_capacity_smaller_than_a_request_is_refused_before_anything_starts(
+    command: list[str], nowhere: str
+) -> None:
+    """Before the fix: ``demo`` and ``generate`` raised the cache's InvalidTokens (a
+    traceback) at the first such request, after the cluster or the model had started."""
+    from tpcache.trace import DEFAULT_TRACE
+
+    args = [str(DEFAULT_TRACE) if a == "data:trace" else a for a in command]
+    address = ["--address", nowhere] if command[0] == "demo" else []
+    line = refused(
+        run(*args, "--capacity", "100", *address), f"tpcache {command[0]}: {BIGGEST}", "give"
+    )
+    assert "nothing answers" not in line
+
+
+@pytest.mark.parametrize("command", ["replay", "demo", "generate", "serve"])
+def test_a_capacity_below_one_page_is_refused_in_one_line(command: str, nowhere: str) -> None:
+    address = ["--address", nowhere] if command in ("demo", "serve") else []
+    refused(
+        run(
+            command, "--capacity", "10", "--limit" if command != "serve" else "--tp", "2", *address
+        ),
+        f"tpcache {command}: --capacity 10 is less than one page of 16 tokens (--page-size): "
+        "give --capacity 16 or more",
+    )
+
+
+def test_replay_checks_the_sliding_window_pool_too() -> None:
+    refused(
+        run("replay", "--limit", "5", "--swa-window", "64", "--swa-capacity", "100"),
+        "tpcache replay: --swa-capacity 100 holds 96 tokens",
+    )
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_the_capacity_check_draws_the_line_where_the_cache_does(page_size: int) -> None:
+    """The largest request the check lets through is the largest the cache admits."""
+    import numpy as np
+
+    from tpcache.cache import CacheConfig, RadixCache
+    from tpcache.cache.errors import InvalidTokens
+    from tpcache.cli.capacity import Need, capacity_problem
+
+    capacity = 100
+    holds = capacity // page_size * page_size
+    fits, over = Need(holds - 3, 3), Need(holds - 2, 3)
+    assert capacity_problem(capacity, page_size, fits) is None
+    said = capacity_problem(capacity, page_size, over)
+    assert said is not None and f"give --capacity {holds + page_size} or more" in said
+    cache = RadixCache(CacheConfig(capacity_tokens=capacity, page_size=page_size))
+    cache.admit(1, np.arange(1, fits.prompt + 1, dtype=np.int32), reserve=fits.output)
+    with pytest.raises(InvalidTokens):
+        cache.admit(2, np.arange(1, over.prompt + 1, dtype=np.int32), reserve=over.output)

@@ -17,6 +17,7 @@ from tpcache.cli.args import (
     group_config,
     machine,
 )
+from tpcache.cli.capacity import capacity_problem, largest
 from tpcache.cli.log_options import add_log_options
 
 
@@ -97,6 +98,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return 2
     if args.limit and not args.trace:
         requests = requests[: args.limit]
+    need = largest((r.prompt.size, r.output.size) for r in requests)
+    if (small := capacity_problem(args.capacity, args.page_size, need)) is not None:
+        print(f"tpcache demo: {small}", file=sys.stderr)
+        return 2
     capacity = args.capacity or needed_capacity(requests, args.page_size)
     try:
         config = group_config(args, capacity)

@@ -18,6 +18,7 @@ from tpcache.cli.args import (
     picked,
     seconds_arg,
 )
+from tpcache.cli.capacity import capacity_problem, largest
 from tpcache.cli.log_options import add_log_options
 
 
@@ -68,11 +69,13 @@ def add_generate_parser(sub) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     from tpcache.cache.policy.policies import CACHE_POLICIES
     from tpcache.harness.gen_wire import GenerateError
-    from tpcache.harness.generate import GenerateOptions, ModelSize, run_generate
+    from tpcache.harness.generate import GenerateOptions, ModelSize, run_generate, scaled_requests
     from tpcache.trace import DEFAULT_TRACE, TraceError, load_trace
 
     if args.policy not in CACHE_POLICIES:
         args.parser.error(f"unknown policy {args.policy!r}; known: {', '.join(CACHE_POLICIES)}")
+    if (small := capacity_problem(args.capacity, args.page_size)) is not None:
+        return _fail(small)
     try:
         opts = GenerateOptions(
             **picked(
@@ -89,14 +92,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.parser.error(str(exc))
     try:
         trace = load_trace(args.trace or DEFAULT_TRACE, args.limit)
-    except (OSError, TraceError) as exc:
-        print(f"tpcache generate: {exc}", file=sys.stderr)
-        return 2
+        requests = scaled_requests(trace, opts.scale)
+    except (OSError, TraceError, GenerateError) as exc:  # (GenerateError: no requests)
+        return _fail(str(exc))
+    need = largest((r.prompt.size, r.max_new) for r in requests)
+    if (small := capacity_problem(opts.capacity, opts.page_size, need)) is not None:
+        return _fail(small)
     try:
         s = run_generate(trace, opts, _Progress())
     except GenerateError as exc:
-        print(f"tpcache generate: {exc}", file=sys.stderr)
-        return 2
+        return _fail(str(exc))
     s["workload"] = str(args.trace or DEFAULT_TRACE)
     s["machine"] = machine()
     ok = s["prefill_equals_replay"] and s["nothing_held"] and s["rank_digests_equal"]
@@ -105,6 +110,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 0 if ok else 1
     _print(s)
     return 0 if ok else 1
+
+
+def _fail(message: str) -> int:
+    print(f"tpcache generate: {message}", file=sys.stderr)
+    return 2
 
 
 class _Progress:

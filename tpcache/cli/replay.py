@@ -18,9 +18,11 @@ from tpcache.cli.args import (
     picked,
     positive_arg,
 )
+from tpcache.cli.capacity import capacity_problem, largest
 
 if TYPE_CHECKING:
     from tpcache.replay import ReplayOptions
+    from tpcache.trace import TraceRequest
 
 
 def add_replay_parser(sub) -> None:
@@ -97,9 +99,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
             write_through_hits=args.write_through_hits or 2,
             salts=tuple(args.salt),
         )
+        if (small := _capacity_problem(requests, opts)) is not None:
+            return _fail(small)
         # Progress goes to stderr either way: stdout stays the summary alone.
         summary = replay(requests, opts, Progress(sys.stderr))
-    except CacheError as exc:
+    except CacheError as exc:  # (the cache's own checks, should one pass this one's)
         return _fail(f"{type(exc).__name__}: {exc}")
     summary["machine"] = machine()
     if args.json:
@@ -112,6 +116,15 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def _fail(message: str) -> int:
     print(f"tpcache replay: {message}", file=sys.stderr)
     return 2
+
+
+def _capacity_problem(requests: list[TraceRequest], opts: ReplayOptions) -> str | None:
+    """``capacity_problem`` of each pool for the largest scaled request, or None."""
+    k = opts.scale
+    need = largest((-(-r.input_length // k), -(-r.output_length // k)) for r in requests)
+    return capacity_problem(opts.capacity, opts.page_size, need) or capacity_problem(
+        opts.swa_capacity if opts.swa_window else None, opts.page_size, need, "--swa-capacity"
+    )
 
 
 def _mismatch(args: argparse.Namespace) -> str | None:

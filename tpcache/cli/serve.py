@@ -10,6 +10,7 @@ import sys
 import time
 
 from tpcache.cli.args import add_cache_options, add_group_options, add_host_options
+from tpcache.cli.capacity import capacity_problem
 from tpcache.cli.log_options import LineRelay, add_log_options
 from tpcache.cli.serve_model import ServeModelError, add_model_options, model_error
 from tpcache.cli.serve_options import (
@@ -82,7 +83,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tpcache.frontend.service import AlreadyServing, find_served, serve, stop_served
     from tpcache.model.runner import RunnerConfigError
 
-    if (alone := unpaired(args) or model_error(args)) is not None:
+    small = capacity_problem(args.capacity, args.page_size)
+    if (alone := unpaired(args) or model_error(args) or small) is not None:
         print(f"tpcache serve: {alone}", file=sys.stderr)
         return 2
     try:
