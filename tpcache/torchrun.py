@@ -32,7 +32,7 @@ from tpcache.cli.args import add_count_option, seconds_arg
 from tpcache.coordinator.core import Coordinator, CoordinatorConfig
 from tpcache.coordinator.step_types import RankCallError
 from tpcache.errors import TpcacheError
-from tpcache.harness.torchrun_check import RunConfig, run_checks
+from tpcache.harness.torchrun_check import DRILLS, RunConfig, run_checks
 from tpcache.kv.pool import PoolSpec
 from tpcache.lockstep.ops import RunCall, RunStep, Stop
 from tpcache.model.reference import ModelSpec
@@ -122,15 +122,51 @@ def env_int(name: str) -> int:
 
 
 def worker_class(target: str) -> type[RankWorker]:
-    """The ``RankWorker`` subclass named ``MODULE:CLASS``; SystemExit saying why not."""
+    """The ``RankWorker`` subclass named ``MODULE:CLASS``; ``TorchrunError`` saying why
+    not."""
     module, _, name = target.partition(":")
     try:
         cls = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError, ValueError) as exc:
-        raise SystemExit(f"--worker {target}: {type(exc).__name__}: {exc}") from None
+        raise TorchrunError(f"--worker {target}: {type(exc).__name__}: {exc}") from None
     if not (isinstance(cls, type) and issubclass(cls, RankWorker)):
-        raise SystemExit(f"--worker {target}: not a RankWorker subclass")
+        raise TorchrunError(f"--worker {target}: not a RankWorker subclass")
     return cls
+
+
+def job_problem(args: argparse.Namespace, cfg: RunConfig, world: int) -> str | None:
+    """Why this job cannot run as asked, or None. Every rank decides the same from the
+    same command line and ``world`` (torchrun's ``WORLD_SIZE``), before any joins the
+    group: a refused job then ends on every rank at once, instead of in a traceback on
+    each (or in rank 0's wait for peers that left)."""
+    try:
+        cls = worker_class(args.worker)
+    except TorchrunError as exc:
+        return str(exc)
+    missing = [m for m in DRILLS if not callable(getattr(cls, m, None))]
+    if args.drills and missing:
+        return (
+            f"--drills plants faults through the worker's {', '.join(missing)}, which "
+            f"--worker {args.worker} does not have: give a worker class with fault drills, "
+            "e.g. --worker drill_worker:DrillWorker with the repository's tests/support on "
+            "PYTHONPATH"
+        )
+    model = cfg.model
+    if model.heads % world or model.ffn % world:
+        ways = [n for n in range(1, model.heads + 1) if not model.heads % n and not model.ffn % n]
+        return (
+            f"{world} ranks (torchrun's --nproc_per_node) cannot split the checked model: "
+            f"its {model.heads} KV heads and MLP of {model.ffn} divide over "
+            f"{', '.join(map(str, ways))} ranks only; run one of those"
+        )
+    return None
+
+
+def say_once(message: str) -> None:
+    """``message`` on stderr from rank 0 only (every rank knows it): one line, not one a
+    rank."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"tpcache.torchrun check: {message}", file=sys.stderr, flush=True)
 
 
 def start_rank(cfg: RunConfig, worker_cls: type[RankWorker] = RankWorker) -> tuple[RankWorker, int]:
@@ -258,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
         swa_capacity_tokens=args.swa_capacity if hybrid else None,
     )
     cfg = RunConfig(model, cache, args.capacity, dtype, args.timeout_s, args.join_timeout_s)
+    if (problem := job_problem(args, cfg, env_int("WORLD_SIZE"))) is not None:
+        say_once(problem)
+        return 2
     started = time.perf_counter()
     worker, capacity = start_rank(cfg, worker_class(args.worker))
     try:

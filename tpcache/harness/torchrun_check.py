@@ -63,6 +63,11 @@ def run_checks(
     return out
 
 
+# The worker methods ``run_drills`` calls on a rank: a worker class without them cannot
+# run ``--drills`` (``tpcache.torchrun`` refuses it before any rank joins).
+DRILLS = ("plant_slot_error", "inject_fault")
+
+
 def run_drills(
     engine: ModelEngine, coord: Coordinator, cfg: RunConfig, seed: int, tol: float
 ) -> dict[str, Any]:
