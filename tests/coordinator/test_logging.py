@@ -20,7 +20,7 @@ from tpcache.coordinator.core import CoordinatorConfig
 from tpcache.coordinator.local_ranks import start_local_group
 from tpcache.coordinator.rank_seen import actor_id, node_address
 from tpcache.frontend.service import serve, start_group, stop_served
-from tpcache.workers.protocol import DivergenceError, RankFailure
+from tpcache.workers.protocol import DivergenceError, LockstepError, RankFailure
 
 
 def lines(caplog, level: int | None = None) -> list[str]:
@@ -108,6 +108,32 @@ def test_a_divergence_names_the_odd_rank_and_step(caplog) -> None:
         # Thread ranks that answer are kept: none replaced.
         assert info[1].startswith("the TP group recovered in ")
         assert " s: rank(s) replaced: none; capacity " in info[1]
+    finally:
+        coord.close()
+
+
+def test_a_hung_rank_is_named_and_replaced(caplog) -> None:
+    caplog.set_level(logging.INFO, logger="tpcache")
+    coord = start_local_group(config(timeout_s=2.0), worker_cls=DrillWorker)
+    try:
+        coord.admit("a", list(range(1, 30)))
+        coord.sync()
+        step = coord.stats()["steps_sent"]
+        coord.ranks.call_on(1, "inject_fault", step, "sleep", 8.0)
+        with pytest.raises(LockstepError):
+            coord.finish("a")
+            coord.sync()
+        [failed] = [w for w in lines(caplog, logging.WARNING) if w.startswith("the TP group")]
+        assert failed.startswith(f"the TP group failed at step {step}: ")
+        # Thread ranks check each step among themselves: what the step saw is the peer's
+        # collective timing out; the replacement's line below names the hung rank.
+        assert "Timed out waiting 2000ms" in failed, failed
+        assert failed.endswith("; 0 running request(s) lost; recovering it")
+        # Still asleep at the recovery's ping: replaced, and the line says what was seen.
+        assert "replacing rank 1 (a thread of this process): no answer to a ping within 2 s" in (
+            lines(caplog, logging.WARNING)
+        )
+        assert lines(caplog, logging.INFO)[-1].endswith(" s: rank(s) replaced: [1]; capacity 1024 tokens")  # fmt: skip
     finally:
         coord.close()
 
