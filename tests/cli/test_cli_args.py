@@ -214,14 +214,14 @@ class socketless_port:
         self.sock.close()
 
 
-def test_events_shows_its_default_endpoint_and_says_where_it_reads() -> None:
+def test_events_shows_its_default_endpoint_and_says_where_nothing_answers() -> None:
+    """Where it reads from a publisher that answers: tests/cli/test_cli_events.py."""
     assert "(default: tcp://127.0.0.1:5557)" in run("events", "--help").stdout
-    got = run("events", "--timeout", "0.3")
-    assert got.returncode == 0 and got.stdout == ""
-    assert got.stderr.splitlines() == [
-        "tpcache events: reading KV events from tcp://127.0.0.1:5557; stops after 0.3 s "
-        "without a batch"
-    ]
+    with socketless_port() as port:
+        got = run("events", "--endpoint", f"tcp://127.0.0.1:{port}", "--connect-timeout", "0.3")
+    assert got.returncode == 2 and got.stdout == ""
+    assert got.stderr.startswith(f"tpcache events: nothing published at tcp://127.0.0.1:{port}")
+    assert got.stderr.count("\n") == 1
 
 
 # ---- item 7: the demo -------------------------------------------------------------------------

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+import time
 from collections import deque
 from collections.abc import Iterator
 from typing import TextIO
@@ -21,6 +23,7 @@ from tpcache.closing import Closing
 from tpcache.errors import TpcacheError
 from tpcache.events.block_index import BlockIndex, IndexProblem, ProblemKind, StoredBlock
 from tpcache.events.replay_server import BUSY_SEQ, END_SEQ, SNAPSHOT_REQUEST, decode_seq
+from tpcache.transport.connect_watch import MONITOR_EVENTS, ConnectWatch
 from tpcache.transport.netsec import NetSecError, check_key, make_client
 
 __all__ = [
@@ -66,7 +69,10 @@ class EventSubscriber(Closing):
     them are skipped. Not thread-safe (ZMQ sockets): use it from one thread.
     ``curve_server_key``: the publisher's CURVE public key, when it is a CURVE server;
     ``curve_keypair``: this subscriber's own (public, secret) key pair, for a publisher
-    that lets in listed clients only.
+    that lets in listed clients only. ``connect_timeout``: seconds to wait, on
+    construction, for the handshake with a publisher at ``endpoint``; if none is done by
+    then, ``EventSubscriberError`` says what the connect saw (refused, closed, a key
+    refused). None: no wait (a SUB connects whenever the publisher comes up).
     """
 
     def __init__(
@@ -79,9 +85,12 @@ class EventSubscriber(Closing):
         replay_timeout: float = 5.0,
         curve_server_key: str | None = None,
         curve_keypair: tuple[str, str] | None = None,
+        connect_timeout: float | None = None,
     ) -> None:
         if not replay_timeout > 0:
             raise EventSubscriberError(f"replay_timeout must be > 0 s, got {replay_timeout}")
+        if connect_timeout is not None and not 0 < connect_timeout < math.inf:
+            raise EventSubscriberError(f"connect_timeout must be > 0 s, got {connect_timeout}")
         if curve_server_key is not None:
             try:
                 check_key("curve_server_key", curve_server_key)
@@ -106,7 +115,10 @@ class EventSubscriber(Closing):
             self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
             if self._curve is not None:
                 make_client(self._sub, self._curve, self._keypair)
-            self._sub.connect(endpoint)
+            if connect_timeout is None:
+                self._sub.connect(endpoint)
+            else:
+                self._connect_watched(endpoint, connect_timeout)
             if replay_endpoint is not None:
                 self._dealer = self._open_dealer()
         except zmq.ZMQError as exc:
@@ -114,6 +126,29 @@ class EventSubscriber(Closing):
             raise EventSubscriberError(
                 f"cannot connect {endpoint!r} / {replay_endpoint!r}: {exc}"
             ) from exc
+        except EventSubscriberError:
+            self.close()
+            raise
+
+    def _connect_watched(self, endpoint: str, timeout: float) -> None:
+        """Connect the SUB and wait for its handshake with a publisher (see the class
+        docstring); raises ``EventSubscriberError`` if none is done within ``timeout``."""
+        monitor = self._sub.get_monitor_socket(MONITOR_EVENTS)
+        watch = ConnectWatch("the publisher", "this subscriber")
+        try:
+            self._sub.connect(endpoint)
+            deadline = time.monotonic() + timeout
+            while not watch.up and (left := deadline - time.monotonic()) > 0:
+                if monitor.poll(max(1, int(left * 1000))):
+                    watch.take(monitor)
+        finally:
+            self._sub.disable_monitor()
+            monitor.close(linger=0)
+        if not watch.up:
+            raise EventSubscriberError(
+                f"nothing published at {endpoint} within {timeout:g} s: {watch.why}; is "
+                f"a coordinator serving KV events there (tpcache serve --events-endpoint)?"
+            )
 
     def _open_dealer(self) -> zmq.Socket:
         assert self._replay_endpoint is not None
@@ -238,6 +273,11 @@ class EventSubscriber(Closing):
 # --- tpcache events -------------------------------------------------------------------
 
 
+# Seconds ``tpcache events`` waits for a publisher's handshake: a loopback or LAN
+# connect takes milliseconds, and a wrong endpoint should not look like a quiet one.
+CONNECT_TIMEOUT = 5.0
+
+
 def build_events_parser(p: argparse.ArgumentParser) -> None:
     """Add the ``tpcache events`` options to ``p``."""
     p.add_argument(
@@ -257,6 +297,14 @@ def build_events_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--count", type=int, default=None, metavar="N", help="stop after N batches")
     p.add_argument(
         "--timeout", type=float, default=None, metavar="S", help="stop after S s without a batch"
+    )
+    p.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=CONNECT_TIMEOUT,
+        metavar="S",
+        help="give up (exit 2) if no publisher answers at --endpoint within S s "
+        f"(default {CONNECT_TIMEOUT:g})",
     )
     p.add_argument(
         "--replay-timeout",
@@ -302,14 +350,22 @@ def _say_where(args: argparse.Namespace) -> None:
 
 
 def run_events(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    """Print the stream. 0: done (``--count`` reached, or idle ``--timeout`` without
-    ``--count``); 1: ``--timeout`` before ``--count`` batches; 2: bad options or error."""
+    """Print the stream. 0: done (``--count`` reached, or idle ``--timeout`` after some
+    batches, without ``--count``); 1: ``--timeout`` before ``--count`` batches, or before
+    any (said on stderr); 2: bad options or an error, such as no publisher answering at
+    ``--endpoint`` within ``--connect-timeout``."""
     out = out if out is not None else sys.stdout
     if (args.from_seq is not None or args.snapshot) and args.replay_endpoint is None:
         print("tpcache events: --from-seq/--snapshot need --replay-endpoint", file=sys.stderr)
         return 2
     if args.from_seq is not None and args.snapshot:
         print("tpcache events: use --from-seq or --snapshot, not both", file=sys.stderr)
+        return 2
+    if not 0 < args.connect_timeout < math.inf:
+        print(
+            f"tpcache events: --connect-timeout must be > 0 s, got {args.connect_timeout:g}",
+            file=sys.stderr,
+        )
         return 2
     shown = 0
     try:
@@ -319,6 +375,7 @@ def run_events(args: argparse.Namespace, out: TextIO | None = None) -> int:
             args.topic,
             replay_timeout=args.replay_timeout,
             curve_server_key=args.curve_server_key,
+            connect_timeout=args.connect_timeout,
         ) as sub:
             _say_where(args)
             first: list[Received] = []
@@ -333,6 +390,13 @@ def run_events(args: argparse.Namespace, out: TextIO | None = None) -> int:
                 shown += 1
             while args.count is None or shown < args.count:
                 got = sub.next_batch(args.timeout)
+                if got is None and shown == 0:
+                    print(
+                        f"tpcache events: no KV events from {args.endpoint} in "
+                        f"{args.timeout:g} s (a publisher answered)",
+                        file=sys.stderr,
+                    )
+                    return 1
                 if got is None:
                     return 0 if args.count is None else 1
                 _print_batch(*got, args.json, out)

@@ -5,62 +5,17 @@ socket monitor so that the loop knows when its hub is reached, and when it is go
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from tpcache.transport.channel_msgs import HELLO, STOP, Attach, ChannelConnectError
+from tpcache.transport.connect_watch import MONITOR_EVENTS, ConnectWatch
 from tpcache.transport.netsec import make_client
 
 _HEARTBEAT_MS = 1000  # a TCP rank's ZMTP ping interval; 5 missed: its hub is gone
-
-# What a TCP rank's monitor reports: the handshake done (connected), the connection gone,
-# and why a connect has not been made yet (for the error, if it never is).
-_MONITOR = int(
-    zmq.EVENT_HANDSHAKE_SUCCEEDED
-    | zmq.EVENT_DISCONNECTED
-    | zmq.EVENT_CONNECT_RETRIED
-    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-)
-
-
-class _Connect:
-    """A TCP rank's connect, as its monitor tells it: ``up`` once the handshake is done,
-    ``gone`` once the connection it made is lost; ``why`` says what went wrong so far."""
-
-    def __init__(self) -> None:
-        self.up = False
-        self.gone = False
-        self.retries = 0
-        self.why = "no answer (the connect was neither made nor refused)"
-
-    def take(self, monitor: zmq.Socket) -> None:
-        """Read the events that have arrived."""
-        while monitor.poll(0):
-            event = recv_monitor_message(monitor)
-            kind, value = int(event["event"]), int(event["value"])
-            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.up = True
-            elif kind == zmq.EVENT_DISCONNECTED:
-                # Before the handshake, ZMQ retries (a failed handshake said why already).
-                self.gone = self.up
-                if self.why.startswith("no answer"):
-                    self.why = "the connection closed before the handshake"
-            elif kind == zmq.EVENT_CONNECT_RETRIED:
-                self.retries += 1
-                self.why = f"{self.retries} connect attempt(s) failed (refused or unreachable)"
-            elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                self.why = f"the hub refused this rank's key (CURVE handshake, status {value})"
-            elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-                self.why = f"the handshake failed (ZMTP protocol error {value:#x})"
-            elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-                self.why = f"the handshake failed ({os.strerror(value)})"
 
 
 def serve_tcp(
@@ -93,7 +48,7 @@ def serve_tcp(
         # never reached it: the monitor does, so the loop leaves when the hub's end is
         # gone, as the Unix loop does (its hub may have closed without a STOP reaching
         # this rank), and fails when the hub is not reached in time.
-        monitor = sock.get_monitor_socket(_MONITOR)
+        monitor = sock.get_monitor_socket(MONITOR_EVENTS)
         try:
             sock.connect(attach.endpoint)
         except zmq.ZMQError as exc:  # an endpoint ZMQ cannot use
@@ -103,7 +58,7 @@ def serve_tcp(
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         wait_ms = int(poll_s * 1000)
-        link = _Connect()
+        link = ConnectWatch("the hub", "this rank")
         deadline = time.monotonic() + connect_s
         while not stop.is_set():
             ready = dict(poller.poll(wait_ms))
