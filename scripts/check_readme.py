@@ -19,7 +19,8 @@ reader sees them too):
   end within 60 s.
 - `# file: NAME` (python): written to NAME in the run directory, not run.
 
-The run directory is a fresh `git clone` of this repository (what is committed), or,
+`--skip TEXT` skips the blocks that hold TEXT (e.g. the test suite on a shared
+machine). The run directory is a fresh `git clone` of this repository (what is committed), or,
 with `--quick --dir DIR`, a scratch directory of links to DIR's files, so files the
 blocks write stay out of DIR. Ray's files go under the scratch directory (RAY_TMPDIR),
 and RAY_ADDRESS and PYTHONPATH are dropped, as in a new shell. Exit status: 0 when no
@@ -125,8 +126,10 @@ def _block(line: int, lang: str, body: list[str], section: str) -> Block:
 class Runner:
     """Runs blocks in ``root`` one after another; owns the background processes."""
 
-    def __init__(self, root: Path, scratch: Path, timeout_s: float, quick: bool) -> None:
-        self.root, self.timeout_s, self.quick = root, timeout_s, quick
+    def __init__(
+        self, root: Path, scratch: Path, timeout_s: float, quick: bool, skip: list[str]
+    ) -> None:
+        self.root, self.timeout_s, self.quick, self.skip = root, timeout_s, quick, skip
         self.env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PYTHONPATH")}
         self.env["RAY_TMPDIR"] = str(scratch / "ray")
         self.env["PYTHONUNBUFFERED"] = "1"
@@ -155,9 +158,11 @@ class Runner:
     def run(self, b: Block) -> bool:
         self._end_background(keep=b.section)
         where = f"README.md:{b.line} [{b.lang}] {b.section}"
-        if b.skip or (self.quick and b.slow):
+        asked = next((text for text in self.skip if text in b.code), None)
+        if b.skip or (self.quick and b.slow) or asked is not None:
+            why = b.skip or ("takes minutes (--quick)" if asked is None else f"--skip {asked!r}")
             self.results.append((b, "skipped"))
-            print(f"{where}: skipped, {b.skip or 'takes minutes (--quick)'}", flush=True)
+            print(f"{where}: skipped, {why}", flush=True)
             return True
         if b.file:
             (self.root / b.file).write_text(b.code)
@@ -272,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="skip the blocks marked '# takes minutes'")
     p.add_argument("--dir", type=Path, help="with --quick: run against this tree, not a clone")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per block (x6 if slow)")
+    p.add_argument(
+        "--skip", action="append", default=[], metavar="TEXT", help="skip blocks holding TEXT"
+    )
     p.add_argument("--list", action="store_true", help="list the blocks and what each is; run none")
     p.add_argument("--keep", action="store_true", help="keep the scratch directory")
     args = p.parse_args(argv)
@@ -292,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"README.md:{b.line} [{b.lang}] {b.section}: {b.kind}")
             return 0
         print(f"check_readme: {len(blocks)} blocks, in {root}", flush=True)
-        runner = Runner(root, scratch, args.timeout, args.quick)
+        runner = Runner(root, scratch, args.timeout, args.quick, args.skip)
         try:
             for b in blocks:
                 runner.run(b)

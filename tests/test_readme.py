@@ -166,6 +166,10 @@ echo about to fail; exit 3
 ```
 
 ```sh
+exit 4
+```
+
+```sh
 sleep 30
 ```
 """
@@ -177,7 +181,7 @@ def test_a_run_reports_each_block_and_fails_when_one_does(tmp_path: Path) -> Non
     env_before = os.environ.get("RAY_ADDRESS")
     os.environ["RAY_ADDRESS"] = "127.0.0.1:1"  # dropped for the blocks, as in a new shell
     try:
-        got = check("--quick", "--dir", str(tmp_path), "--timeout", "3")
+        got = check("--quick", "--dir", str(tmp_path), "--timeout", "3", "--skip", "exit 4")
     finally:
         if env_before is None:
             os.environ.pop("RAY_ADDRESS")
@@ -193,8 +197,9 @@ def test_a_run_reports_each_block_and_fails_when_one_does(tmp_path: Path) -> Non
         "README.md:23 [sh] After: ok",
         "README.md:28 [sh] After: skipped, takes minutes (--quick)",
         "README.md:33 [sh] After: FAILED: exit status 3",
-        "README.md:37 [sh] After: FAILED: still running after 3 s",
-        "check_readme: 7 results: 4 passed, 2 failed, 1 skipped",
+        "README.md:37 [sh] After: skipped, --skip 'exit 4'",
+        "README.md:41 [sh] After: FAILED: still running after 3 s",
+        "check_readme: 8 results: 4 passed, 2 failed, 2 skipped",
     ]
     assert "    about to fail" in got.stdout  # a failed block's output is shown
     assert not (tmp_path / "helper.py").exists()  # files the blocks write stay out of the tree
