@@ -219,3 +219,69 @@ def _quiet_stderr() -> Iterator[None]:
     finally:
         os.dup2(saved, 2)
         os.close(saved)
+
+
+# Resources every Ray node has under these names, or that name a node (``node:IP``):
+# not what a user pins ranks with, so left out of what an error lists.
+_BUILT_IN = ("memory", "object_store_memory", "node:")
+
+
+def placement_problem(bundles: list[dict[str, float]], nodes: list[dict]) -> str | None:
+    """Why no placement of ``bundles`` (one a rank) on the alive nodes of ``nodes``
+    (``ray.nodes()``: each with ``Alive``, ``NodeManagerAddress`` and its total
+    ``Resources``) can exist, or None. Checks that every resource asked for is on some
+    node, that each bundle fits one node, and that the bundles together fit the cluster;
+    Ray would wait for the start-up timeout before saying any of these. Pure."""
+    alive = [n for n in nodes if n.get("Alive")]
+    totals: dict[str, float] = {}
+    for n in alive:
+        for name, amount in n["Resources"].items():
+            totals[name] = totals.get(name, 0.0) + amount
+    for rank, bundle in enumerate(bundles):
+        absent = [name for name in bundle if name not in totals]
+        if absent:
+            return (
+                f"rank {rank} asks for {_listed({k: bundle[k] for k in absent})}, which no "
+                f"node of the cluster has; {_described(alive)}"
+            )
+        if not any(all(n["Resources"].get(k, 0) >= v for k, v in bundle.items()) for n in alive):
+            return f"rank {rank}'s {_listed(bundle)} fits on no one node; {_described(alive)}"
+    asked: dict[str, float] = {}
+    for bundle in bundles:
+        for name, amount in bundle.items():
+            asked[name] = asked.get(name, 0.0) + amount
+    over = {k: v for k, v in asked.items() if v > totals[k] + 1e-9}
+    if over:
+        having = ", ".join(f"{k}={totals[k]:g}" for k in over)
+        return (
+            f"the {len(bundles)} ranks ask for {_listed(over)} in all, the cluster has "
+            f"{having}; {_described(alive)}"
+        )
+    return None
+
+
+def check_placeable(bundles: list[dict[str, float]]) -> None:
+    """``placement_problem`` against the nodes of the cluster this process drives (Ray
+    knows them at once); raises ``PlacementError`` saying it. Changes nothing."""
+    import ray
+
+    from tpcache.coordinator.errors import PlacementError
+
+    problem = placement_problem(bundles, ray.nodes())
+    if problem is not None:
+        raise PlacementError(f"cannot place the ranks: {problem}")
+
+
+def _listed(resources: dict[str, float]) -> str:
+    return ", ".join(f"{k}={v:g}" for k, v in resources.items())
+
+
+def _described(alive: list[dict]) -> str:
+    """What each node has, as a user pins ranks with it (``ray start --resources``)."""
+    if not alive:
+        return "the cluster has no alive node"
+    parts = []
+    for n in alive:
+        own = {k: v for k, v in n["Resources"].items() if not k.startswith(_BUILT_IN)}
+        parts.append(f"{n.get('NodeManagerAddress', '?')}: {_listed(own) or 'nothing'}")
+    return "the nodes have " + "; ".join(parts)

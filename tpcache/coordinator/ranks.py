@@ -29,6 +29,7 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tpcache.coordinator.build import STRATEGIES, TRANSPORTS
+from tpcache.coordinator.cluster import check_placeable
 from tpcache.coordinator.errors import GroupConfigError, PlacementError
 from tpcache.coordinator.rank_seen import actor_id, node_address, why_replace
 from tpcache.coordinator.step_path import RAY_CALLS, ChannelPath
@@ -78,6 +79,7 @@ class RayRanks:
         bundles = [{**bundle, **(rank_resources[r] if rank_resources else {})} for r in range(tp)]
         self.path: ChannelPath | None = None
         self._joins: list[Any] = []  # the last group formation's calls, one per rank
+        check_placeable(bundles)  # at once, where Ray would wait out the timeout
         self.pg = placement_group(bundles, strategy=strategy)
         try:
             ray.get(self.pg.ready(), timeout=start_timeout_s)
