@@ -221,3 +221,24 @@ def test_the_client_installs_alone_and_reaches_a_served_group() -> None:
     assert answers["finish_reply"] == "CachedReply"
     assert not (answers["imported_torch"] or answers["imported_ray"])
     assert EXTRA in got["serve_refusal"]
+
+
+def test_setup_without_torch_under_skip_stops_before_the_extra_pulls_one(tmp_path: Path) -> None:
+    # A copy of the script in an empty tree: it makes .venv there (no torch), then must
+    # stop rather than let the server extra install an unpinned torch.
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(REPO / "scripts" / "setup.sh", tmp_path / "scripts" / "setup.sh")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "TPCACHE_TORCH": "skip"}
+    done = subprocess.run(
+        ["bash", str(tmp_path / "scripts" / "setup.sh")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env, "PYTHON": sys.executable},
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "TPCACHE_TORCH=skip: leaving torch as it is (not installed)" in done.stdout
+    assert done.stderr == (
+        "setup: no torch in .venv (TPCACHE_TORCH=skip): install a torch build first\n"
+    )
+    assert "installing tpcache" not in done.stdout
