@@ -1,5 +1,5 @@
 """The operator's lines on refused clients: the network frontend's (no valid token, a
-malformed request, a message not of its protocol) and the OpenAI endpoint's (401 without
+malformed request, a message not of its protocol, a CURVE key not allowed) and the OpenAI endpoint's (401 without
 the API key, 503 beyond its connections), each naming the client; at most one line per
 kind every 10 s, the rest counted. Real ZMQ and HTTP on loopback, real groups."""
 
@@ -23,6 +23,7 @@ from tpcache.frontend.frontend import serve_network
 from tpcache.frontend.net_config import FrontendConfig
 from tpcache.frontend.openai_http import OpenAIServer
 from tpcache.logs import LineBuffer, LogLevelError, Throttle, check_level
+from tpcache.transport.netsec import make_client, new_keypair
 
 GOOD = "a-token-of-16-chars-or-more"
 
@@ -82,6 +83,49 @@ def test_the_network_frontend_logs_each_client_it_refuses(caplog) -> None:
         ctx.term()
         front.close()
         coord.close()
+
+
+def test_a_curve_client_whose_key_is_not_allowed_is_logged(caplog) -> None:
+    caplog.set_level(logging.INFO, logger="tpcache")
+    server_public, server_secret = new_keypair()
+    allowed, stranger = new_keypair(), new_keypair()
+    coord = group()
+    config = FrontendConfig(
+        endpoint="tcp://127.0.0.1:0",
+        curve_secret_key=server_secret,
+        curve_client_keys=(allowed[0],),
+    )
+    front = serve_network(coord, config)
+    ctx = zmq.Context()
+    socks = []
+    try:
+        for keypair in (stranger, allowed):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            make_client(sock, server_public, keypair)
+            sock.connect(front.endpoint)
+            socks.append(sock)
+        socks[0].send_multipart([b"12345678", b"", b"\x91\x80"], zmq.NOBLOCK)
+        deadline = time.monotonic() + 20
+        while not refused_keys(caplog) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert refused_keys(caplog) == [
+            f"refused a CURVE client: its public key {stranger[0]} is not an allowed client key"
+        ]
+        assert not socks[0].poll(200)  # never answered
+        # The allowed key gets through to the frontend, which answers it.
+        [answer] = ask(socks[1], b"", b"\x90")
+        assert answer.message == "a message must carry at least one call"
+    finally:
+        for sock in socks:
+            sock.close(0)
+        ctx.term()
+        front.close()
+        coord.close()
+
+
+def refused_keys(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "tpcache.transport"]
 
 
 def test_the_openai_endpoint_logs_401s_and_connections_beyond_its_bound(caplog) -> None:

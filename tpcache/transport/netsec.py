@@ -10,6 +10,7 @@ keys) or the operator must say explicitly that it may be read by anyone who reac
 from __future__ import annotations
 
 import ipaddress
+import logging
 import socket
 import threading
 
@@ -19,6 +20,9 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 from tpcache.errors import TpcacheError
+from tpcache.logs import Throttle
+
+logger = logging.getLogger("tpcache.transport")
 
 
 class NetSecError(TpcacheError, ValueError):
@@ -171,9 +175,17 @@ def release_clients(ctx: zmq.Context) -> None:
 class _Allowed:
     def __init__(self, keys: dict[bytes, bool]) -> None:
         self.keys = keys
+        self.refusals = Throttle(logger)  # the operator's line on a refused client
 
     def callback(self, domain: str, key: bytes) -> bool:
-        return key in self.keys
+        """Whether the client of public ``key`` (Z85, as pyzmq hands it over) may connect."""
+        if key in self.keys:
+            return True
+        shown = key.decode("ascii", "replace")
+        self.refusals.warning(
+            "curve", f"refused a CURVE client: its public key {shown} is not an allowed client key"
+        )
+        return False
 
 
 __all__ = [
