@@ -261,15 +261,15 @@ def _refusal(verdicts: list[str | None]) -> RankCallError | None:
 
 def _check_ranks_agree(results: list[ForwardBatchResult]) -> None:
     """Raise ForwardError unless every rank computed the same tokens, sampled the same
-    ids and has the same argmax for every item as rank 0, with each item's mean logit
-    and largest magnitude within 1e-3 of the logit scale (after the all-reduces every
-    rank holds the same hidden state; its last bits may differ where a rank's kernels
-    round differently). Only rank 0 sends logits (``ForwardBatchResult``)."""
+    ids and has the same argmax for every item as rank 0, with the logit there within
+    1e-3 of the largest such logit's magnitude (after the all-reduces every rank holds
+    the same hidden state; its last bits may differ where a rank's kernels round
+    differently). Only rank 0 sends logits (``ForwardBatchResult``)."""
     first = results[0]
-    ref = np.frombuffer(first.check, dtype="<f8").reshape(-1, 2)
-    scale = float(ref[:, 1].max(initial=0.0))
+    ref = np.frombuffer(first.top_logit, dtype="<f8")
+    scale = float(np.abs(ref).max(initial=0.0))
     for r in results[1:]:
-        other = np.frombuffer(r.check, dtype="<f8").reshape(-1, 2)
+        other = np.frombuffer(r.top_logit, dtype="<f8")
         same = (r.computed, r.token_ids, r.top, r.vocab) == (
             first.computed,
             first.token_ids,

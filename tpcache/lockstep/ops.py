@@ -174,10 +174,10 @@ class ForwardBatchResult(msgspec.Struct, frozen=True):
     tokens, or 1 without ``all_logits``; 0 when the item asked for none, on other ranks,
     or when the runner gave no logits); ``logits``: little-endian float32
     ``[sum(rows), vocab]``. Every rank sends, per item, ``top``: the argmax of its last
-    logits row (little-endian int64, ties to the lowest id), and ``check``: the mean and
-    the largest magnitude over its logits rows (little-endian float64 pairs), so the
-    ranks' outputs are compared without the logits (both empty when the runner gave no
-    logits). ``token_ids``: little-endian int64, one per item, when the runner sampled."""
+    logits row (little-endian int64, ties to the lowest id), and ``top_logit``: the logit
+    there (little-endian float64), so the ranks' outputs are compared without the logits
+    (both empty when the runner gave no logits). ``token_ids``: little-endian int64, one
+    per item, when the runner sampled."""
 
     rank: int
     computed: list[int]  # new tokens per item
@@ -186,7 +186,7 @@ class ForwardBatchResult(msgspec.Struct, frozen=True):
     logits: bytes
     token_ids: bytes = b""
     top: bytes = b""
-    check: bytes = b""
+    top_logit: bytes = b""
 
 
 class ForwardResult(msgspec.Struct, frozen=True):

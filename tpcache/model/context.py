@@ -48,14 +48,19 @@ def build_forward(
 ) -> Forward:
     """The ``Forward`` for the newest ``len(tokens)`` positions of ``rid`` (those the last
     admit or extend gave slots to; ``all_logits`` and ``logits`` as ``Forward``'s).
-    Changes nothing. Raises ``ForwardError`` for a request
-    that is not running, no tokens or tokens that are not ids, or more tokens than the
-    request holds slots for."""
+    Changes nothing. Raises ``ForwardError`` for a request that is not running, no tokens
+    or tokens that are not ids, or more tokens than the request holds slots for."""
     try:
         toks = as_tokens(tokens)
-        slots = row_slots(cache, rid)
+        row = cache.request_row(rid)
     except CacheError as exc:
         raise ForwardError(f"request {rid!r}: {type(exc).__name__}: {exc}") from None
+    return _forward_of(cache, rid, toks, row, all_logits, logits)
+
+
+def _forward_of(cache, rid, toks: np.ndarray, row, all_logits: bool, logits: bool) -> Forward:
+    """``build_forward`` for checked tokens and ``rid``'s row."""
+    slots = pages_to_slots(row.pages, cache.page_size, row.num_tokens)
     host = cache.host
     if host is not None and not host.request_ready(rid):  # the host copies it waits for
         raise ForwardError(
@@ -112,8 +117,12 @@ def _check_distinct(rids: list[RequestId]) -> None:
 def check_forward(cache, cmd: Forward) -> None:
     """Raise ``ForwardError`` unless ``cmd`` is what ``build_forward`` gives on ``cache``
     and its tokens agree with those the cache was told for ``rid``. Changes nothing."""
-    toks = unpack_tokens(cmd.tokens)
-    want = build_forward(cache, cmd.rid, toks)
+    try:
+        toks = as_tokens(unpack_tokens(cmd.tokens))
+        row = cache.request_row(cmd.rid)
+    except CacheError as exc:
+        raise ForwardError(f"request {cmd.rid!r}: {type(exc).__name__}: {exc}") from None
+    want = _forward_of(cache, cmd.rid, toks, row, cmd.all_logits, cmd.logits)
     if want.start != cmd.start:
         raise ForwardError(
             f"request {cmd.rid!r}: forward starts at {cmd.start}, the row says {want.start}"
@@ -130,7 +139,7 @@ def check_forward(cache, cmd: Forward) -> None:
             )
     if want.swa_start != cmd.swa_start:
         raise ForwardError(f"request {cmd.rid!r}: swa_start {cmd.swa_start} != {want.swa_start}")
-    known = cache.request_row(cmd.rid).tokens
+    known = row.tokens
     lo, hi = cmd.start, min(known.size, cmd.start + toks.size)
     if hi > lo and not np.array_equal(known[lo:hi], toks[: hi - lo]):
         raise ForwardError(

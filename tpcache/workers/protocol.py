@@ -26,6 +26,9 @@ What is agreed by MIN, in this order, by every rank, always:
      all-reduce per step, 0.3-0.5 ms at TP=2 on CPU). A rank that failed raises
      ``RankFailure`` alone then, and enters every later step's agreements with the
      failure sentinel (``fail_step``), since its peers may go on.
+A forward (``model_host.py``) adds one ``agree_min`` on its verdict before the runner
+starts, except on the step channel, where the coordinator collects each rank's verdict
+(``prepare_forward``) and sends ``run_forward`` once all accepted.
 Both carry as few elements as they can: under gloo a collective's cost grows with them
 (``tpcache.group.tp_group``).
 Which collectives run depends only on the batch, never on local state, so a rank that
