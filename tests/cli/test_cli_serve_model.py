@@ -122,6 +122,7 @@ def test_model_refusals_are_one_line(tiny_model, capsys, extra, said) -> None:
     ("args", "said"),
     [
         (["--model", "/nonexistent/x"], "is not a directory"),
+        (["--model", "/"], "--model '/' has no config.json: give the directory of a Hugging"),
         (["--dtype", "float16"], "--dtype needs --model or --runner"),
         (["--no-prefix-cache"], "--no-prefix-cache needs --model or --runner"),
         (["--http-port", "0"], "--http-port needs --model or --runner"),

@@ -179,6 +179,11 @@ def checkpoint_facts(model_dir: str) -> dict[str, Any]:
 
     if not os.path.isdir(model_dir):
         raise ServeModelError(f"--model {model_dir!r} is not a directory")
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise ServeModelError(
+            f"--model {model_dir!r} has no config.json: give the directory of a Hugging "
+            "Face checkpoint (config.json and its *.safetensors)"
+        )
     try:
         hf = read_hf_config(model_dir)
     except OSError as exc:
