@@ -238,3 +238,44 @@ def test_the_whole_readme_passes_in_a_fresh_clone() -> None:
     got = check(timeout=3 * 3600)
     print(got.stdout[-10000:])
     assert got.returncode == 0, got.stdout[-10000:] + got.stderr[-3000:]
+
+
+TINY = REPO / "scripts" / "tiny_model.py"
+
+
+def tiny(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(TINY), *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_tiny_model_writes_a_checkpoint_the_strict_reader_takes_and_rewrites_only_its_own(
+    tmp_path: Path,
+) -> None:
+    from tpcache.model.hf_config import read_hf_config
+
+    out = tmp_path / "tiny"
+    got = tiny(str(out), "--vocab", "300", "--seed", "3")
+    assert got.returncode == 0, got.stderr
+    assert got.stdout == f"a random Llama (vocab 300, seed 3) in {out}\n"
+    cfg = read_hf_config(out)
+    assert (cfg.model_type, cfg.vocab, cfg.hidden, cfg.num_layers) == ("llama", 300, 64, 2)
+    assert (cfg.heads, cfg.kv_heads, cfg.head_dim) == (4, 2, 16)
+    weights = (out / "model.safetensors").read_bytes()
+    assert tiny(str(out), "--vocab", "300", "--seed", "3").returncode == 0  # its own: rewritten
+    assert (out / "model.safetensors").read_bytes() == weights  # seeded: the same weights
+
+
+def test_tiny_model_refuses_a_real_checkpoint_and_a_bad_vocab_before_writing(
+    tmp_path: Path,
+) -> None:
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "config.json").write_text('{"model_type": "llama"}')
+    got = tiny(str(real))
+    assert got.returncode == 2
+    assert got.stderr == f"tiny_model: {real} already holds a checkpoint; give a new directory\n"
+    assert sorted(p.name for p in real.iterdir()) == ["config.json"]
+    got = tiny(str(tmp_path / "new"), "--vocab", "1")
+    assert got.returncode == 2 and got.stderr.strip().endswith("--vocab must be >= 2, got 1")
+    assert not (tmp_path / "new").exists()
