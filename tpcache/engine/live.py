@@ -27,7 +27,7 @@ class Live:
     seq: int  # submission order: admission and preemption follow it
     rng: np.random.Generator
     out: list[int] = field(default_factory=list)  # generated tokens (every one sent)
-    context: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    context: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     done: int = 0  # context tokens with KV
     running: bool = False  # admitted in the coordinator now
     cached: int = 0  # prefix taken from the cache at its last admission
@@ -55,7 +55,7 @@ class Live:
 
     def resume_tokens(self) -> np.ndarray:
         """What it is admitted with now: prompt + generated so far."""
-        return np.asarray([*self.req.prompt, *self.out], dtype=np.int64)
+        return np.asarray([*self.req.prompt, *self.out], dtype=np.int32)
 
     def final_kv(self) -> int:
         """Tokens with KV once done: the prompt and every output but the last."""

@@ -96,7 +96,7 @@ class Scheduler:
                 return list(step.values()), too_large
         for live in list(self.running.values()):
             if live.running and not live.prefilling and self._extend(coord, live, 1, step):
-                step[live.rid] = Item(live, np.asarray(live.out[-1:], np.int64), True)
+                step[live.rid] = Item(live, np.asarray(live.out[-1:], np.int32), True)
                 budget -= 1
         for live in list(self.running.values()):
             if live.running and live.prefilling and budget > 0:
