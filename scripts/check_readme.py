@@ -137,6 +137,7 @@ class Runner:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.background: list[tuple[Block, subprocess.Popen, Path]] = []
         self.results: list[tuple[Block, str]] = []  # (block, "passed" | "failed" | "skipped")
+        self.started = time.monotonic()
 
     def _argv(self, b: Block) -> list[str]:
         if b.lang == "python":
@@ -239,7 +240,8 @@ class Runner:
         counts = {s: sum(r == s for _, r in self.results) for s in ("passed", "failed", "skipped")}
         print(
             f"check_readme: {len(self.results)} results: {counts['passed']} passed, "
-            f"{counts['failed']} failed, {counts['skipped']} skipped",
+            f"{counts['failed']} failed, {counts['skipped']} skipped "
+            f"({time.monotonic() - self.started:.1f} s)",
             flush=True,
         )
         return 1 if counts["failed"] else 0
