@@ -218,11 +218,12 @@ class Runner:
             if proc.poll() is not None:
                 ok, how = proc.returncode == 0, f"had ended already (exit status {proc.returncode})"
             else:
+                t0 = time.monotonic()
                 with _quiet():
                     os.killpg(proc.pid, signal.SIGINT)
                 try:
                     proc.wait(STOP_WAIT_S)
-                    ok, how = True, "ended on Ctrl-C"
+                    ok, how = True, f"ended on Ctrl-C ({time.monotonic() - t0:.1f} s)"
                 except subprocess.TimeoutExpired:
                     ok, how = False, f"did not end within {STOP_WAIT_S:.0f} s of Ctrl-C"
             _kill(proc)
