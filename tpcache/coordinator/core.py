@@ -10,10 +10,10 @@ checks against the mirror.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar, overload
 
-from tpcache.cache.errors import CacheError
+from tpcache.cache.errors import CacheError, OutOfCapacity
 from tpcache.cache.keys import TokenLike, as_tokens
 from tpcache.cache.namespace import CacheNamespace
 from tpcache.cache.protocol import Cache
@@ -219,6 +219,26 @@ class Coordinator:
             slots, op, expected = logged_extend(self.mirror, rid, n)
             self.steps.emit(op, expected)
             return extension(self.mirror, rid, slots)
+
+        return self.steps.run(run)
+
+    def extend_each(self, request_ids: Sequence[Any], n: int) -> int:
+        """``extend(rid, n)`` of each running request in order, as one call (a decode
+        step's slots: one lock, one pass), stopping at the first the cache has no room
+        for; returns how many were extended (their slots: ``mirror.request_row``).
+        Raises as ``extend`` for anything else, the requests before it extended."""
+
+        def run() -> int:
+            done = 0
+            for request_id in request_ids:
+                rid = self._running_id(request_id)
+                try:
+                    _slots, op, expected = logged_extend(self.mirror, rid, n)
+                except OutOfCapacity:
+                    return done
+                self.steps.emit(op, expected)
+                done += 1
+            return done
 
         return self.steps.run(run)
 

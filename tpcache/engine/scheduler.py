@@ -94,15 +94,34 @@ class Scheduler:
             too_large = self._admit(coord, limit, budget, step, [solo])
             if step or too_large:
                 return list(step.values()), too_large
-        for live in list(self.running.values()):
-            if live.running and not live.prefilling and self._extend(coord, live, 1, step):
-                step[live.rid] = Item(live, np.asarray(live.out[-1:], np.int32), True)
-                budget -= 1
+        budget -= self._decodes(coord, step)
         for live in list(self.running.values()):
             if live.running and live.prefilling and budget > 0:
                 budget -= self._chunk(coord, live, budget, step)
         too_large = self._admit(coord, limit, budget, step, list(self.waiting))
         return list(step.values()), too_large
+
+    def _decodes(self, coord: Coordinator, step: dict) -> int:
+        """A slot for each generating request, in order, into ``step``; returns how many
+        got one. All in one coordinator call while the cache has room; a request it has
+        none for goes through ``_extend``, which preempts."""
+        pending = [r for r in self.running.values() if r.running and not r.prefilling]
+        added = 0
+        while pending:
+            done = coord.extend_each([r.rid for r in pending], 1)
+            for live in pending[:done]:
+                self.touched.add(live.rid)
+                step[live.rid] = Item(live, np.asarray(live.out[-1:], np.int32), True)
+            added += done
+            if done == len(pending):
+                break
+            live = pending[done]
+            if self._extend(coord, live, 1, step):
+                step[live.rid] = Item(live, np.asarray(live.out[-1:], np.int32), True)
+                added += 1
+            # a preempted request (this one or a newer one) decodes no more this step
+            pending = [r for r in pending[done + 1 :] if r.running]
+        return added
 
     def _chunk(self, coord: Coordinator, live: Live, budget: int, step: dict) -> int:
         """The next prefill chunk of running ``live`` (at most ``budget`` tokens) into
