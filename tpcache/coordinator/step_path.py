@@ -47,11 +47,12 @@ class ChannelPath:
 
     def dead(self) -> int | None:
         """A rank whose loop has ended (its process died, or the loop left), if any.
-        Asks Ray at most every 50 ms. Raises ``ChannelError`` for a loop that ended with
+        Asks Ray at most every 200 ms: a local rank that dies closes its socket, which
+        the hub sees at once; asking costs the coordinator about 0.1 ms of CPU. Raises ``ChannelError`` for a loop that ended with
         an error of its own (e.g. ``ChannelConnectError``: it never reached the hub):
         that, not a death, is the reason to report."""
         now = time.monotonic()
-        if now - self._last_check < 0.05:
+        if now - self._last_check < 0.2:
             return None
         self._last_check = now
         done, _ = ray.wait(self.loops, num_returns=len(self.loops), timeout=0)
