@@ -286,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="list the blocks and what each is; run none")
     p.add_argument("--keep", action="store_true", help="keep the scratch directory")
     args = p.parse_args(argv)
+    # A process started in the background of a script inherits SIGINT ignored, and so
+    # would every block (an ignored signal stays ignored across exec): then Ctrl-C would
+    # not reach them. A handler is reset to the default across exec, so blocks get it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if args.dir is not None and not args.quick:
         p.error("--dir needs --quick: a full run (setup included) goes in a fresh clone")
     if args.dir is not None and not (args.dir / "README.md").is_file():

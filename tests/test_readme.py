@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +29,9 @@ def _load():
 cr = _load()
 
 
-def check(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def check(
+    *args: str, timeout: float = 120, ignore_sigint: bool = False
+) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     return subprocess.run(
         [sys.executable, str(SCRIPT), *args],
@@ -36,6 +39,10 @@ def check(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         text=True,
         timeout=timeout,
         env=env,
+        # as a script's background job starts it: SIGINT ignored, inherited across exec
+        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        if ignore_sigint
+        else None,
     )
 
 
@@ -181,7 +188,16 @@ def test_a_run_reports_each_block_and_fails_when_one_does(tmp_path: Path) -> Non
     env_before = os.environ.get("RAY_ADDRESS")
     os.environ["RAY_ADDRESS"] = "127.0.0.1:1"  # dropped for the blocks, as in a new shell
     try:
-        got = check("--quick", "--dir", str(tmp_path), "--timeout", "3", "--skip", "exit 4")
+        got = check(
+            "--quick",
+            "--dir",
+            str(tmp_path),
+            "--timeout",
+            "3",
+            "--skip",
+            "exit 4",
+            ignore_sigint=True,  # the blocks get Ctrl-C all the same
+        )
     finally:
         if env_before is None:
             os.environ.pop("RAY_ADDRESS")
