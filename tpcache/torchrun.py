@@ -162,11 +162,15 @@ def job_problem(args: argparse.Namespace, cfg: RunConfig, world: int) -> str | N
     return None
 
 
-def say_once(message: str) -> None:
+def say_once(message: str, linger_s: float = 5.0) -> None:
     """``message`` on stderr from rank 0 only (every rank knows it): one line, not one a
-    rank."""
+    rank. The other ranks wait up to ``linger_s`` before they go on to exit: torchrun
+    stops every rank once one exits, and a peer that exits first could stop rank 0
+    before its line is out (rank 0's exit then stops them)."""
     if os.environ.get("RANK", "0") == "0":
         print(f"tpcache.torchrun check: {message}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(linger_s)
 
 
 def start_rank(cfg: RunConfig, worker_cls: type[RankWorker] = RankWorker) -> tuple[RankWorker, int]:

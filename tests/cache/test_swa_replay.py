@@ -77,7 +77,7 @@ def test_cli_replays_through_the_hybrid_cache(tmp_path: Path, capsys) -> None:
         (["--swa-capacity", "1024"], "--swa-capacity needs --swa-window"),
         (["--swa-window", "100"], "whole number of pages of 16"),
         (["--swa-window", "256", "--swa-capacity", "8192"], "may not be larger than the full"),
-        (["--swa-window", "256", "--swa-capacity", "512"], "exceeds the limit 512"),
+        (["--swa-window", "256", "--swa-capacity", "512"], "--swa-capacity 512 holds 512 tokens"),
     ],
 )
 def test_cli_rejects_bad_swa_options(tmp_path: Path, capsys, extra, message) -> None:
