@@ -22,7 +22,9 @@ client, in four parts, each printing its figures with the machine:
 - ``overhead``: TP=2, in this process (Ray ranks, the coordinator and engine here):
   ``--batch`` requests decoding together; per decode step, the CPU seconds inside the
   ranks' forwards (the model) and outside them (this process, and the ranks' processes
-  beyond their forwards).
+  beyond their forwards: applying steps, checking the forward's command, the reply,
+  the rest), over three batches one after the other: the median batch's figures and
+  each batch's ratio.
 - ``tps``: ``tpcache serve --tp 1`` at batch 1 and ``--batch``, tokens generated per
   second as the clients see them, against transformers' own ``generate`` on the same
   checkpoint in this process (greedy, the same prompts), in the same run.

@@ -17,12 +17,20 @@ PHASES = ("apply_cpu_s", "prepare_cpu_s", "agree_cpu_s", "result_cpu_s")
 
 
 def overhead_part(
-    model: Path, batch: int, new_tokens: int, capacity: int, page: int, seed: int
+    model: Path,
+    batch: int,
+    new_tokens: int,
+    capacity: int,
+    page: int,
+    seed: int,
+    repeats: int = 3,
 ) -> dict[str, Any]:
     """``batch`` requests of 32 prompt tokens decode together; between the moment all
     of them have their first token and the moment all have ``new_tokens - 2`` more, the
     CPU seconds of this process (coordinator and engine), of each rank's process, and of
-    the ranks' forwards (inside their runner's ``run``), per step."""
+    the ranks' forwards (inside their runner's ``run``), per step. ``repeats`` batches
+    one after the other on one group: the figures of the one with the median ratio,
+    and every ratio."""
     import ray
 
     from tpcache.cli import build_parser
@@ -38,39 +46,49 @@ def overhead_part(
         engine = Engine(coord, serving.engine, vocab=serving.vocab)
         try:
             engine.start()
-            return _measure(coord, engine, batch, new_tokens, serving.vocab, seed)
+            runs = [
+                _measure(coord, engine, batch, new_tokens, serving.vocab, seed + r, f"r{r}")
+                for r in range(repeats)
+            ]
+            runs.sort(key=lambda x: x["outside_over_forward"])
+            return {**runs[len(runs) // 2], "ratios": [x["outside_over_forward"] for x in runs]}
         finally:
             engine.close()
             coord.close()
             ray.shutdown()
 
 
-def _measure(coord, engine, batch: int, new_tokens: int, vocab: int, seed: int):
-    from tpcache.engine.requests import GenerateRequest, SamplingParams, TokenOut
+def _measure(coord, engine, batch: int, new_tokens: int, vocab: int, seed: int, tag: str):
+    from tpcache.engine.requests import Failed, Finished, GenerateRequest, SamplingParams, TokenOut
 
     rng = np.random.default_rng(seed)
     counts = [0] * batch
+    ended = [0]
     lock = threading.Condition()
 
     def sink_of(i: int):
         def sink(ev) -> None:
-            if isinstance(ev, TokenOut):
-                with lock:
+            with lock:
+                if isinstance(ev, TokenOut):
                     counts[i] += 1
-                    lock.notify_all()
+                elif isinstance(ev, Finished | Failed):
+                    ended[0] += 1
+                lock.notify_all()
 
         return sink
 
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     for i in range(batch):
         prompt = rng.integers(0, vocab, 32).tolist()
-        engine.submit(GenerateRequest(f"o{i}", prompt, params), sink_of(i))
+        engine.submit(GenerateRequest(f"o{tag}-{i}", prompt, params), sink_of(i))
     with lock:
         lock.wait_for(lambda: min(counts) >= 1, timeout=600)
     before = _snapshot(coord)
     with lock:
         lock.wait_for(lambda: min(counts) >= new_tokens - 1, timeout=600)
     after = _snapshot(coord)
+    with lock:  # the next batch starts on a quiet group
+        lock.wait_for(lambda: ended[0] == batch, timeout=600)
     steps = after["forwards"] - before["forwards"]
     d = {k: (after[k] - before[k]) / steps for k in after if k != "forwards"}
     outside = d["coordinator_cpu_s"] + d["ranks_cpu_s"] - d["forward_cpu_s"]
