@@ -33,6 +33,7 @@ client, in four parts, each printing its figures with the machine:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -216,6 +217,13 @@ def main(argv: list[str] | None = None) -> int:
     # overhead first: it measures CPU time per step, which other processes on a small
     # machine inflate (the servers of the other parts take a while to go).
     p.add_argument("--parts", default="overhead,ttft,sharing,tps")
+    p.add_argument(
+        "--vocab",
+        type=int,
+        default=8192,
+        help="the model's vocabulary; the sharing part's model has the trace slice's "
+        "distinct ids if that is more (one id each), and is otherwise the same",
+    )
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=8)
@@ -223,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ffn", type=int, default=1536)
     p.add_argument("--capacity", type=int, default=1 << 17, help="KV slots per rank")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--limit", type=int, default=64, help="trace requests (sharing)")
-    p.add_argument("--scale", type=int, default=16, help="trace lengths divided by this")
+    p.add_argument("--limit", type=int, default=512, help="trace requests (sharing)")
+    p.add_argument("--scale", type=int, default=64, help="trace lengths divided by this")
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--step-tokens", type=int, default=2048)
     p.add_argument("--batch", type=int, default=16)
@@ -234,18 +242,22 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     parts = a.parts.split(",")
     report: dict[str, Any] = {"machine": machine(), "args": vars(a)}
-    prompts_vocab = trace_slice(a.limit, a.scale)[2] if "sharing" in parts else 0
-    shape = ModelShape(max(8192, prompts_vocab), a.hidden, a.layers, a.heads, a.kv_heads, a.ffn)
+    shape = ModelShape(a.vocab, a.hidden, a.layers, a.heads, a.kv_heads, a.ffn)
     report["model"] = shape.as_dict()
     with tempfile.TemporaryDirectory(prefix="tpbm") as tmp:
         model = write_checkpoint(Path(tmp) / "model", shape, a.seed)
+        if "sharing" in parts:
+            ids = trace_slice(a.limit, a.scale)[2]
+            wide = dataclasses.replace(shape, vocab=max(a.vocab, ids))
+            report["sharing_model_vocab"] = wide.vocab
+            sharing_model = write_checkpoint(Path(tmp) / "sharing_model", wide, a.seed)
         for part in parts:
             t0 = time.perf_counter()
             load = round(os.getloadavg()[0], 2)
             if part == "ttft":
                 got = ttft_part(a, model, shape)
             elif part == "sharing":
-                got = sharing_part(a, model)
+                got = sharing_part(a, sharing_model)
             elif part == "overhead":
                 got = overhead_part(model, a.batch, a.new_tokens, a.capacity, PAGE, a.seed)
             elif part == "tps":
@@ -259,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     report["machine"]["load_avg_1m_at_end"] = machine()["load_avg_1m_at_start"]
     if a.json:
         Path(a.json).write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps({"machine": report["machine"], "model": report["model"]}, indent=1))
+    shown = ("machine", "model", "sharing_model_vocab")
+    print(json.dumps({k: report[k] for k in shown if k in report}, indent=1))
     return 0
 
 
