@@ -1,4 +1,4 @@
-"""The CLI without a Ray cluster of its own (issue #18 items 3, 6, 7, 9): placement options
+"""The CLI without a Ray cluster of its own: placement options
 reaching ``GroupConfig``, bad values refused by argparse, help for every option (and
 torchrun's, and the README's torchrun lines), errors in one line, ``tpcache events``
 saying where it reads, the demo's progress. Commands run as real processes."""
@@ -33,7 +33,7 @@ def run(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess
     )
 
 
-# ---- item 3: placement ------------------------------------------------------------------------
+# ---- placement ---------------------------------------------------------------------------------
 def test_placement_options_reach_the_group_config() -> None:
     parser = build_parser()
     args = parser.parse_args(
@@ -107,7 +107,7 @@ def test_bad_values_are_argparse_errors(args: list[str], said: str) -> None:
     assert "Traceback" not in got.stderr
 
 
-# ---- item 9: help -----------------------------------------------------------------------------
+# ---- help --------------------------------------------------------------------------------------
 def bare_options(help_text: str) -> list[str]:
     """The options ``--help`` lists with no help: argparse writes an option's help after
     it on its line, or, when the option is long, on the next line, indented further."""
@@ -189,7 +189,7 @@ def test_the_readme_torchrun_synopsis_can_be_pasted() -> None:
             assert flag in known, flag
 
 
-# ---- item 6: errors that say what -------------------------------------------------------------
+# ---- errors that say what ----------------------------------------------------------------------
 def test_an_unreachable_address_is_one_line() -> None:
     with socketless_port() as port:
         got = run("stop", "--address", f"127.0.0.1:{port}")
@@ -224,7 +224,7 @@ def test_events_shows_its_default_endpoint_and_says_where_nothing_answers() -> N
     assert got.stderr.count("\n") == 1
 
 
-# ---- item 7: the demo -------------------------------------------------------------------------
+# ---- the demo ----------------------------------------------------------------------------------
 def test_demo_progress_off_a_terminal_lines_after_a_quiet_start() -> None:
     times = iter([0.0, 1.0, 2.9, 3.0, 5.0, 8.0, 8.5])
     out = io.StringIO()

@@ -1,5 +1,5 @@
-"""The CLI against a Ray cluster of two nodes started as the README says (issue #18
-items 2, 4, 5, 6, 9), every command a real process.
+"""The CLI against a Ray cluster of two nodes started as the README says, every command
+a real process.
 
 ``ray get-auth-token --generate``, ``RAY_AUTH_MODE=token ray start --head --port P`` and
 ``RAY_AUTH_MODE=token ray start --address 127.0.0.1:P`` (the second node), each node one
@@ -135,7 +135,7 @@ def test_demo_across_two_nodes_by_explicit_address_under_tokens(nodes) -> None:
     # one rank on each node: the coordinator's node over IPC, the other over CURVE TCP
     reached = next(ln for ln in lines if ln.startswith("  ranks reached "))
     assert sorted(reached.split(None, 2)[2].split(", ")) == ["ipc", "tcp+curve"]
-    # the two latencies, named for what they measure (#18 item 7)
+    # the two latencies, named for what they measure
     submit = next(ln for ln in lines if ln.startswith("  step submit "))
     latency = next(ln for ln in lines if ln.startswith("  step latency "))
     assert submit.endswith("ms median: the calls of one step, as the frontend waits for them")

@@ -1,4 +1,4 @@
-"""What the errors a frontend or a command prints say (issue #18 item 6): the cache's
+"""What the errors a frontend or a command prints say: the cache's
 KeyError-based errors print their message as it was written, not repr-quoted (a client
 that re-raised ``UnknownRequest`` used to show ``'"no running request \\'nope\\'"'``)."""
 

@@ -1,7 +1,6 @@
 """What ``tpcache generate`` prints at its end is figures a user reads: the end-to-end
 time with the cache as a fraction of the time without it, and the hit rate it came from,
-with no pass/fail word about a target (it said "bar 1 - hit/2 = 0.914 -> NOT met", then
-"target ... -> above it"). Run as a real process on a small slice."""
+with no pass/fail word about a target (it used to end with a verdict on the time ratio). Run as a real process on a small slice."""
 
 from __future__ import annotations
 
