@@ -178,7 +178,7 @@ def test_torchrun_help_reads_as_a_users() -> None:
 
 def test_the_readme_torchrun_synopsis_can_be_pasted() -> None:
     text = (REPO / "README.md").read_text()
-    section = text.split("### torchrun mode", 1)[1].split("```sh", 1)[1].split("```", 1)[0]
+    section = text.split("## Test with torchrun", 1)[1].split("```sh", 1)[1].split("```", 1)[0]
     commands = [ln for ln in section.splitlines() if ln.strip() and not ln.startswith("#")]
     assert commands and all("[" not in ln and "..." not in ln for ln in commands)
     known = set(re.findall(r"--[\w-]+", torchrun_help("check")))

@@ -166,6 +166,34 @@ class BlockIndex:
                 self._media[block_hash] -= 1
         return problems
 
+    def cached_prefix(
+        self,
+        tokens: list[int] | tuple[int, ...],
+        medium: str | None = "GPU",
+        namespace: str | None = None,
+    ) -> int:
+        """How many leading ``tokens`` the blocks stored on ``medium`` hold as one chain
+        from a root block, in ``namespace`` (a ``BlockStored.namespace``; None: the
+        default one): what a router predicts a request will find cached. Whole blocks
+        only, and never the last token (an engine computes it). Reads only; O(blocks)."""
+        child: dict[tuple[int | None, tuple[int, ...], int, str | None], int] = {}
+        sizes: set[int] = set()
+        for (m, block_hash), b in self._blocks.items():
+            if m == medium:
+                child[b.parent_hash, b.token_ids, b.block_size, b.namespace] = block_hash
+                sizes.add(b.block_size)
+        if len(sizes) != 1:  # nothing stored, or blocks of several sizes: no one chain
+            return 0
+        size = sizes.pop()
+        parent: int | None = None
+        hit = 0
+        while hit + size < len(tokens):
+            key = (parent, tuple(tokens[hit : hit + size]), size, namespace)
+            if key not in child:
+                break
+            parent, hit = child[key], hit + size
+        return hit
+
     def to_events(self) -> list[BlockStored]:
         """``BlockStored`` events that rebuild this index from empty, parents first.
 
