@@ -10,6 +10,7 @@ import time
 import pytest
 
 from tpcache.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from tpcache.cli.events import build_events_parser, run_events
 from tpcache.events.block_index import IndexIntegrityError, StoredBlock
 from tpcache.events.publisher import EventConfig, EventPublisher
 from tpcache.events.subscriber import (
@@ -17,8 +18,6 @@ from tpcache.events.subscriber import (
     EventSubscriber,
     EventSubscriberError,
     ProblemKind,
-    build_events_parser,
-    run_events,
 )
 
 LOOPBACK = "tcp://127.0.0.1:*"

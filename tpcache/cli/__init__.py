@@ -7,7 +7,7 @@
     serve    a TP group's coordinator as a named Ray actor       (serve.py)
     stop     stop a served coordinator                           (serve.py)
     keys     a CURVE key pair for the events sockets             (keys.py)
-    events   subscribe to a coordinator's KV events              (events/subscriber.py)
+    events   subscribe to a coordinator's KV events              (cli/events.py)
 
 Argument types and the options several commands share are in ``args.py``; ``serve``'s
 own options in ``serve_options.py``. ``replay``, ``keys`` and ``events`` run on the plain
@@ -36,7 +36,7 @@ __all__ = ["add_trace_options", "build_parser", "machine", "main", "seconds_arg"
 
 
 def _cmd_events(args: argparse.Namespace) -> int:
-    from tpcache.events.subscriber import run_events
+    from tpcache.cli.events import run_events
 
     return run_events(args)
 
@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_stop_parser(sub)
     add_keys_parser(sub)
 
-    from tpcache.events.subscriber import build_events_parser
+    from tpcache.cli.events import build_events_parser
 
     p = sub.add_parser(
         "events",
