@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    transformers.utils.logging.disable_progress_bar()  # one line of output, not a bar
+    transformers.utils.logging.disable_progress_bar()  # the script prints one line
     torch.manual_seed(args.seed)
     config = transformers.LlamaConfig(
         hidden_size=64,
