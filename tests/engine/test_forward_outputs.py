@@ -12,6 +12,7 @@ from tpcache.coordinator.local_ranks import start_local_group
 from tpcache.coordinator.step_types import RankCallError
 from tpcache.engine.forward import ModelEngine
 from tpcache.engine.work import Compute
+from tpcache.lockstep.ops import encode
 from tpcache.model.context import ForwardError, build_forward_batch
 
 
@@ -75,3 +76,27 @@ def test_a_refused_forward_names_the_rank(make_group) -> None:
     with pytest.raises(RankCallError) as err:
         eng.step([Compute("x", [1, MODEL.vocab + 3])])
     assert isinstance(err.value.cause, ForwardError)
+
+
+def test_run_forward_without_a_batch_kept_for_this_step_computes_nothing() -> None:
+    """``run_forward`` refuses, on every rank and before any collective, when no batch
+    was prepared, or when a step was applied after the one its batch was checked at."""
+    coord = start_local_group(group_config())
+    try:
+        forwards = [t["forwards"] for t in coord.ranks.call("model_times")]
+        with pytest.raises(RankCallError, match="holds no forward prepared"):
+            coord.ranks.call("run_forward")
+        coord.admit("x", [1, 2, 3])
+        coord.sync()
+        cmd = encode(build_forward_batch(coord.mirror, [("x", [1, 2, 3])]))
+        assert coord.ranks.call("prepare_forward", cmd) == [None, None]
+        coord.admit("y", [4, 5])  # a step after the check: its slots may have changed
+        coord.sync()
+        with pytest.raises(RankCallError, match="holds no forward prepared"):
+            coord.ranks.call("run_forward")
+        assert [t["forwards"] for t in coord.ranks.call("model_times")] == forwards
+        coord.abort("x")
+        coord.abort("y")
+        coord.sync()
+    finally:
+        coord.close()
