@@ -111,13 +111,13 @@ class Scheduler:
             done = coord.extend_each([r.rid for r in pending], 1)
             for live in pending[:done]:
                 self.touched.add(live.rid)
-                step[live.rid] = Item(live, np.asarray(live.out[-1:], np.int32), True)
+                step[live.rid] = _decode(live)
             added += done
             if done == len(pending):
                 break
             live = pending[done]
             if self._extend(coord, live, 1, step):
-                step[live.rid] = Item(live, np.asarray(live.out[-1:], np.int32), True)
+                step[live.rid] = _decode(live)
                 added += 1
             # a preempted request (this one or a newer one) decodes no more this step
             pending = [r for r in pending[done + 1 :] if r.running]
@@ -218,6 +218,11 @@ class Scheduler:
             pages(r.final_kv(), ps) - pages(r.held_kv(), ps) for r in self.running.values()
         )
         return pages(live.final_kv(), ps) - cached // ps + pending <= room
+
+
+def _decode(live: Live) -> Item:
+    """The decode item of generating ``live``: its newest token, whose slot it was given."""
+    return Item(live, np.asarray(live.out[-1:], np.int32), True)
 
 
 def would_match_more(running, context: np.ndarray, cached: int, ps: int) -> bool:
